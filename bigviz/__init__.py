@@ -1,0 +1,88 @@
+"""bigviz: plan, see and run PyTorch models that do not fit in one device's memory.
+
+Public names follow Hugging Face Accelerate and Transformers (``init_empty_weights``,
+``infer_auto_device_map``, ``load_checkpoint_and_dispatch``, ``cpu_offload``, ...), so their
+examples run with ``import bigviz`` in place of ``import accelerate``.
+
+Everything is imported lazily: ``import bigviz`` loads neither torch, plotly nor ipywidgets
+until a name that needs them is used.
+
+Example:
+    >>> import bigviz
+    >>> bigviz.parse_size("1.5GiB")
+    1610612736
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    # core: pure planning, no torch
+    "parse_size": "bigviz.core.units",
+    "format_size": "bigviz.core.units",
+    "parse_max_memory": "bigviz.core.units",
+    "TensorSpec": "bigviz.core.tree",
+    "SizeTree": "bigviz.core.tree",
+    "Placement": "bigviz.core.plan",
+    "DevicePlan": "bigviz.core.plan",
+    "PlanOptions": "bigviz.core.plan",
+    "make_plan": "bigviz.core.plan",
+    "clean_device_map": "bigviz.core.devicemap",
+    "save_device_map": "bigviz.core.serialize",
+    "load_device_map": "bigviz.core.serialize",
+    "save_max_memory": "bigviz.core.serialize",
+    "load_max_memory": "bigviz.core.serialize",
+    # modeling: the bridge from nn.Module
+    "init_empty_weights": "bigviz.modeling.meta",
+    "init_on_device": "bigviz.modeling.meta",
+    "compute_module_sizes": "bigviz.modeling.sizes",
+    "size_table": "bigviz.modeling.sizes",
+    "module_tree": "bigviz.modeling.sizes",
+    "find_tied_parameters": "bigviz.modeling.sizes",
+    "get_max_memory": "bigviz.modeling.budgets",
+    "plan": "bigviz.modeling.api",
+    "infer_auto_device_map": "bigviz.modeling.api",
+    "check_device_map": "bigviz.modeling.api",
+    # checkpoint
+    "CheckpointIndex": "bigviz.checkpoint.index",
+    "TensorInfo": "bigviz.checkpoint.index",
+    "LazyWeights": "bigviz.checkpoint.lazy",
+    "save_sharded": "bigviz.checkpoint.save",
+    "load_checkpoint_in_model": "bigviz.checkpoint.load",
+    "load_sharded_checkpoint": "bigviz.checkpoint.load",
+    "tree_from_checkpoint": "bigviz.checkpoint.tree",
+    # engine
+    "ModelHook": "bigviz.engine.hooks",
+    "SequentialHook": "bigviz.engine.hooks",
+    "add_hook_to_module": "bigviz.engine.hooks",
+    "remove_hook_from_module": "bigviz.engine.hooks",
+    "remove_hooks": "bigviz.engine.hooks",
+    "dispatch_model": "bigviz.engine.dispatch",
+    "load_checkpoint_and_dispatch": "bigviz.engine.big_modeling",
+    "cpu_offload": "bigviz.engine.big_modeling",
+    "cpu_offload_with_hook": "bigviz.engine.big_modeling",
+    "disk_offload": "bigviz.engine.big_modeling",
+    # ui (plotly / ipywidgets imported on first use)
+    "Planner": "bigviz.ui.planner",
+    "treemap": "bigviz.ui.treemap",
+    "save_html": "bigviz.ui.report",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'bigviz' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # cache: later look-ups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,99 @@
+"""One helper per tree rule: how dotted module and tensor names relate.
+
+Every layer of bigviz asks the same questions of names ("is ``h.1`` a prefix of
+``h.10.attn``?", "which device-map key owns ``transformer.h.3.mlp.weight``?"), so the
+answers live here, once, and are used everywhere.
+
+Example:
+    >>> is_prefix("h.1", "h.10.attn")
+    False
+    >>> owner("transformer.h.3.mlp.weight", {"transformer.h": 0, "": "cpu"})
+    'transformer.h'
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TypeVar
+
+V = TypeVar("V")
+
+__all__ = ["is_prefix", "parent", "ancestors", "join", "owner", "leaf"]
+
+
+def is_prefix(prefix: str, name: str) -> bool:
+    """True if module ``prefix`` is ``name`` or contains it, on dot boundaries.
+
+    ``""`` (the whole model) is a prefix of every name.
+
+    Example:
+        >>> is_prefix("h.1", "h.1.attn"), is_prefix("h.1", "h.10"), is_prefix("", "x")
+        (True, False, True)
+    """
+    if prefix == "":
+        return True
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def parent(name: str) -> str:
+    """The enclosing module's name (``""`` for top-level names).
+
+    Example:
+        >>> parent("transformer.h.0"), parent("lm_head"), parent("")
+        ('transformer.h', '', '')
+    """
+    return name.rpartition(".")[0]
+
+
+def leaf(name: str) -> str:
+    """The last component of a dotted name.
+
+    Example:
+        >>> leaf("transformer.h.0.attn")
+        'attn'
+    """
+    return name.rpartition(".")[2]
+
+
+def ancestors(name: str) -> Iterator[str]:
+    """``name`` and every enclosing module, innermost first, ending with ``""``.
+
+    Example:
+        >>> list(ancestors("a.b.c"))
+        ['a.b.c', 'a.b', 'a', '']
+    """
+    while name:
+        yield name
+        name = parent(name)
+    yield ""
+
+
+def join(prefix: str, name: str) -> str:
+    """Join two dotted names, either of which may be empty.
+
+    Example:
+        >>> join("", "wte"), join("transformer", "wte")
+        ('wte', 'transformer.wte')
+    """
+    if not prefix:
+        return name
+    if not name:
+        return prefix
+    return f"{prefix}.{name}"
+
+
+def owner(name: str, mapping: Mapping[str, V] | Iterable[str]) -> str | None:
+    """The longest key of ``mapping`` that is a dot-boundary prefix of ``name``.
+
+    Runs in O(depth of ``name``) dictionary look-ups, not O(len(mapping)).
+
+    Example:
+        >>> owner("h.10.attn.w", {"h.1": 0, "h.10": 1})
+        'h.10'
+        >>> owner("x.y", {"a": 0}) is None
+        True
+    """
+    keys = mapping if isinstance(mapping, (Mapping, set, frozenset)) else set(mapping)
+    for candidate in ancestors(name):
+        if candidate in keys:
+            return candidate
+    return None
