@@ -1,0 +1,175 @@
+"""Device maps as data: find a tensor's device, clean a map, and check one against a tree.
+
+A device map's keys are module (or tensor) names, ``""`` meaning the whole model; its
+values are GPU indices, ``"cpu"``, ``"disk"`` or ``"mps"``. A tensor's device is the value
+of the longest key that is a dot-boundary prefix of its name (``h.1`` is not a prefix of
+``h.10.x``).
+
+Example:
+    >>> clean_device_map({"a.x": 0, "a.y": 0, "b": "cpu"}, tree=None)
+    {'a': 0, 'b': 'cpu'}
+"""
+from __future__ import annotations
+
+import difflib
+from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING
+
+from bigviz.core.names import ancestors, owner, parent
+from bigviz.core.units import Device, device_label, normalize_device
+
+if TYPE_CHECKING:
+    from bigviz.core.tree import SizeTree
+
+__all__ = ["device_of", "clean_device_map", "device_map_problems", "validate_device_map"]
+
+
+def device_of(name: str, device_map: Mapping[str, Device]) -> Device | None:
+    """The device a tensor or module name maps to, or ``None`` if no key covers it.
+
+    Example:
+        >>> device_of("h.10.attn.weight", {"h.1": 0, "h.10": "cpu"})
+        'cpu'
+    """
+    key = owner(name, device_map)
+    return None if key is None else device_map[key]
+
+
+def clean_device_map(device_map: Mapping[str, Device], tree: SizeTree | None = None) -> dict[str, Device]:
+    """Collapse children that share a device into their parent, as accelerate does.
+
+    With a ``tree`` a parent collapses only when every module and tensor below it is covered
+    with one device; without one, when all map keys under it agree (keys' siblings unknown).
+
+    Example:
+        >>> clean_device_map({"h.0": 0, "h.1": 0, "lm_head": 0}, tree=None)
+        {'': 0}
+    """
+    if tree is not None:
+        return _clean_with_tree(device_map, tree)
+    return _clean_keys_only(device_map)
+
+
+def _clean_keys_only(device_map: Mapping[str, Device]) -> dict[str, Device]:
+    first_seen: dict[str, int] = {}
+    for i, key in enumerate(device_map):
+        for anc in ancestors(key):
+            first_seen.setdefault(anc, i)
+    cleaned = dict(device_map)
+    depth = max((_depth(k) for k in cleaned), default=0)
+    for level in range(depth, 0, -1):  # deepest first: a parent folds after its children
+        under: dict[str, int] = {}
+        groups: dict[str, list[str]] = {}
+        for key in cleaned:
+            for anc in ancestors(parent(key)) if key else ():
+                under[anc] = under.get(anc, 0) + 1
+            if key and _depth(key) == level:
+                groups.setdefault(parent(key), []).append(key)
+        for prefix, keys in groups.items():
+            values = {cleaned[k] for k in keys}
+            if prefix not in cleaned and under[prefix] == len(keys) and len(values) == 1:
+                for k in keys:
+                    del cleaned[k]
+                cleaned[prefix] = values.pop()
+    return dict(sorted(cleaned.items(), key=lambda kv: first_seen[kv[0]]))
+
+
+def _depth(name: str) -> int:
+    return name.count(".") + 1 if name else 0
+
+
+_MIXED = object()  # a subtree whose parts live on more than one device
+
+
+def _clean_with_tree(device_map: Mapping[str, Device], tree: SizeTree) -> dict[str, Device]:
+    uniform: dict[str, object] = {}
+    for name in reversed(list(tree.nodes)):  # post-order: children before parents
+        node = tree.nodes[name]
+        if name in device_map:
+            uniform[name] = device_map[name]
+            continue
+        parts = [device_of(t, device_map) for t in node.tensors]
+        parts += [uniform[c] for c in node.children if uniform[c] is not None]
+        values = {id(p) if p is _MIXED else p for p in parts}
+        uniform[name] = parts[0] if len(values) == 1 and parts[0] is not None else (
+            None if not parts else _MIXED)
+    out: dict[str, Device] = {}
+    stack = [""]
+    while stack:
+        name = stack.pop()
+        value = uniform[name]
+        if value is not None and value is not _MIXED:
+            out[name] = value  # type: ignore[assignment]
+            continue
+        node = tree.nodes[name]
+        out.update({t: device_map[t] for t in node.tensors if t in device_map})
+        stack.extend(reversed(node.children))
+    return out
+
+
+def device_map_problems(tree: SizeTree, device_map: Mapping[str, object],
+                        devices: Collection[Device] | None = None) -> list[str]:
+    """Every problem with a device map, as sentences: unknown keys, unknown or unavailable
+    devices, and the modules and tensors left without a device."""
+    problems = []
+    for key, value in device_map.items():
+        if key and key not in tree.nodes and key not in tree.tensors:
+            close = difflib.get_close_matches(key, list(tree.nodes) + list(tree.tensors), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append(f"key {key!r} names no module or tensor of the model{hint}")
+        try:
+            device = normalize_device(value)
+        except ValueError as err:
+            problems.append(f"key {key!r}: {err}")
+            continue
+        if devices is not None and device not in devices and device != "disk":
+            have = ", ".join(device_label(d) for d in devices) or "none"
+            problems.append(f"key {key!r} sends it to {device_label(device)}, which this machine "
+                            f"does not have (available: {have})")
+    normalized = {k: v for k, v in device_map.items()}
+    missing = _uncovered(tree, normalized)
+    if missing:
+        problems.append("not covered by any key (add them, or a parent, to the map): "
+                        + ", ".join(missing))
+    return problems
+
+
+def validate_device_map(tree: SizeTree, device_map: Mapping[str, object],
+                        devices: Collection[Device] | None = None) -> dict[str, Device]:
+    """The map with canonical devices, or ``ValueError`` listing every problem.
+
+    Example:
+        >>> from bigviz.core.tree import SizeTree, TensorSpec
+        >>> t = SizeTree.build([TensorSpec(f"b{i}.l{j}.weight", 1, "float32")
+        ...                     for i in (1, 2) for j in (1, 2, 3)])
+        >>> validate_device_map(t, {"b1": 0, "b2.l1": 1, "b2.l2": 1})
+        Traceback (most recent call last):
+        ...
+        ValueError: invalid device_map:
+          - not covered by any key (add them, or a parent, to the map): b2.l3
+    """
+    problems = device_map_problems(tree, device_map, devices)
+    if problems:
+        raise ValueError("invalid device_map:\n  - " + "\n  - ".join(problems))
+    return {k: normalize_device(v) for k, v in device_map.items()}
+
+
+def _uncovered(tree: SizeTree, device_map: Mapping[str, object]) -> list[str]:
+    """The largest modules (or single tensors) no key covers, in definition order."""
+    covered = {name: owner(name, device_map) is not None for name in tree.tensors}
+    full_gap: dict[str, bool] = {}
+    for name in reversed(list(tree.nodes)):
+        node = tree.nodes[name]
+        parts = [not covered[t] for t in node.tensors] + [full_gap[c] for c in node.children]
+        full_gap[name] = bool(parts) and all(parts) and owner(name, device_map) is None
+    out: list[str] = []
+    stack = [""]
+    while stack:
+        name = stack.pop()
+        if full_gap[name] and tree.total(name) >= 0 and tree.subtree_tensors(name):
+            out.append(name or "<whole model>")
+            continue
+        node = tree.nodes[name]
+        out.extend(t for t in node.tensors if not covered[t])
+        stack.extend(reversed(node.children))
+    return out

@@ -1,0 +1,220 @@
+"""A device plan as data: where each module goes, how many bytes, and why.
+
+``make_plan`` (in ``bigviz.core.strategies``) makes a :class:`DevicePlan` from a
+:class:`~bigviz.core.tree.SizeTree` and byte budgets; nothing here allocates or imports
+torch. A plan is frozen: to change it, plan again (with ``overrides``).
+
+Example:
+    >>> from bigviz.core.tree import SizeTree, TensorSpec
+    >>> from bigviz.core.strategies import make_plan
+    >>> tree = SizeTree.build([TensorSpec(f"h.{i}.weight", 250, "float32") for i in range(4)])
+    >>> p = make_plan(tree, {0: 3000, "cpu": 10**6})
+    >>> p.device_map  # GPU 0 keeps room for two streamed-in layers (current + prefetched)
+    {'h.0': 0, 'h.1': 'cpu', 'h.2': 'cpu', 'h.3': 'cpu'}
+"""
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from bigviz.core.devicemap import clean_device_map, device_of
+from bigviz.core.units import Device, device_label, format_size
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from bigviz.core.tree import SizeTree
+
+__all__ = ["Placement", "DeviceUsage", "PlanOptions", "DevicePlan", "STRATEGIES"]
+
+STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """The planner's knobs.
+
+    Attributes:
+        strategy: ``"auto"`` (= ``"balanced"``), ``"balanced"``, ``"balanced_low_0"`` or
+            ``"sequential"``, with accelerate's meanings.
+        no_split: module class names (``"Block"``) or glob patterns of module names
+            (``"transformer.h.*"``) that are placed whole.
+        reserve: bytes per device kept free for activations and KV cache.
+        overrides: ``{module: device}`` placements to honour; the rest is planned around them.
+        offload_reserve: keep room on the execution device for the offloaded weights
+            streamed in at forward time (only when something is actually offloaded).
+        prefetch: the engine holds the next offloaded unit while the current one runs, so
+            the offload reserve covers the two largest offloaded units instead of one.
+        main_device: the execution device for offloaded modules (default: first GPU, else cpu).
+    """
+
+    strategy: str = "auto"
+    no_split: frozenset[str] = frozenset()
+    reserve: Mapping[Device, int] = field(default_factory=dict)
+    overrides: Mapping[str, Device] = field(default_factory=dict)
+    offload_reserve: bool = True
+    prefetch: bool = True
+    main_device: Device | None = None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One planned unit: a module (or a single tensor of a split module)."""
+
+    name: str
+    device: Device
+    nbytes: int
+    reason: str
+    class_name: str = ""
+    kind: str = "module"  # "module" or "tensor"
+    override: bool = False
+    tied_to: str = ""
+
+
+@dataclass(frozen=True)
+class DeviceUsage:
+    """A device's budget and what the plan puts there.
+
+    ``budget`` is what the user gave (or the machine has); ``cap`` is the part the
+    strategy lets the planner fill (balanced strategies lower it); ``reserve`` is kept free
+    for activations; ``offload_reserve`` for streamed-in offloaded weights.
+    """
+
+    device: Device
+    budget: int
+    cap: int
+    reserve: int
+    offload_reserve: int
+    used: int
+
+    @property
+    def free(self) -> int:
+        return self.budget - self.used - self.reserve - self.offload_reserve
+
+    @property
+    def fraction(self) -> float:
+        """Share of the usable budget (budget minus reserves) the weights fill."""
+        usable = self.budget - self.reserve - self.offload_reserve
+        return self.used / usable if usable > 0 else (0.0 if self.used == 0 else float("inf"))
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """A finished placement of every module, with bytes and reasons, ready to export or run."""
+
+    placements: tuple[Placement, ...]
+    usage: tuple[DeviceUsage, ...]
+    strategy: str
+    main_device: Device
+    notes: tuple[str, ...] = ()
+    tree: SizeTree | None = field(default=None, compare=False, repr=False)
+    _cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def unit_map(self) -> Mapping[str, Device]:
+        """``{unit: device}`` before cleaning: one key per planned unit."""
+        if "units" not in self._cache:
+            self._cache["units"] = MappingProxyType({p.name: p.device for p in self.placements})
+        return self._cache["units"]
+
+    @property
+    def device_map(self) -> dict[str, Device]:
+        """The device map, cleaned as accelerate cleans it (a fresh dict each time)."""
+        if "map" not in self._cache:
+            self._cache["map"] = clean_device_map(self.unit_map, self.tree)
+        return dict(self._cache["map"])
+
+    @property
+    def max_memory(self) -> dict[Device, int]:
+        """The budgets this plan was made for."""
+        return {u.device: u.budget for u in self.usage}
+
+    def device_of(self, name: str) -> Device | None:
+        """Where a module or tensor goes under this plan."""
+        return device_of(name, self.unit_map)
+
+    def usage_of(self, device: Device) -> DeviceUsage:
+        for u in self.usage:
+            if u.device == device:
+                return u
+        raise KeyError(f"{device_label(device)} is not part of this plan")
+
+    def offloaded_bytes(self) -> dict[str, int]:
+        """Bytes streamed to the execution device per forward pass, by source (cpu, disk)."""
+        out = {"cpu": 0, "disk": 0}
+        offload_from = ("cpu", "disk") if isinstance(self.main_device, int) or self.main_device == "mps" else ("disk",)
+        for p in self.placements:
+            if p.device in offload_from:
+                out[str(p.device)] += p.nbytes
+        return out
+
+    def summary(self) -> str:
+        """A few lines a person reads: per-device use against budget."""
+        lines = [f"DevicePlan ({self.strategy}, {len(self.placements)} units, execution on "
+                 f"{device_label(self.main_device)})"]
+        for u in self.usage:
+            budget = format_size(u.budget)
+            extra = ""
+            if u.reserve or u.offload_reserve:
+                extra = f" (+ reserve {format_size(u.reserve + u.offload_reserve)})"
+            lines.append(f"  {device_label(u.device):>7}: {format_size(u.used):>10} of {budget}{extra}")
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per planned unit: module, class, device, bytes, size, reason, override, tied."""
+        import pandas as pd
+
+        return pd.DataFrame(
+            [{"module": p.name or "<model>", "class": p.class_name, "device": device_label(p.device),
+              "bytes": p.nbytes, "size": format_size(p.nbytes), "reason": p.reason,
+              "override": p.override, "tied_to": p.tied_to} for p in self.placements],
+            columns=["module", "class", "device", "bytes", "size", "reason", "override", "tied_to"])
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data: the device map, budgets (string keys) and placements."""
+        return {
+            "strategy": self.strategy,
+            "main_device": self.main_device,
+            "device_map": self.device_map,
+            "max_memory": {str(k): v for k, v in self.max_memory.items()},
+            "placements": [{"name": p.name, "device": p.device, "bytes": p.nbytes, "reason": p.reason}
+                           for p in self.placements],
+        }
+
+    def to_json(self, indent: int = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def _repr_html_(self, max_rows: int = 60) -> str:
+        usage_rows = "".join(
+            f"<tr><td>{device_label(u.device)}</td><td>{format_size(u.used)}</td>"
+            f"<td>{format_size(u.budget)}</td><td>{format_size(u.reserve + u.offload_reserve)}</td>"
+            f"<td>{_bar(u.fraction)}</td></tr>" for u in self.usage)
+        rows = "".join(
+            f"<tr><td><code>{html.escape(p.name or '<model>')}</code></td><td>{html.escape(p.class_name)}</td>"
+            f"<td>{device_label(p.device)}</td><td style='text-align:right'>{format_size(p.nbytes)}</td>"
+            f"<td>{html.escape(p.reason)}</td></tr>" for p in self.placements[:max_rows])
+        more = len(self.placements) - max_rows
+        if more > 0:
+            rows += f"<tr><td colspan=5>... {more} more (see .to_frame())</td></tr>"
+        notes = "".join(f"<li>{html.escape(n)}</li>" for n in self.notes)
+        return (f"<div class='bigviz-plan'><b>DevicePlan</b> ({html.escape(self.strategy)}, execution on "
+                f"{device_label(self.main_device)})<table><tr><th>device</th><th>used</th><th>budget</th>"
+                f"<th>reserved</th><th>fill</th></tr>{usage_rows}</table>"
+                + (f"<ul>{notes}</ul>" if notes else "")
+                + f"<table><tr><th>module</th><th>class</th><th>device</th><th>size</th><th>reason</th></tr>"
+                f"{rows}</table></div>")
+
+
+def _bar(fraction: float) -> str:
+    pct = min(fraction, 1.0) * 100 if fraction != float("inf") else 100
+    color = "#d55e00" if fraction > 1 else "#0072b2"
+    return (f"<div style='width:120px;background:#eee'><div style='width:{pct:.0f}%;background:{color};"
+            f"height:10px'></div></div>{fraction:.0%}")

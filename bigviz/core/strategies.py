@@ -1,0 +1,289 @@
+"""The planner: budgets in, a :class:`~bigviz.core.plan.DevicePlan` out, in linear time.
+
+One greedy pass over the size tree in definition order fills devices in order (GPUs, then
+mps, cpu, disk). A module that does not fit is split into its direct tensors and children,
+unless it is no-split, in which case it moves on to the next device. Each module is looked at
+a bounded number of times, so the pass is O(modules x devices), where accelerate's planner is
+quadratic when layer sizes decrease along the model.
+
+Room for offloaded weights streamed in at forward time is reserved only when the pass
+actually offloads something: the pass is repeated (at most a few times) with the reserve the
+previous pass showed was needed.
+
+Example:
+    >>> from bigviz.core.tree import SizeTree, TensorSpec
+    >>> layers = [TensorSpec(f"layers.{i}.weight", 10_000, "float32") for i in range(10)]
+    >>> tree = SizeTree.build(layers + [TensorSpec("head.weight", 100_000, "float32")])
+    >>> plan = make_plan(tree, {0: 560_000, 1: 10**9}, PlanOptions(strategy="sequential"))
+    >>> plan.device_map, round(plan.usage_of(0).fraction, 2)
+    ({'layers': 0, 'head': 1}, 0.71)
+"""
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from bigviz.core.names import ancestors, is_prefix, parent
+from bigviz.core.plan import STRATEGIES, DevicePlan, DeviceUsage, Placement, PlanOptions
+from bigviz.core.tree import SizeTree
+from bigviz.core.units import (UNLIMITED, Device, device_label, format_size, normalize_device,
+                               parse_max_memory, parse_size)
+
+__all__ = ["make_plan", "PlanError"]
+
+_MAX_PASSES = 6
+
+
+class PlanError(ValueError):
+    """The model cannot be placed within the budgets (or the inputs are invalid)."""
+
+
+@dataclass
+class _Pass:
+    """Mutable state of one greedy pass."""
+
+    remaining: dict[Device, int]
+    used: dict[Device, int]
+    placements: list[Placement] = field(default_factory=list)
+    where: dict[str, Device] = field(default_factory=dict)
+    unplaced: list[str] = field(default_factory=list)
+
+
+def make_plan(tree: SizeTree, max_memory: Mapping[object, object],
+              options: PlanOptions | None = None) -> DevicePlan:
+    """Place every module of ``tree`` within ``max_memory``.
+
+    Args:
+        tree: the model's size tree.
+        max_memory: budgets per device (bytes or strings such as ``"10GiB"``); ``"disk"``
+            is unlimited unless given.
+        options: strategy, no-split classes, reserves and overrides.
+
+    Raises:
+        PlanError: for an unknown strategy, bad overrides or reserves, or a model that does
+            not fit in the budgets (listing what is left over and how to fix it).
+    """
+    options = options or PlanOptions()
+    budgets = parse_max_memory(max_memory)
+    budgets.setdefault("disk", UNLIMITED)
+    overrides, reserve = _check_inputs(tree, budgets, options)
+    main = _main_device(budgets, options)
+    caps, notes = _strategy_caps(tree, budgets, options)
+    offload = {d: 0 for d in budgets}
+    for _ in range(_MAX_PASSES):
+        state = _greedy(tree, caps, reserve, offload, overrides, options)
+        needed = _offload_needs(state, main, options)
+        if all(needed[d] <= offload[d] for d in budgets):
+            break
+        offload = {d: max(offload[d], needed[d]) for d in budgets}
+    if state.unplaced:
+        raise PlanError(_does_not_fit(tree, budgets, state))
+    notes += [f"{device_label(d)} keeps {format_size(v)} free for offloaded weights streamed in at "
+              f"forward time" for d, v in offload.items() if v]
+    usage = tuple(DeviceUsage(d, budgets[d], caps[d], reserve.get(d, 0), offload[d], state.used[d])
+                  for d in budgets)
+    return DevicePlan(tuple(state.placements), usage, options.strategy, main, tuple(notes), tree)
+
+
+def _check_inputs(tree: SizeTree, budgets: dict[Device, int],
+                  options: PlanOptions) -> tuple[dict[str, Device], dict[Device, int]]:
+    problems = []
+    if options.strategy not in STRATEGIES:
+        problems.append(f"unknown strategy {options.strategy!r}: use one of {', '.join(STRATEGIES)}")
+    overrides: dict[str, Device] = {}
+    for name, device in options.overrides.items():
+        if name not in tree.nodes and name not in tree.tensors:
+            problems.append(f"override {name!r} names no module or tensor of the model")
+            continue
+        try:
+            overrides[name] = normalize_device(device)
+        except ValueError as err:
+            problems.append(f"override {name!r}: {err}")
+            continue
+        if overrides[name] not in budgets:
+            problems.append(f"override {name!r} sends it to {device_label(overrides[name])}, which has "
+                            f"no budget: add it to max_memory")
+    reserve: dict[Device, int] = {}
+    for device, size in (options.reserve or {}).items():
+        try:
+            reserve[normalize_device(device)] = parse_size(size)  # type: ignore[arg-type]
+        except ValueError as err:
+            problems.append(f"reserve[{device!r}]: {err}")
+    if problems:
+        raise PlanError("cannot plan:\n  - " + "\n  - ".join(problems))
+    return overrides, reserve
+
+
+def _main_device(budgets: Mapping[Device, int], options: PlanOptions) -> Device:
+    if options.main_device is not None:
+        return normalize_device(options.main_device)
+    gpus = [d for d in budgets if isinstance(d, int) or d == "mps"]
+    return gpus[0] if gpus else "cpu"
+
+
+def _is_no_split(tree: SizeTree, name: str, patterns: frozenset[str]) -> bool:
+    node = tree.nodes[name]
+    for pattern in patterns:
+        if any(c in pattern for c in "*?[."):
+            if fnmatch.fnmatchcase(name, pattern):
+                return True
+        elif node.class_name == pattern:
+            return True
+    return False
+
+
+def _largest_unit(tree: SizeTree, patterns: frozenset[str]) -> int:
+    """The biggest block that must move whole: a no-split module, else a leaf module."""
+    sizes = [n.total_bytes for name, n in tree.nodes.items() if _is_no_split(tree, name, patterns)]
+    if not sizes:
+        sizes = [n.total_bytes for n in tree.nodes.values() if not n.children]
+    return max(sizes, default=0)
+
+
+def _strategy_caps(tree: SizeTree, budgets: dict[Device, int],
+                   options: PlanOptions) -> tuple[dict[Device, int], list[str]]:
+    """How much of each GPU the strategy lets the pass fill (balanced ones spread the model)."""
+    caps = dict(budgets)
+    gpus = [d for d in budgets if isinstance(d, int)]
+    if options.strategy == "sequential" or len(gpus) < 2:
+        return caps, []
+    low0 = options.strategy == "balanced_low_0"
+    total = tree.total("")
+    buffer = int(1.25 * _largest_unit(tree, options.no_split))
+    spread = gpus[1:] if low0 else gpus
+    share = -(-total // len(spread))  # ceiling division
+    for g in spread[:-1]:
+        caps[g] = min(budgets[g], share + buffer)
+    if low0:
+        caps[gpus[0]] = min(budgets[gpus[0]], max(0, total - sum(caps[g] for g in gpus[1:])))
+    capped = [g for g in gpus if caps[g] < budgets[g]]
+    notes = [f"{options.strategy}: {device_label(g)} filled up to {format_size(caps[g])} of "
+             f"{format_size(budgets[g])} so the model spreads over the GPUs" for g in capped]
+    return caps, notes
+
+
+def _greedy(tree: SizeTree, caps: Mapping[Device, int], reserve: Mapping[Device, int],
+            offload: Mapping[Device, int], overrides: Mapping[str, Device],
+            options: PlanOptions) -> _Pass:
+    state = _Pass({d: caps[d] - reserve.get(d, 0) - offload[d] for d in caps}, {d: 0 for d in caps})
+    must_split = {a for name in overrides for a in ancestors(parent(name))} if overrides else set()
+    for name in sorted(overrides, key=lambda n: n.count(".") + bool(n)):  # outer ones first
+        device = overrides[name]
+        _put(tree, state, name, device, _override_charge(tree, name, overrides),
+             f"override: you put it on {device_label(device)}", override=True)
+    devices = list(caps)
+    index = 0
+    stack = [""] if "" not in overrides else []
+    while stack:
+        name = stack.pop()
+        if name in overrides:
+            continue
+        size = tree.total(name)
+        splittable = name in tree.nodes and bool(tree.nodes[name].children) and (
+            name in must_split or not _is_no_split(tree, name, options.no_split))
+        leader = _outside_leader(tree, name, state.where)
+        if name in must_split or (leader and splittable):
+            _split(tree, name, stack)
+            continue
+        if leader:
+            _put(tree, state, name, state.where[leader], size,
+                 f"tied to {leader}, which is on {device_label(state.where[leader])}", tied_to=leader)
+            continue
+        index = _fit(tree, state, name, size, splittable, stack, devices, index)
+    return state
+
+
+def _override_charge(tree: SizeTree, name: str, overrides: Mapping[str, Device]) -> int:
+    """Bytes an override adds to its device: its subtree less the overrides nested in it
+    (each nested one is charged to its own device)."""
+    inner = [o for o in overrides if o != name and is_prefix(name, o)]
+    outermost = [o for o in inner if not any(m != o and is_prefix(m, o) for m in inner)]
+    return tree.total(name) - sum(tree.total(o) for o in outermost)
+
+
+def _fit(tree: SizeTree, state: _Pass, name: str, size: int, splittable: bool,
+         stack: list[str], devices: list[Device], index: int) -> int:
+    """Place ``name`` on the first device from ``index`` on with room, or split it.
+    Returns the device index the pass continues from (devices fill one way)."""
+    miss = ""
+    while index < len(devices):
+        device = devices[index]
+        left = state.remaining[device]
+        if size == 0:
+            _put(tree, state, name, device, 0, f"holds no weights: stays with its neighbours on {device_label(device)}")
+            return index
+        if size <= left:
+            text = f"fits: {format_size(size)} of {format_size(left)} left on {device_label(device)}"
+            _put(tree, state, name, device, size, f"{miss}{text}" if miss else text)
+            return index
+        if splittable:
+            _split(tree, name, stack)
+            return index
+        what = _what(tree, name)
+        miss = (f"{what} did not fit {device_label(device)} ({format_size(size)} needed, "
+                f"{format_size(max(left, 0))} left); ")
+        index += 1
+    state.unplaced.append(name)
+    return index
+
+
+def _what(tree: SizeTree, name: str) -> str:
+    node = tree.nodes.get(name)
+    if node is None:
+        return "this tensor"
+    if node.children:
+        return f"{node.class_name or 'this module'} is no-split and"
+    return f"{node.class_name or 'this module'} (a leaf module)"
+
+
+def _split(tree: SizeTree, name: str, stack: list[str]) -> None:
+    node = tree.nodes[name]
+    units = list(node.tensors) + list(node.children)  # accelerate's order: own tensors first
+    stack.extend(reversed(units))
+
+
+def _outside_leader(tree: SizeTree, name: str, where: Mapping[str, Device]) -> str:
+    """A placed leader of a tied tensor inside ``name`` whose leader lies outside ``name``."""
+    for follower, leader in tree.leader_of.items():
+        if is_prefix(name, follower) and not is_prefix(name, leader) and leader in where:
+            return leader
+    return ""
+
+
+def _put(tree: SizeTree, state: _Pass, name: str, device: Device, size: int, reason: str,
+         *, override: bool = False, tied_to: str = "") -> None:
+    node = tree.nodes.get(name)
+    state.placements.append(Placement(
+        name, device, size, reason, node.class_name if node else "", "module" if node else "tensor",
+        override, tied_to))
+    state.remaining[device] -= size
+    state.used[device] += size
+    for tensor in tree.subtree_tensors(name):
+        state.where[tensor] = device
+
+
+def _offload_needs(state: _Pass, main: Device, options: PlanOptions) -> dict[Device, int]:
+    """Reserve the plan needs: on the execution device for streamed-in units, and on the
+    cpu for disk units staged (GPU) or mapped (CPU) while they run."""
+    needs = {d: 0 for d in state.remaining}
+    if not options.offload_reserve:
+        return needs
+    keep = 2 if options.prefetch else 1
+    streamed = ("disk",) if main == "cpu" else ("cpu", "disk")
+    to_main = sorted((p.nbytes for p in state.placements if p.device in streamed), reverse=True)
+    if main in needs:
+        needs[main] = sum(to_main[:keep])
+    from_disk = sorted((p.nbytes for p in state.placements if p.device == "disk"), reverse=True)
+    if "cpu" in needs and main != "cpu":
+        needs["cpu"] = max(needs["cpu"], sum(from_disk[:keep]))
+    return needs
+
+
+def _does_not_fit(tree: SizeTree, budgets: Mapping[Device, int], state: _Pass) -> str:
+    left = sum(tree.total(n) for n in state.unplaced)
+    names = ", ".join(state.unplaced[:8]) + (" ..." if len(state.unplaced) > 8 else "")
+    given = ", ".join(f"{device_label(d)} {format_size(b)}" for d, b in budgets.items())
+    return (f"the model ({format_size(tree.total(''))}) does not fit the budgets ({given}): "
+            f"{format_size(left)} left unplaced ({names}). Raise max_memory, use a smaller dtype, "
+            f"or leave 'disk' out of max_memory so it is unlimited.")

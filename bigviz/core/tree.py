@@ -1,0 +1,227 @@
+"""The size tree: every module of a model with its bytes, built from tensor names and sizes.
+
+A ``SizeTree`` is what the planner works on. It can come from an ``nn.Module`` (see
+``bigviz.modeling.module_tree``) or from checkpoint headers alone (see
+``bigviz.checkpoint.tree_from_checkpoint``): both give a list of ``TensorSpec`` and,
+optionally, the module classes and the groups of tied tensors.
+
+A tied tensor (``lm_head.weight`` sharing storage with ``transformer.wte.weight``) is
+counted once, by its *leader*: the first of its group in definition order.
+
+Example:
+    >>> tree = SizeTree.build(
+    ...     [TensorSpec("emb.weight", 10, "float32"), TensorSpec("head.weight", 10, "float32"),
+    ...      TensorSpec("head.bias", 2, "float32")],
+    ...     ties=[("emb.weight", "head.weight")])
+    >>> tree.total(""), tree.total("head"), tree.leader_of["head.weight"]
+    (48, 8, 'emb.weight')
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from bigviz.core.names import ancestors, owner, parent
+
+__all__ = ["TensorSpec", "ModuleNode", "SizeTree", "DTYPE_SIZES", "FLOATING_DTYPES", "itemsize"]
+
+DTYPE_SIZES: dict[str, float] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4,
+    "uint64": 8, "bool": 1, "complex64": 8, "complex128": 16, "int4": 0.5, "uint4": 0.5,
+}
+FLOATING_DTYPES = frozenset(
+    {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+     "float8_e4m3fnuz", "float8_e5m2fnuz"})
+# Names users and other libraries write for the same dtypes.
+_ALIASES = {"float": "float32", "half": "float16", "double": "float64", "fp32": "float32",
+            "fp16": "float16", "bf16": "bfloat16", "long": "int64", "int": "int32",
+            "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+            "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+            "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def canonical_dtype(dtype: object) -> str:
+    """``"float32"`` for ``torch.float32``, ``"F32"``, ``"fp32"`` or ``"float"``.
+
+    Example:
+        >>> canonical_dtype("torch.bfloat16"), canonical_dtype("F16"), canonical_dtype("int8")
+        ('bfloat16', 'float16', 'int8')
+    """
+    text = str(dtype).removeprefix("torch.")
+    text = _ALIASES.get(text, text)
+    if text not in DTYPE_SIZES:
+        raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(sorted(DTYPE_SIZES))}")
+    return text
+
+
+def itemsize(dtype: str) -> float:
+    """Bytes per element of a dtype name (``0.5`` for 4-bit types)."""
+    return DTYPE_SIZES[canonical_dtype(dtype)]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One parameter or buffer: its full dotted name, element count and dtype name."""
+
+    name: str
+    numel: int
+    dtype: str
+    shape: tuple[int, ...] = ()
+    kind: str = "param"  # "param" or "buffer"
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.numel * itemsize(self.dtype))
+
+
+@dataclass(frozen=True)
+class ModuleNode:
+    """A module in the tree. Byte counts include each tied tensor once (at its leader)."""
+
+    name: str
+    class_name: str
+    children: tuple[str, ...]
+    tensors: tuple[str, ...]  # tensors held directly by this module, tied followers included
+    own_bytes: int
+    total_bytes: int
+    n_params: int
+    depth: int
+
+
+class SizeTree:
+    """Modules in definition order (pre-order, ``""`` first) with per-subtree byte totals.
+
+    Build one with :meth:`SizeTree.build`; it is immutable afterwards.
+    """
+
+    def __init__(self, nodes: dict[str, ModuleNode], tensors: dict[str, TensorSpec],
+                 ties: tuple[tuple[str, ...], ...]) -> None:
+        self.nodes = nodes
+        self.tensors = tensors
+        self.ties = ties
+        self.leader_of = {f: group[0] for group in ties for f in group[1:]}
+
+    @classmethod
+    def build(cls, tensors: Iterable[TensorSpec], modules: Mapping[str, str] | None = None,
+              ties: Iterable[Sequence[str]] = ()) -> SizeTree:
+        """Build the tree. ``modules`` maps module name -> class name in definition order;
+        modules it lacks are made from the tensor names (class name ``""``).
+
+        Raises:
+            ValueError: if a tied group names a tensor that is not in ``tensors``.
+        """
+        specs = {t.name: t for t in tensors}
+        order = {name: i for i, name in enumerate(specs)}
+        groups = _tie_groups(ties, order)
+        followers = {f for g in groups for f in g[1:]}
+        classes = dict(modules or {})
+        classes.setdefault("", "")
+        for tensor in specs:  # every enclosing module of every tensor must exist
+            for anc in list(ancestors(parent(tensor))):
+                if anc in classes:
+                    break
+                classes[anc] = ""
+        return cls(_assemble(classes, specs, followers), specs, groups)
+
+    # ---- queries -------------------------------------------------------------------
+    def total(self, name: str) -> int:
+        """Bytes of a module's subtree or of one tensor (0 for a tied follower)."""
+        node = self.nodes.get(name)
+        if node is not None:
+            return node.total_bytes
+        return self.tensor_bytes(name)
+
+    def tensor_bytes(self, name: str) -> int:
+        """Bytes a tensor adds to the model: 0 if it is a tied follower."""
+        return 0 if name in self.leader_of else self.tensors[name].nbytes
+
+    def size_map(self) -> dict[str, int]:
+        """``{module: bytes}`` for every module, ``""`` being the whole model."""
+        return {name: node.total_bytes for name, node in self.nodes.items()}
+
+    def subtree_tensors(self, name: str) -> list[str]:
+        """Every tensor below a module (or the tensor itself), in definition order."""
+        if name in self.tensors and name not in self.nodes:
+            return [name]
+        out: list[str] = []
+        stack = [name]
+        while stack:
+            node = self.nodes[stack.pop()]
+            out.extend(node.tensors)
+            stack.extend(reversed(node.children))
+        return out
+
+    def with_dtype(self, dtype: str | None, special: Mapping[str, str] | None = None) -> SizeTree:
+        """The same tree with floating tensors re-sized to ``dtype`` (integer tensors keep
+        theirs); ``special`` maps module prefixes to a dtype that wins for their tensors.
+
+        Example:
+            >>> t = SizeTree.build([TensorSpec("w", 4, "float32"), TensorSpec("i", 4, "int64")])
+            >>> t.with_dtype("float16").total("")
+            40
+        """
+        if dtype is None and not special:
+            return self
+        special = {k: canonical_dtype(v) for k, v in (special or {}).items()}
+        dtype = canonical_dtype(dtype) if dtype is not None else None
+        specs = []
+        for spec in self.tensors.values():
+            new = dtype
+            key = owner(spec.name, special) if special else None
+            if key is not None:
+                new = special[key]
+            if new is not None and spec.dtype in FLOATING_DTYPES:
+                spec = replace(spec, dtype=new)
+            specs.append(spec)
+        classes = {name: node.class_name for name, node in self.nodes.items()}
+        return SizeTree.build(specs, classes, self.ties)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __repr__(self) -> str:
+        return f"SizeTree({len(self.nodes)} modules, {len(self.tensors)} tensors, {self.total('')} bytes)"
+
+
+def _tie_groups(ties: Iterable[Sequence[str]], order: Mapping[str, int]) -> tuple[tuple[str, ...], ...]:
+    groups = []
+    unknown = [n for group in ties for n in group if n not in order]
+    if unknown:
+        raise ValueError(f"tied tensor names not in the model: {unknown}")
+    for group in ties:
+        members = sorted(set(group), key=order.__getitem__)
+        if len(members) > 1:
+            groups.append(tuple(members))
+    return tuple(groups)
+
+
+def _assemble(classes: Mapping[str, str], specs: Mapping[str, TensorSpec],
+              followers: set[str]) -> dict[str, ModuleNode]:
+    children: dict[str, list[str]] = {name: [] for name in classes}
+    direct: dict[str, list[str]] = {name: [] for name in classes}
+    for name in classes:
+        if name:
+            children[parent(name)].append(name)
+    for tensor in specs:
+        direct[parent(tensor)].append(tensor)
+    preorder: list[tuple[str, int]] = []
+    stack = [("", 0)]
+    while stack:  # iterative: a deep nn.Sequential must not hit the recursion limit
+        name, depth = stack.pop()
+        preorder.append((name, depth))
+        stack.extend((child, depth + 1) for child in reversed(children[name]))
+    totals: dict[str, tuple[int, int]] = {}
+    for name, _ in reversed(preorder):  # post-order accumulation
+        own = sum(specs[t].nbytes for t in direct[name] if t not in followers)
+        params = sum(specs[t].numel for t in direct[name]
+                     if t not in followers and specs[t].kind == "param")
+        sub = [totals[c] for c in children[name]]
+        totals[name] = (own + sum(s[0] for s in sub), params + sum(s[1] for s in sub))
+    return {
+        name: ModuleNode(name, classes[name], tuple(children[name]), tuple(direct[name]),
+                         sum(specs[t].nbytes for t in direct[name] if t not in followers),
+                         totals[name][0], totals[name][1], depth)
+        for name, depth in preorder
+    }

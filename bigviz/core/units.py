@@ -1,0 +1,175 @@
+"""Byte sizes, device names and ``max_memory`` budgets, parsed the way users write them.
+
+``"10GiB"`` is 10 * 2**30 bytes and ``"10GB"`` is 10 * 10**9. Accelerate reads a lowercase
+``b`` (``"10Gb"``) as *bits*; that surprises people, so bigviz refuses it and says why.
+
+Example:
+    >>> parse_size("1.5GiB"), parse_size("500MB"), parse_size(1024)
+    (1610612736, 500000000, 1024)
+    >>> parse_max_memory({"0": "10GiB", "cpu": "30GB"})
+    {0: 10737418240, 'cpu': 30000000000}
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from typing import Union
+
+__all__ = [
+    "Device", "parse_size", "format_size", "normalize_device", "device_label",
+    "device_sort_key", "parse_max_memory", "OFFLOAD_DEVICES", "UNLIMITED",
+]
+
+Device = Union[int, str]
+"""A placement target: a GPU index (int), ``"cpu"``, ``"disk"`` or ``"mps"``."""
+
+OFFLOAD_DEVICES = ("cpu", "disk")
+UNLIMITED = 2**62
+"""The budget of a device with no limit (disk, when ``max_memory`` does not name it)."""
+_NAMED_DEVICES = ("mps", "cpu", "disk")
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(value: int | float | str) -> int:
+    """Bytes from an int, a float or a string such as ``"10GiB"``, ``"10GB"``, ``"1.5 GiB"``.
+
+    Raises:
+        ValueError: quoting the value, when it is negative, not a number, or uses an unknown
+            or ambiguous unit (``"10Gb"``: bits or bytes?).
+
+    Example:
+        >>> parse_size("10GiB"), parse_size("10GB"), parse_size("2KiB")
+        (10737418240, 10000000000, 2048)
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"size {value!r} is a bool; give bytes (int) or a string like '10GiB'")
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"size {value!r} must be a finite number of bytes >= 0")
+        return int(value)
+    if not isinstance(value, str):
+        raise ValueError(f"size {value!r} must be an int (bytes) or a string like '10GiB'")
+    match = _SIZE_RE.match(value)
+    if not match:
+        raise ValueError(f"cannot parse size {value!r}: write a number and a unit, e.g. '10GiB', '500MB'")
+    number, unit = float(match.group(1)), match.group(2)
+    if len(unit) >= 2 and unit.endswith("b") and unit[-2] not in "iI" and unit.lower() in _UNITS:
+        raise ValueError(
+            f"size {value!r} is ambiguous: a lowercase 'b' means bits to accelerate "
+            f"({unit} = 1/8 of {unit[:-1]}B). Write {match.group(1)}{unit[:-1].upper()}B "
+            f"(powers of 10) or {match.group(1)}{unit[:-1].upper()}iB (powers of 2)"
+        )
+    factor = _UNITS.get(unit.lower())
+    if factor is None:
+        raise ValueError(f"unknown unit {unit!r} in size {value!r}: use B, KB, MB, GB, TB or KiB, MiB, GiB, TiB")
+    return int(round(number * factor))
+
+
+def format_size(nbytes: int | float) -> str:
+    """A short human-readable size in binary units.
+
+    Example:
+        >>> format_size(1536), format_size(3 * 2**30), format_size(12)
+        ('1.5 KiB', '3.0 GiB', '12 B')
+    """
+    if nbytes == math.inf or nbytes >= UNLIMITED:
+        return "unlimited"
+    size = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"  # pragma: no cover - loop always returns
+
+
+def normalize_device(device: object) -> Device:
+    """The canonical form of a device name: GPU index (int), ``"cpu"``, ``"disk"`` or ``"mps"``.
+
+    Accepts ints, digit strings (``"0"``, as JSON gives them back), ``"cuda"``, ``"cuda:1"``
+    and ``torch.device`` objects.
+
+    Raises:
+        ValueError: quoting the value, for anything else.
+
+    Example:
+        >>> normalize_device("cuda:1"), normalize_device("0"), normalize_device("disk")
+        (1, 0, 'disk')
+    """
+    if isinstance(device, bool):
+        raise ValueError(f"unknown device {device!r}")
+    if isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"unknown device {device!r}: GPU indices are >= 0")
+        return device
+    text = str(device).strip()  # torch.device("cuda:1") prints as "cuda:1"
+    if text.isdigit():
+        return int(text)
+    if text == "cuda":
+        return 0
+    if text.startswith("cuda:") and text[5:].isdigit():
+        return int(text[5:])
+    if text in _NAMED_DEVICES:
+        return text
+    raise ValueError(
+        f"unknown device {device!r}: use a GPU index (0, 1, ...), 'cuda:N', 'cpu', 'disk' or 'mps'"
+    )
+
+
+def device_label(device: Device) -> str:
+    """How a person reads a device: ``"GPU 0"``, ``"CPU"``, ``"disk"``, ``"MPS"``.
+
+    Example:
+        >>> device_label(0), device_label("cpu")
+        ('GPU 0', 'CPU')
+    """
+    if isinstance(device, int):
+        return f"GPU {device}"
+    return {"cpu": "CPU", "mps": "MPS"}.get(device, device)
+
+
+def device_sort_key(device: Device) -> tuple[int, int]:
+    """Order in which devices fill: GPUs by index, then mps, cpu, disk.
+
+    Example:
+        >>> sorted(["disk", "cpu", 1, 0], key=device_sort_key)
+        [0, 1, 'cpu', 'disk']
+    """
+    if isinstance(device, int):
+        return (0, device)
+    return (1, _NAMED_DEVICES.index(device))
+
+
+def parse_max_memory(max_memory: Mapping[object, object]) -> dict[Device, int]:
+    """Normalise a ``max_memory`` mapping: canonical device keys, byte values, fill order.
+
+    Every bad key and value is reported in one error.
+
+    Raises:
+        ValueError: listing each unknown key and unparseable value, quoted.
+
+    Example:
+        >>> parse_max_memory({"cpu": "1GB", 1: "2GiB", "cuda:0": 10})
+        {0: 10, 1: 2147483648, 'cpu': 1000000000}
+    """
+    out: dict[Device, int] = {}
+    problems: list[str] = []
+    for key, value in max_memory.items():
+        try:
+            device = normalize_device(key)
+        except ValueError as err:
+            problems.append(f"key {key!r}: {err}")
+            continue
+        try:
+            out[device] = parse_size(value)  # type: ignore[arg-type]
+        except ValueError as err:
+            problems.append(f"max_memory[{key!r}]: {err}")
+    if problems:
+        raise ValueError("invalid max_memory:\n  " + "\n  ".join(problems))
+    return {d: out[d] for d in sorted(out, key=device_sort_key)}

@@ -1,0 +1,49 @@
+"""Budgets from the machine you are on, when the user gives no ``max_memory``.
+
+Example:
+    >>> budgets = get_max_memory()
+    >>> "cpu" in budgets
+    True
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import psutil
+import torch
+
+from bigviz.core.units import Device, parse_max_memory
+
+__all__ = ["get_max_memory", "available_devices"]
+
+RAM_SHARE = 0.9  # transformers keeps 10% of available RAM for everything else
+SINGLE_GPU_SHARE = 0.9  # with one GPU and no budget given, leave room for the CUDA context
+
+
+def available_devices() -> list[Device]:
+    """Devices this machine has: GPU indices, then ``"mps"``, ``"cpu"`` and ``"disk"``."""
+    devices: list[Device] = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        devices.append("mps")
+    return devices + ["cpu", "disk"]
+
+
+def get_max_memory(max_memory: Mapping[object, object] | None = None) -> dict[Device, int]:
+    """Byte budgets: ``max_memory`` parsed if given, else what this machine has free now
+    (free memory per GPU, 90% of available RAM; a single GPU scaled to 90%).
+
+    Disk is left out: the planner treats it as unlimited unless it is named.
+    """
+    if max_memory is not None:
+        return parse_max_memory(max_memory)
+    budgets: dict[Device, int] = {}
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            free, _total = torch.cuda.mem_get_info(i)
+            budgets[i] = free
+        if len(budgets) == 1:
+            budgets[0] = int(budgets[0] * SINGLE_GPU_SHARE)
+    if "mps" in available_devices():
+        budgets["mps"] = int(psutil.virtual_memory().available * RAM_SHARE / 2)
+    budgets["cpu"] = int(psutil.virtual_memory().available * RAM_SHARE)
+    return budgets
