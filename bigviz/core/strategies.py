@@ -48,6 +48,9 @@ class _Pass:
     placements: list[Placement] = field(default_factory=list)
     where: dict[str, Device] = field(default_factory=dict)
     unplaced: list[str] = field(default_factory=list)
+    # room set aside on a leader's device for the tied follower units still to come
+    promised: dict[str, tuple[Device, int]] = field(default_factory=dict)
+    follower_units: dict[str, int] = field(default_factory=dict)
 
 
 def make_plan(tree: SizeTree, max_memory: Mapping[object, object],
@@ -172,7 +175,10 @@ def _greedy(tree: SizeTree, caps: Mapping[Device, int], reserve: Mapping[Device,
         device = overrides[name]
         _put(tree, state, name, device, _override_charge(tree, name, overrides),
              f"override: you put it on {device_label(device)}", override=True)
+    state.follower_units = {f: _follower_unit_bytes(tree, f, l, options.no_split)
+                            for f, l in tree.leader_of.items()}
     devices = list(caps)
+    streamed = _streamed(_main_device(caps, options))
     index = 0
     stack = [""] if "" not in overrides else []
     while stack:
@@ -187,10 +193,13 @@ def _greedy(tree: SizeTree, caps: Mapping[Device, int], reserve: Mapping[Device,
             _split(tree, name, stack)
             continue
         if leader:
-            _put(tree, state, name, state.where[leader], size,
-                 f"tied to {leader}, which is on {device_label(state.where[leader])}", tied_to=leader)
+            device = state.where[leader]
+            for follower in [f for f in state.promised if is_prefix(name, f)]:
+                state.remaining[device] += state.promised.pop(follower)[1]
+            _put(tree, state, name, device, size,
+                 f"tied to {leader}, which is on {device_label(device)}", tied_to=leader)
             continue
-        index = _fit(tree, state, name, size, splittable, stack, devices, index)
+        index = _fit(tree, state, name, size, splittable, stack, devices, index, streamed)
     return state
 
 
@@ -203,19 +212,29 @@ def _override_charge(tree: SizeTree, name: str, overrides: Mapping[str, Device])
 
 
 def _fit(tree: SizeTree, state: _Pass, name: str, size: int, splittable: bool,
-         stack: list[str], devices: list[Device], index: int) -> int:
+         stack: list[str], devices: list[Device], index: int, streamed: tuple[str, ...]) -> int:
     """Place ``name`` on the first device from ``index`` on with room, or split it.
     Returns the device index the pass continues from (devices fill one way)."""
     miss = ""
+    promises = {f: state.follower_units[f] for f, lead in tree.leader_of.items()
+                if is_prefix(name, lead) and not is_prefix(name, f)}
+    extra = sum(promises.values())
     while index < len(devices):
         device = devices[index]
         left = state.remaining[device]
-        if size == 0:
+        if size == 0 and not extra:
             _put(tree, state, name, device, 0, f"holds no weights: stays with its neighbours on {device_label(device)}")
             return index
-        if size <= left:
+        if splittable and device in streamed:
+            _split(tree, name, stack)  # offloaded weights stream in per block: plan per block
+            return index
+        if size + extra <= left:
             text = f"fits: {format_size(size)} of {format_size(left)} left on {device_label(device)}"
+            if extra:
+                text += f" (with {format_size(extra)} kept for the modules tied to it)"
             _put(tree, state, name, device, size, f"{miss}{text}" if miss else text)
+            state.remaining[device] -= extra
+            state.promised.update({f: (device, b) for f, b in promises.items()})
             return index
         if splittable:
             _split(tree, name, stack)
@@ -226,6 +245,16 @@ def _fit(tree: SizeTree, state: _Pass, name: str, size: int, splittable: bool,
         index += 1
     state.unplaced.append(name)
     return index
+
+
+def _follower_unit_bytes(tree: SizeTree, follower: str, leader: str, no_split: frozenset[str]) -> int:
+    """Bytes of the unit a tied follower will be placed in: its outermost no-split
+    ancestor not holding the leader, else its module if that is a leaf, else itself (0)."""
+    for module in reversed(list(ancestors(parent(follower)))):
+        if module and not is_prefix(module, leader) and _is_no_split(tree, module, no_split):
+            return tree.total(module)
+    module = parent(follower)
+    return tree.total(module) if not tree.nodes[module].children else 0
 
 
 def _what(tree: SizeTree, name: str) -> str:
@@ -263,6 +292,11 @@ def _put(tree: SizeTree, state: _Pass, name: str, device: Device, size: int, rea
         state.where[tensor] = device
 
 
+def _streamed(main: Device) -> tuple[str, ...]:
+    """Devices whose weights are streamed to the execution device at forward time."""
+    return ("disk",) if main == "cpu" else ("cpu", "disk")
+
+
 def _offload_needs(state: _Pass, main: Device, options: PlanOptions) -> dict[Device, int]:
     """Reserve the plan needs: on the execution device for streamed-in units, and on the
     cpu for disk units staged (GPU) or mapped (CPU) while they run."""
@@ -270,7 +304,7 @@ def _offload_needs(state: _Pass, main: Device, options: PlanOptions) -> dict[Dev
     if not options.offload_reserve:
         return needs
     keep = 2 if options.prefetch else 1
-    streamed = ("disk",) if main == "cpu" else ("cpu", "disk")
+    streamed = _streamed(main)
     to_main = sorted((p.nbytes for p in state.placements if p.device in streamed), reverse=True)
     if main in needs:
         needs[main] = sum(to_main[:keep])

@@ -113,9 +113,6 @@ class SizeTree:
             ValueError: if a tied group names a tensor that is not in ``tensors``.
         """
         specs = {t.name: t for t in tensors}
-        order = {name: i for i, name in enumerate(specs)}
-        groups = _tie_groups(ties, order)
-        followers = {f for g in groups for f in g[1:]}
         classes = dict(modules or {})
         classes.setdefault("", "")
         for tensor in specs:  # every enclosing module of every tensor must exist
@@ -123,7 +120,13 @@ class SizeTree:
                 if anc in classes:
                     break
                 classes[anc] = ""
-        return cls(_assemble(classes, specs, followers), specs, groups)
+        preorder, children, direct = _structure(classes, specs)
+        # Leaders are the first tensor of a group in the order the planner walks the tree
+        # (pre-order, a module's own tensors before its children's), whatever the input order.
+        walk = {t: i for i, t in enumerate(t for name, _ in preorder for t in direct[name])}
+        groups = _tie_groups(ties, walk)
+        followers = {f for g in groups for f in g[1:]}
+        return cls(_assemble(preorder, children, direct, classes, specs, followers), specs, groups)
 
     # ---- queries -------------------------------------------------------------------
     def total(self, name: str) -> int:
@@ -197,8 +200,9 @@ def _tie_groups(ties: Iterable[Sequence[str]], order: Mapping[str, int]) -> tupl
     return tuple(groups)
 
 
-def _assemble(classes: Mapping[str, str], specs: Mapping[str, TensorSpec],
-              followers: set[str]) -> dict[str, ModuleNode]:
+def _structure(classes: Mapping[str, str], specs: Mapping[str, TensorSpec]
+               ) -> tuple[list[tuple[str, int]], dict[str, list[str]], dict[str, list[str]]]:
+    """Pre-order (name, depth), children and direct tensors of every module."""
     children: dict[str, list[str]] = {name: [] for name in classes}
     direct: dict[str, list[str]] = {name: [] for name in classes}
     for name in classes:
@@ -212,16 +216,21 @@ def _assemble(classes: Mapping[str, str], specs: Mapping[str, TensorSpec],
         name, depth = stack.pop()
         preorder.append((name, depth))
         stack.extend((child, depth + 1) for child in reversed(children[name]))
-    totals: dict[str, tuple[int, int]] = {}
+    return preorder, children, direct
+
+
+def _assemble(preorder: list[tuple[str, int]], children: Mapping[str, list[str]],
+              direct: Mapping[str, list[str]], classes: Mapping[str, str],
+              specs: Mapping[str, TensorSpec], followers: set[str]) -> dict[str, ModuleNode]:
+    totals: dict[str, tuple[int, int, int]] = {}
     for name, _ in reversed(preorder):  # post-order accumulation
-        own = sum(specs[t].nbytes for t in direct[name] if t not in followers)
-        params = sum(specs[t].numel for t in direct[name]
-                     if t not in followers and specs[t].kind == "param")
+        counted = [specs[t] for t in direct[name] if t not in followers]
+        own = sum(t.nbytes for t in counted)
+        params = sum(t.numel for t in counted if t.kind == "param")
         sub = [totals[c] for c in children[name]]
-        totals[name] = (own + sum(s[0] for s in sub), params + sum(s[1] for s in sub))
+        totals[name] = (own, own + sum(s[1] for s in sub), params + sum(s[2] for s in sub))
     return {
         name: ModuleNode(name, classes[name], tuple(children[name]), tuple(direct[name]),
-                         sum(specs[t].nbytes for t in direct[name] if t not in followers),
-                         totals[name][0], totals[name][1], depth)
+                         *totals[name], depth)
         for name, depth in preorder
     }
