@@ -1,1 +1,36 @@
-"""bigviz.ui"""
+"""See a plan and change it: the treemap figure builder (pure), the Planner widget app and
+the static HTML report.
+
+plotly and ipywidgets load on first use, so ``import bigviz.ui`` stays cheap. The figure
+builder is ``bigviz.treemap`` (here, ``bigviz.ui.treemap`` is its module).
+
+Example:
+    >>> import torch.nn as nn, bigviz
+    >>> fig = bigviz.treemap(bigviz.plan(nn.Linear(4, 4), {"cpu": "1MB"}))
+    >>> fig.data[0].type
+    'treemap'
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Planner": "bigviz.ui.planner",
+    "save_html": "bigviz.ui.report",
+    "render_report": "bigviz.ui.report",
+    "HARDWARE_PRESETS": "bigviz.ui.presets",
+    "plan_cost": "bigviz.ui.presets",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'bigviz.ui' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

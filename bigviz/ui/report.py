@@ -1,0 +1,180 @@
+"""A plan as HTML: usage bars, the placements table, and a standalone report file.
+
+:func:`render_report` makes a full page that works offline (plotly.js inlined);
+:func:`report_fragment` makes the same content as a ``<div>`` for a notebook's static
+``text/html`` output (plotly.js from its CDN, so saved notebooks stay small).
+
+Example:
+    >>> import os, tempfile, torch.nn as nn, bigviz
+    >>> plan = bigviz.plan(nn.Sequential(nn.Linear(8, 8)), {"cpu": "1MB"})
+    >>> path = save_html(plan, os.path.join(tempfile.mkdtemp(), "plan.html"))
+    >>> text = open(path).read()
+    >>> "bigviz-treemap" in text and "<table class='bigviz-table'" in text
+    True
+"""
+from __future__ import annotations
+
+import html
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from bigviz.core.plan import DevicePlan, DeviceUsage
+from bigviz.core.units import UNLIMITED, device_label, format_size
+from bigviz.ui.palette import chip, device_color, legend_html
+from bigviz.ui.presets import cost_html, plan_cost
+from bigviz.ui.treemap import OVERRIDE_MARK, plan_of, treemap
+
+__all__ = ["usage_html", "table_html", "report_fragment", "render_report", "save_html"]
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:18px;color:#222}
+.bigviz-table{border-collapse:collapse;font-size:12px}
+.bigviz-table th,.bigviz-table td{border-bottom:1px solid #ddd;padding:2px 8px;text-align:left;vertical-align:top}
+.bigviz-table td.num{text-align:right;white-space:nowrap}
+.bigviz-report h2{font-size:16px;margin:16px 0 6px}
+"""
+
+
+def usage_html(plan: DevicePlan) -> str:
+    """One bar per device: weights (device colour), reserve for activations (hatched),
+    room for streamed-in offloaded weights (light hatch), free space; red when over budget."""
+    rows = [_usage_row(u) for u in plan.usage]
+    return f"<div class='bigviz-usage' style='font-size:12px'>{''.join(rows)}</div>"
+
+
+def _usage_row(u: DeviceUsage) -> str:
+    label = chip(u.device)
+    if u.budget >= UNLIMITED:
+        return f"<div style='margin:3px 0'>{label} {format_size(u.used)} (no limit)</div>"
+    budget = max(u.budget, 1)
+    parts = [(u.used, device_color(u.device), "weights"),
+             (u.reserve, "repeating-linear-gradient(45deg,#999 0 3px,#ddd 3px 6px)", "reserve"),
+             (u.offload_reserve, "repeating-linear-gradient(45deg,#bbb 0 3px,#f4f4f4 3px 6px)",
+              "room for streamed-in offloaded weights")]
+    segments, left = [], 100.0
+    for size, background, what in parts:
+        pct = min(100.0 * size / budget, left)
+        left -= pct
+        if pct > 0:
+            segments.append(f"<div title='{what}: {format_size(size)}' style='width:{pct:.2f}%;"
+                            f"background:{background};height:100%'></div>")
+    over = u.free < 0
+    border = "2px solid #D55E00" if over else "1px solid #bbb"
+    extra = f" (+ {format_size(u.reserve + u.offload_reserve)} reserved)" if u.reserve or u.offload_reserve else ""
+    warn = " <b style='color:#D55E00'>over budget</b>" if over else ""
+    return (f"<div style='margin:3px 0'>{label} {format_size(u.used)} of {format_size(u.budget)}{extra}{warn}"
+            f"<div style='display:flex;width:100%;max-width:420px;height:12px;border:{border};"
+            f"background:#fff'>{''.join(segments)}</div></div>")
+
+
+def table_html(plan: DevicePlan, *, max_rows: int | None = None) -> str:
+    """The placements as an HTML table: module, class, device, size, share, reason.
+
+    Example:
+        >>> import torch.nn as nn, bigviz
+        >>> t = table_html(bigviz.plan(nn.Linear(4, 4), {"cpu": "1MB"}))
+        >>> t.count("<tr>")
+        2
+    """
+    total = sum(p.nbytes for p in plan.placements) or 1
+    shown = plan.placements if max_rows is None else plan.placements[:max_rows]
+    rows = [
+        f"<tr><td><code>{html.escape(p.name or '<model>')}</code></td><td>{html.escape(p.class_name)}</td>"
+        f"<td>{chip(p.device)}</td><td class='num'>{format_size(p.nbytes)}</td>"
+        f"<td class='num'>{p.nbytes / total:.1%}</td>"
+        f"<td>{OVERRIDE_MARK if p.override else ''}{html.escape(p.reason)}</td></tr>"
+        for p in shown]
+    more = len(plan.placements) - len(shown)
+    if more > 0:
+        rows.append(f"<tr><td colspan='6'>... and {more} more units (the full table: planner.table "
+                    f"or plan.to_frame())</td></tr>")
+    head = "<tr><th>module</th><th>class</th><th>device</th><th>size</th><th>share</th><th>reason</th></tr>"
+    return f"<table class='bigviz-table'>{head}{''.join(rows)}</table>"
+
+
+def _budgets_html(plan: DevicePlan) -> str:
+    rows = "".join(
+        f"<tr><td>{chip(u.device)}</td><td class='num'>{format_size(u.budget)}</td>"
+        f"<td class='num'>{format_size(u.reserve)}</td><td class='num'>{format_size(u.offload_reserve)}</td>"
+        f"<td class='num'>{format_size(u.used)}</td>"
+        f"<td class='num'>{format_size(u.free) if u.budget < UNLIMITED else 'unlimited'}</td></tr>"
+        for u in plan.usage)
+    head = ("<tr><th>device</th><th>budget</th><th>reserve</th><th>offload room</th><th>weights</th>"
+            "<th>free</th></tr>")
+    return f"<table class='bigviz-table'>{head}{rows}</table>"
+
+
+def report_fragment(plan_or_planner: Any, *, include_plotlyjs: bool | str = "cdn",
+                    max_rows: int | None = None, cost: Mapping[str, Any] | None = None,
+                    depth: int | None = None) -> str:
+    """The report's body as one ``<div>``: legend, budgets, cost, treemap, table, device map."""
+    plan = plan_of(plan_or_planner)
+    if cost is None:
+        cost = getattr(plan_or_planner, "cost", lambda: plan_cost(plan.offloaded_bytes(),
+                                                                   main_device=plan.main_device))()
+    fig = treemap(plan_or_planner, depth=depth)
+    figure = fig.to_html(full_html=False, include_plotlyjs=include_plotlyjs, div_id="bigviz-treemap",
+                         config={"displaylogo": False, "responsive": True})
+    captions = {u.device: format_size(u.used) for u in plan.usage}
+    notes = "".join(f"<li>{html.escape(n)}</li>" for n in plan.notes)
+    device_map = html.escape(json.dumps(plan.device_map, indent=1))
+    head = (f"<div style='font-size:13px;margin-bottom:6px'><b>{html.escape(plan.strategy)}</b> plan, "
+            f"{len(plan.placements)} units, execution on {device_label(plan.main_device)}</div>")
+    side = (f"{head}{legend_html([u.device for u in plan.usage], captions=captions)}"
+            f"<h2>Budgets</h2>{usage_html(plan)}{_budgets_html(plan)}"
+            + (f"<ul style='font-size:12px;padding-left:18px'>{notes}</ul>" if notes else "")
+            + f"<h2>Cost</h2><div style='font-size:13px'>{cost_html(cost)}</div>")
+    return (f"<div class='bigviz-report'><div style='display:flex;gap:18px;align-items:flex-start'>"
+            f"<div style='flex:0 0 430px;max-width:430px'>{side}</div>"
+            f"<div style='flex:1 1 auto;min-width:0'>{figure}</div></div>"
+            f"<h2>Placements ({len(plan.placements)} units)</h2>{table_html(plan, max_rows=max_rows)}"
+            f"<h2>Device map</h2><details><summary>JSON ({len(plan.device_map)} keys)</summary>"
+            f"<pre style='font-size:12px'>{device_map}</pre></details></div>")
+
+
+def render_report(plan_or_planner: Any, *, title: str = "bigviz device plan",
+                  include_plotlyjs: bool | str = True, depth: int | None = None) -> str:
+    """A standalone HTML page of the plan; with ``include_plotlyjs=True`` (the default)
+    plotly.js is inlined (about 4.7 MB) so the page works offline.
+
+    Example:
+        >>> import torch.nn as nn, bigviz
+        >>> page = render_report(bigviz.plan(nn.Linear(4, 4), {"cpu": "1MB"}), include_plotlyjs="cdn")
+        >>> page.startswith("<!DOCTYPE html>") and "Placements (1 units)" in page
+        True
+    """
+    body = report_fragment(plan_or_planner, include_plotlyjs=include_plotlyjs, depth=depth)
+    return (f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{_CSS}</style></head><body><h1 style='font-size:20px'>{html.escape(title)}</h1>"
+            f"{body}</body></html>\n")
+
+
+def save_html(plan_or_planner: Any, path: str | os.PathLike[str], *, title: str = "bigviz device plan",
+              depth: int | None = None) -> str:
+    """Write :func:`render_report` to ``path`` (atomically: a crash leaves no half file).
+
+    Returns:
+        The path written, as a string.
+
+    Example:
+        >>> import os, tempfile, torch.nn as nn, bigviz
+        >>> out = save_html(bigviz.plan(nn.Linear(4, 4), {"cpu": "1MB"}), os.path.join(tempfile.mkdtemp(), "r.html"))
+        >>> os.path.getsize(out) > 1_000_000  # plotly.js is inside: it opens offline
+        True
+    """
+    page = render_report(plan_or_planner, title=title, depth=depth)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(page)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return str(path)

@@ -1,0 +1,173 @@
+"""What the Planner's controls set, and the re-plan it triggers: no widgets here.
+
+The model is sized once; a tree per dtype is cached, so a slider move is one call of the
+pure, linear-time :func:`~bigviz.core.strategies.make_plan`.
+
+Example:
+    >>> import torch.nn as nn
+    >>> state = PlannerState.from_model(nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]), {"cpu": "1MB"})
+    >>> state.add_gpu(40_000)
+    0
+    >>> state.assign("3", 0)
+    >>> state.replan().device_of("3")
+    0
+"""
+from __future__ import annotations
+
+import difflib
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from bigviz.core.plan import STRATEGIES, DevicePlan, PlanOptions
+from bigviz.core.strategies import make_plan
+from bigviz.core.tree import SizeTree, canonical_dtype
+from bigviz.core.units import UNLIMITED, Device, device_label, normalize_device, parse_max_memory, parse_size
+
+__all__ = ["PlannerState"]
+
+
+@dataclass
+class PlannerState:
+    """Budgets, reserves, strategy, dtype, no-split classes and overrides of one model.
+
+    Attributes:
+        base_tree: the model's size tree as built (its own dtypes).
+        budgets: bytes per device; ``"disk"`` is unlimited unless present.
+        reserve: bytes per device kept free for activations and KV cache.
+        strategy: a planner strategy (``"auto"``, ``"balanced"``, ...).
+        dtype: floating tensors are sized as this dtype (``None``: as built).
+        no_split: module classes or name globs placed whole.
+        overrides: ``{module: device}`` placements kept through every re-plan.
+    """
+
+    base_tree: SizeTree
+    budgets: dict[Device, int]
+    reserve: dict[Device, int] = field(default_factory=dict)
+    strategy: str = "auto"
+    dtype: str | None = None
+    no_split: tuple[str, ...] = ()
+    overrides: dict[str, Device] = field(default_factory=dict)
+    _trees: dict[str | None, SizeTree] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_model(cls, model: Any, max_memory: Mapping[object, object] | None = None, *,
+                   strategy: str = "auto", no_split_module_classes: Collection[str] | None = None,
+                   dtype: object = None) -> PlannerState:
+        """Size ``model`` (an ``nn.Module``, a ``SizeTree`` or a checkpoint path) once.
+
+        ``max_memory=None`` means this machine's free memory (``get_max_memory()``).
+        """
+        from bigviz.modeling.api import as_tree, default_no_split
+        from bigviz.modeling.budgets import get_max_memory
+
+        tree = as_tree(model)
+        no_split = no_split_module_classes if no_split_module_classes is not None else default_no_split(model, tree)
+        state = cls(tree, dict(get_max_memory(max_memory)), strategy=strategy, no_split=tuple(no_split))
+        state.set_dtype(None if dtype is None else str(dtype))
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
+        return state
+
+    # ---- the plan ------------------------------------------------------------------
+    @property
+    def tree(self) -> SizeTree:
+        """The size tree at the chosen dtype (cached per dtype)."""
+        if self.dtype not in self._trees:
+            self._trees[self.dtype] = self.base_tree.with_dtype(self.dtype)
+        return self._trees[self.dtype]
+
+    def options(self) -> PlanOptions:
+        return PlanOptions(strategy=self.strategy, no_split=frozenset(self.no_split),
+                           reserve=dict(self.reserve), overrides=dict(self.overrides))
+
+    def replan(self) -> DevicePlan:
+        """Plan with the current settings. Raises ``PlanError`` when nothing fits."""
+        return make_plan(self.tree, self.budgets, self.options())
+
+    @property
+    def max_memory(self) -> dict[Device, int]:
+        """The budgets in bytes, as ``max_memory`` (an unlimited disk left out)."""
+        return {d: b for d, b in self.budgets.items() if not (d == "disk" and b >= UNLIMITED)}
+
+    # ---- settings ------------------------------------------------------------------
+    def set_dtype(self, dtype: str | None) -> None:
+        self.dtype = None if dtype is None else canonical_dtype(dtype)
+
+    def set_budget(self, device: object, size: int | str) -> None:
+        device = normalize_device(device)
+        if device not in self.budgets:
+            raise ValueError(f"{device_label(device)} has no budget: add it first (add_gpu or max_memory)")
+        self.budgets[device] = parse_size(size)
+
+    def set_reserve(self, device: object, size: int | str) -> None:
+        device = normalize_device(device)
+        self.reserve[device] = parse_size(size)
+
+    def gpus(self) -> list[int]:
+        return [d for d in self.budgets if isinstance(d, int)]
+
+    def add_gpu(self, size: int | str | None = None) -> int:
+        """Add the next GPU index, with ``size`` bytes (default: the last GPU's budget)."""
+        gpus = self.gpus()
+        index = gpus[-1] + 1 if gpus else 0
+        budget = parse_size(size) if size is not None else (self.budgets[gpus[-1]] if gpus else 16 * 2**30)
+        self.budgets = parse_max_memory({**self.budgets, index: budget})
+        return index
+
+    def remove_device(self, device: object) -> list[str]:
+        """Drop a device; returns the overrides that named it (dropped too)."""
+        device = normalize_device(device)
+        if device not in self.budgets:
+            raise ValueError(f"{device_label(device)} is not in the budgets")
+        del self.budgets[device]
+        self.reserve.pop(device, None)
+        dropped = [m for m, d in self.overrides.items() if d == device]
+        for name in dropped:
+            del self.overrides[name]
+        return dropped
+
+    def set_budgets(self, max_memory: Mapping[object, object]) -> list[str]:
+        """Replace every budget (a hardware preset); overrides to devices no longer there
+        are dropped and returned. A finite disk budget is kept."""
+        new = parse_max_memory(max_memory)
+        if "disk" in self.budgets and "disk" not in new:
+            new["disk"] = self.budgets["disk"]
+        dropped = [m for m, d in self.overrides.items() if d not in new and d != "disk"]
+        for name in dropped:
+            del self.overrides[name]
+        self.budgets = parse_max_memory(new)
+        self.reserve = {d: r for d, r in self.reserve.items() if d in self.budgets}
+        return dropped
+
+    # ---- overrides -----------------------------------------------------------------
+    def assign(self, module: str, device: object) -> None:
+        """Keep ``module`` (or a tensor) on ``device`` in every plan from now on.
+
+        Raises:
+            ValueError: naming the module (with the closest real name) or the device.
+        """
+        problems = []
+        tree = self.base_tree
+        if module not in tree.nodes and module not in tree.tensors:
+            close = difflib.get_close_matches(module, list(tree.nodes) + list(tree.tensors), n=1)
+            problems.append(f"{module!r} names no module or tensor of the model"
+                            + (f" (did you mean {close[0]!r}?)" if close else ""))
+        try:
+            target = normalize_device(device)
+        except ValueError as err:
+            problems.append(str(err))
+        else:
+            if target not in self.budgets and target != "disk":
+                problems.append(f"{device_label(target)} has no budget: add it first "
+                                f"(have: {', '.join(device_label(d) for d in self.budgets)})")
+        if problems:
+            raise ValueError("cannot assign:\n  - " + "\n  - ".join(problems))
+        self.overrides[module] = target
+
+    def unassign(self, module: str) -> None:
+        """Let the planner place ``module`` again."""
+        if module not in self.overrides:
+            have = ", ".join(self.overrides) or "none"
+            raise ValueError(f"{module!r} has no override (overrides: {have})")
+        del self.overrides[module]

@@ -1,0 +1,63 @@
+"""The ``bigviz`` command: ``plan`` on presets and checkpoints, and the demo end to end."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import bigviz
+from bigviz.cli import main, parse_max_memory_arg
+from bigviz.models import build
+
+
+def test_max_memory_argument():
+    assert parse_max_memory_arg("cpu=8GiB,0=16GiB") == {"cpu": "8GiB", "0": "16GiB"}
+    with pytest.raises(Exception, match="DEVICE=SIZE"):
+        parse_max_memory_arg("cpu8GiB")
+
+
+def test_plan_preset_writes_map_and_report(tmp_path, capsys):
+    out, html = tmp_path / "map.json", tmp_path / "report.html"
+    code = main(["plan", "llama-70b", "--dtype", "float16", "--max-memory", "0=24GiB,cpu=64GiB",
+                 "--out", str(out), "--html", str(html)])
+    assert code == 0
+    device_map = bigviz.load_device_map(out)
+    assert {0, "cpu", "disk"} <= set(device_map.values())
+    assert json.loads(out.read_text())["model.embed_tokens"] == 0
+    assert "GPU 0" in capsys.readouterr().out and html.stat().st_size > 10_000
+
+
+def test_plan_checkpoint_from_headers(tmp_path):
+    torch.manual_seed(0)
+    model = build("gpt-tiny")
+    bigviz.save_sharded(model, tmp_path / "ckpt", max_shard_size="20KB")
+    out = tmp_path / "map.json"
+    total = bigviz.compute_module_sizes(model)[""]
+    code = main(["plan", str(tmp_path / "ckpt"), "--max-memory", f"cpu={total // 2}",
+                 "--no-split", "transformer.h.*", "--out", str(out)])
+    assert code == 0
+    device_map = bigviz.load_device_map(out)
+    assert set(device_map.values()) == {"cpu", "disk"}
+    assert all(not k.startswith("transformer.h.0.") for k in device_map)  # blocks kept whole
+
+
+def test_plan_reports_bad_input(tmp_path, capsys):
+    assert main(["plan", str(tmp_path / "missing"), "--out", str(tmp_path / "m.json")]) == 2
+    assert "neither a checkpoint path nor a preset" in capsys.readouterr().err
+    assert main(["plan", "gpt2", "--max-memory", "cpu=lots", "--out", str(tmp_path / "m.json")]) == 2
+    assert "'lots'" in capsys.readouterr().err
+    assert not (tmp_path / "m.json").exists()
+
+
+@pytest.mark.slow
+def test_demo_runs_end_to_end(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "bigviz.cli", "demo", "--quick", "--out", str(tmp_path / "d")],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "identical to the model in memory: True" in result.stdout
+    device_map = bigviz.load_device_map(tmp_path / "d" / "device_map.json")
+    assert "disk" in device_map.values()
+    assert (tmp_path / "d" / "report.html").stat().st_size > 10_000

@@ -1,0 +1,61 @@
+"""Keep the layer arrows honest: parse every import in bigviz/ and check it points down.
+
+    ui, engine  ->  planning  ->  checkpoint  ->  modeling  ->  core
+    models: torch only.   cli, demo: anything.
+Heavy libraries stay out of ``import bigviz``: core never imports torch, plotly or
+ipywidgets; plotly and ipywidgets are imported only by ui.
+"""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "bigviz"
+RANK = {"core": 0, "models": 0, "modeling": 1, "checkpoint": 2, "planning": 3, "engine": 4, "ui": 5,
+        "demo": 6, "cli": 6}
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "bigviz" and len(parts) > 1 else None
+
+
+def _imports(path: Path) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append(node.module)
+    return out
+
+
+FILES = sorted(p for p in ROOT.rglob("*.py") if p.parent != ROOT or p.stem in RANK)
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_point_down(path):
+    layer = path.parent.name if path.parent != ROOT else path.stem
+    problems = []
+    for module in _imports(path):
+        target = _layer(module)
+        top = module.split(".")[0]
+        if target is not None and target in RANK and target != layer:
+            if RANK[target] >= RANK[layer] and RANK[layer] < 6:  # cli and demo are one top layer
+                problems.append(f"{module} (layer {target})")
+        if layer in ("core",) and top in ("torch", "plotly", "ipywidgets", "numpy"):
+            problems.append(f"{module} (core stays pure Python)")
+        if layer != "ui" and top in ("plotly", "ipywidgets", "anywidget"):
+            problems.append(f"{module} (only ui may use widget and plotting libraries)")
+    assert not problems, f"{path.relative_to(ROOT)} imports upward or heavy: {problems}"
+
+
+def test_import_bigviz_is_light():
+    code = ("import sys, bigviz; bad = [m for m in ('torch', 'plotly', 'ipywidgets', 'pandas') if m in sys.modules];"
+            "print(','.join(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "", f"import bigviz pulled in: {out}"
