@@ -1,1 +1,41 @@
-"""bigviz.checkpoint"""
+"""bigviz.checkpoint: read, write, check and load checkpoints in every common layout.
+
+- `CheckpointIndex` lists a checkpoint's tensors from headers alone;
+- `LazyWeights` maps them zero-copy (memory-mapped safetensors);
+- `save_sharded` writes transformers-compatible sharded checkpoints, atomically;
+- `load_checkpoint_in_model` checks names, shapes and devices first, then loads tensor by
+  tensor, leaving disk-mapped weights in place; `load_sharded_checkpoint` is transformers' name;
+- `tree_from_checkpoint` builds the planner's size tree with no model code.
+
+Submodules are imported on first use, so ``import bigviz.checkpoint`` stays cheap.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "CheckpointError": "bigviz.checkpoint.errors",
+    "CheckpointIndex": "bigviz.checkpoint.index",
+    "TensorInfo": "bigviz.checkpoint.index",
+    "LazyWeights": "bigviz.checkpoint.lazy",
+    "save_sharded": "bigviz.checkpoint.save",
+    "LoadResult": "bigviz.checkpoint.load",
+    "load_checkpoint_in_model": "bigviz.checkpoint.load",
+    "load_sharded_checkpoint": "bigviz.checkpoint.load",
+    "tree_from_checkpoint": "bigviz.checkpoint.tree",
+    "detect_no_split": "bigviz.checkpoint.tree",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'bigviz.checkpoint' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

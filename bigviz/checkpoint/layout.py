@@ -1,0 +1,170 @@
+"""Find which files make up a checkpoint, whatever layout it was saved in.
+
+Layouts, in the order a folder is searched (safetensors first, like transformers):
+
+1. ``model.safetensors.index.json`` (transformers), or one unambiguous variant such as
+   ``model.safetensors.index.fp16.json``;
+2. ``model.safetensors`` (a single shard);
+3. ``index.json`` (accelerate's flat ``{name: file}``) whose files are safetensors;
+4. exactly one ``*.safetensors`` file;
+5. the same for torch pickles: ``pytorch_model.bin.index.json`` (or one variant),
+   ``pytorch_model.bin``, ``index.json``, exactly one ``*.bin`` / ``*.pt`` / ``*.pth``.
+
+A path to a weights file or to an index file is used as is.
+
+Example:
+    >>> import tempfile, torch, pathlib
+    >>> folder = pathlib.Path(tempfile.mkdtemp())
+    >>> torch.save({"w": torch.ones(1)}, folder / "pytorch_model.bin")
+    >>> find_layout(folder).files == [folder / "pytorch_model.bin"]
+    True
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bigviz.checkpoint.errors import CheckpointError, raise_problems
+from bigviz.checkpoint.torch_io import TORCH_SUFFIXES
+
+__all__ = ["Layout", "find_layout"]
+
+_SAFE = ".safetensors"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a checkpoint's tensors are: its format, files, and the index if there is one."""
+
+    format: str  # "safetensors" | "torch"
+    path: Path  # the index file, or the single weights file
+    files: list[Path]
+    weight_map: dict[str, Path] | None = None  # None: every tensor of the single file
+    metadata: dict = field(default_factory=dict)
+
+
+def find_layout(path: str | Path, *, prefer_safe: bool = True) -> Layout:
+    """Resolve a file, an index file or a folder into a `Layout`.
+
+    Args:
+        path: a weights file, an index ``.json`` file, or a folder.
+        prefer_safe: when a folder holds both safetensors and torch files, use safetensors.
+
+    Raises:
+        CheckpointError: nothing usable found, an ambiguous folder, a bad index, or shards
+            that the index names but the folder lacks (all listed).
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = _pick_in_folder(path, prefer_safe)
+    elif not path.exists():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist: check the path")
+    if path.name.endswith(".json"):
+        return _from_index_file(path)
+    return Layout(_format_of(path), path, [path])
+
+
+def _format_of(path: Path) -> str:
+    if path.name.endswith(_SAFE):
+        return "safetensors"
+    if path.name.endswith(TORCH_SUFFIXES):
+        return "torch"
+    raise CheckpointError(
+        f"{path}: unknown checkpoint file type; expected .safetensors, .bin, .pt, .pth or an index .json"
+    )
+
+
+def _pick_in_folder(folder: Path, prefer_safe: bool) -> Path:
+    names = sorted(p.name for p in folder.iterdir() if p.is_file())
+    kinds = [_candidates_safe(folder, names), _candidates_torch(folder, names)]
+    if not prefer_safe:
+        kinds.reverse()
+    for candidates in kinds:
+        if len(candidates) == 1:
+            return candidates[0]
+        if len(candidates) > 1:
+            listed = ", ".join(p.name for p in candidates)
+            raise CheckpointError(
+                f"{folder}: ambiguous checkpoint folder: it holds {listed}; "
+                "pass the path of the index or weights file you mean"
+            )
+    shown = ", ".join(names[:10]) or "nothing"
+    raise CheckpointError(
+        f"{folder}: no checkpoint found (it holds {shown}); expected model.safetensors(.index.json), "
+        "pytorch_model.bin(.index.json), an index.json mapping names to files, or one weights file"
+    )
+
+
+def _candidates_safe(folder: Path, names: list[str]) -> list[Path]:
+    return _candidates(folder, names, "model.safetensors", lambda n: n.endswith(_SAFE), _SAFE)
+
+
+def _candidates_torch(folder: Path, names: list[str]) -> list[Path]:
+    return _candidates(
+        folder, names, "pytorch_model.bin", lambda n: n.endswith(TORCH_SUFFIXES), ".bin"
+    )
+
+
+def _candidates(folder: Path, names: list[str], main: str, is_weights, suffix: str) -> list[Path]:
+    """The files of one format that could be the checkpoint, best rule first."""
+    if f"{main}.index.json" in names:
+        return [folder / f"{main}.index.json"]
+    variants = [n for n in names if f"{suffix}.index" in n and n.endswith(".json")]
+    if variants:
+        return [folder / n for n in variants]
+    if main in names:
+        return [folder / main]
+    if "index.json" in names and _index_format(folder / "index.json") == _format_name(suffix):
+        return [folder / "index.json"]
+    return [folder / n for n in names if is_weights(n)]
+
+
+def _format_name(suffix: str) -> str:
+    return "safetensors" if suffix == _SAFE else "torch"
+
+
+def _index_format(path: Path) -> str | None:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    mapping = doc.get("weight_map", doc) if isinstance(doc, dict) else {}
+    files = {v for v in mapping.values() if isinstance(v, str)} if isinstance(mapping, dict) else set()
+    if files and all(f.endswith(_SAFE) for f in files):
+        return "safetensors"
+    if files and all(f.endswith(TORCH_SUFFIXES) for f in files):
+        return "torch"
+    return None
+
+
+def _from_index_file(path: Path) -> Layout:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path}: not a readable JSON index ({err}); re-download or re-save it") from err
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{path}: the index must be a JSON object")
+    mapping, metadata = (doc["weight_map"], doc.get("metadata") or {}) if "weight_map" in doc else (doc, {})
+    problems = _check_mapping(path, mapping)
+    raise_problems(problems, f"cannot read index '{path}'")
+    files = sorted({path.parent / f for f in mapping.values()}, key=lambda p: p.name)
+    formats = {_format_of(f) for f in files}
+    if len(formats) > 1:
+        raise CheckpointError(f"{path}: the index mixes safetensors and torch files; keep one format")
+    missing = [f"{f}: shard named by the index is missing" for f in files if not f.is_file()]
+    raise_problems(missing, f"incomplete checkpoint '{path.parent}'",
+                   fix="download or copy the missing shards into the folder (or fix the index)")
+    weight_map = {name: path.parent / f for name, f in mapping.items()}
+    return Layout(formats.pop() if formats else "safetensors", path, files, weight_map, dict(metadata))
+
+
+def _check_mapping(path: Path, mapping: object) -> list[str]:
+    if not isinstance(mapping, dict):
+        return [f"{path}: 'weight_map' must map tensor names to file names"]
+    values = list(mapping.values())
+    if values and all(isinstance(v, dict) and "dtype" in v for v in values):
+        return [f"{path}: this is an accelerate offload index (tensors in .dat files), not a "
+                "checkpoint; load the original checkpoint instead"]
+    bad = [k for k, v in mapping.items() if not isinstance(v, str)]
+    return [f"{path}: tensor {k!r} maps to {mapping[k]!r}, not a file name" for k in bad]

@@ -1,0 +1,192 @@
+"""`LazyWeights`: a read-only ``name -> CPU tensor`` mapping over checkpoint files, no copies.
+
+Each safetensors file is memory-mapped once (``torch.UntypedStorage.from_file``, a private
+mapping: writes to a tensor never reach the file) and every tensor is a view into that
+mapping at its header offsets. Nothing is read until a tensor's bytes are used, and what is
+read lives in the page cache (reclaimable, shared with other processes), not in anonymous
+memory. Torch pickles are mapped once by ``torch.load(mmap=True)`` when the index opens.
+
+The engine uses this for disk offload with no rewriting: a module's weights are looked up
+here at forward time, and `LazyWeights.prefetch` asks the kernel to read the next ones ahead.
+
+Example:
+    >>> import tempfile, torch, pathlib
+    >>> from bigviz.checkpoint.save import save_sharded
+    >>> folder = save_sharded({"h.0.w": torch.arange(4.0)}, pathlib.Path(tempfile.mkdtemp()) / "c",
+    ...                       progress=False)
+    >>> with LazyWeights(CheckpointIndex.open(folder), {"layer.w": "h.0.w"}) as weights:
+    ...     weights.prefetch(["layer.w"])
+    ...     print(weights["layer.w"], weights.nbytes("layer.w"))
+    tensor([0., 1., 2., 3.]) 16
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from bigviz.checkpoint.index import CheckpointIndex, TensorInfo
+from bigviz.checkpoint.match import module_matches
+
+__all__ = ["LazyWeights", "map_file"]
+
+
+def map_file(path: Path) -> torch.Tensor:
+    """A ``uint8`` CPU tensor over the whole file, memory-mapped privately (copy-on-write).
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "x"; _ = p.write_bytes(b"abc")
+        >>> map_file(p).tolist()
+        [97, 98, 99]
+    """
+    size = os.path.getsize(path)
+    if size == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+class LazyWeights(Mapping[str, torch.Tensor]):
+    """Read-only view ``model tensor name -> CPU tensor`` over a checkpoint's files.
+
+    Args:
+        index: an open `CheckpointIndex` (or anything `CheckpointIndex.open` takes).
+        names: model tensor name -> checkpoint key (e.g. to add or strip a prefix); default:
+            every checkpoint key under its own name.
+        dtype: convert floating tensors to this dtype when they are looked up (a copy).
+        keep_dtype: modules whose floating tensors keep the checkpoint's dtype: dotted
+            prefixes (``"model.norm"``) or, for a dotless entry, any name component (``"wo"``).
+
+    Safetensors tensors with no dtype change are zero-copy views of the mapped file. Every file
+    is mapped once, here in the constructor (mapping reads nothing), and stays mapped until
+    `close`; tensors already handed out keep their mapping alive by themselves. Mapping up
+    front also means a later rewrite or removal of the files (a replaced offload folder) cannot
+    change what this object reads. No file descriptors are held.
+    """
+
+    def __init__(self, index: CheckpointIndex | str | Path, names: Mapping[str, str] | None = None,
+                 *, dtype: torch.dtype | None = None, keep_dtype: Collection[str] = ()) -> None:
+        self.index = CheckpointIndex.open(index)
+        self._names: dict[str, str] = dict(names) if names is not None else {k: k for k in self.index}
+        unknown = [k for k in self._names.values() if k not in self.index.entries]
+        if unknown:
+            raise KeyError(f"names map to keys the checkpoint lacks: {unknown[:10]}")
+        self.dtype = dtype
+        self._keep = tuple(keep_dtype)
+        files = {self.index.entries[k].file for k in self._names.values()
+                 if self.index.entries[k].data_offsets is not None}
+        self._maps: dict[Path, torch.Tensor] = {f: map_file(f) for f in sorted(files)}
+        self._closed = False
+
+    # Mapping protocol -------------------------------------------------------------------
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if self._closed:
+            raise ValueError("LazyWeights is closed: open a new one to read more tensors")
+        info = self.index.entries[self._names[name]]
+        tensor = self._raw(info)
+        if self.dtype is not None and tensor.is_floating_point() and tensor.dtype != self.dtype:
+            if not module_matches(name, self._keep):
+                tensor = tensor.to(self.dtype)
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    # extras -----------------------------------------------------------------------------
+    def info(self, name: str) -> TensorInfo:
+        """The checkpoint's `TensorInfo` for model tensor ``name``."""
+        return self.index.entries[self._names[name]]
+
+    def nbytes(self, name: str) -> int:
+        """Bytes of ``name`` as stored in the checkpoint (no read)."""
+        return self.info(name).nbytes
+
+    def prefetch(self, names: Iterable[str]) -> None:
+        """Ask the kernel to read these tensors into the page cache.
+
+        A hint (``madvise(MADV_WILLNEED)`` over the mapped bytes): the kernel queues the reads
+        and returns; it costs about 30 ms per 64 MiB to queue, so call it from a background
+        thread for large modules (it is safe there). Unknown names are ignored, and so is a
+        closed object.
+        """
+        for name in names:
+            key = self._names.get(name)
+            if key is None or self._closed:
+                continue
+            info = self.index.entries[key]
+            if info.data_offsets is None:  # a pickle: the tensor is already a view of its mapping
+                mapped = self._raw(info)
+                address = mapped.data_ptr()
+            else:  # holding `mapped` keeps the mapping alive during the call, even across close()
+                mapped = self._maps.get(info.file)
+                if mapped is None:
+                    continue
+                address = mapped.data_ptr() + info.data_offsets[0]
+            _willneed(address, info.nbytes)
+
+    def close(self) -> None:
+        """Drop the mappings (tensors already handed out stay valid)."""
+        self._closed = True
+        self._maps.clear()
+
+    def __enter__(self) -> LazyWeights:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"LazyWeights({str(self.index.path)!r}, tensors={len(self)}, dtype={self.dtype})"
+
+    # internals --------------------------------------------------------------------------
+    def _raw(self, info: TensorInfo) -> torch.Tensor:
+        if info.data_offsets is None:
+            return self.index.torch_state(info.file)[info.name]
+        begin, end = info.data_offsets
+        dtype = getattr(torch, info.dtype)
+        raw = self._maps[info.file][begin:end]
+        if begin % dtype.itemsize:  # misaligned (files from other writers): a copy cannot be avoided
+            raw = raw.clone()
+        return raw.view(dtype).view(info.shape)
+
+
+def _libc_madvise() -> Callable[[int, int, int], int] | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError, TypeError):  # no libc madvise (Windows): prefetch is a no-op
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MADVISE = _libc_madvise() if hasattr(mmap, "MADV_WILLNEED") else None
+_CHUNK = 128 * 1024
+
+
+def _willneed(address: int, length: int) -> None:
+    """``madvise(MADV_WILLNEED)`` over ``[address, address + length)``, in small chunks.
+
+    One WILLNEED call makes the kernel read at most the device's readahead window (128 KiB by
+    default, a few MiB on some disks) and silently drop the rest, so the range is advised
+    128 KiB at a time: the whole range gets read, on any device. Errors are ignored (a hint).
+    """
+    if _MADVISE is None or length <= 0:
+        return
+    start = address - address % mmap.PAGESIZE
+    end = address + length
+    for chunk in range(start, end, _CHUNK):
+        _MADVISE(chunk, min(_CHUNK, end - chunk), mmap.MADV_WILLNEED)

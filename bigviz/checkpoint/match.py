@@ -1,0 +1,203 @@
+"""Plan a load before reading any data: match checkpoint keys to model tensors, check shapes.
+
+`match_checkpoint` is pure (model description + checkpoint index in, frozen `LoadPlan` out):
+it finds a base-model prefix to add or strip (``bert.``, ``model.``, ``transformer.``),
+follows tie groups (a tied duplicate absent from the checkpoint is filled by its partner),
+skips non-persistent buffers the model computes itself, and decides every tensor's device
+and dtype. `check_plan` then turns missing keys, unexpected keys, shape mismatches and bad
+devices into one error listing all of them.
+
+Example:
+    >>> import torch
+    >>> from bigviz.checkpoint.model_tensors import describe_model
+    >>> from bigviz.checkpoint.index import TensorInfo
+    >>> with torch.device("meta"):
+    ...     model = torch.nn.Linear(2, 3)
+    >>> entries = {k: TensorInfo(k, "float32", s, 4, None) for k, s in
+    ...            [("lin.weight", (3, 2)), ("lin.bias", (3,))]}
+    >>> plan = match_checkpoint(describe_model(model), entries, LoadOptions())
+    >>> plan.prefix, [(t.name, t.key, t.device) for t in plan.loads]
+    ('lin.', [('weight', 'lin.weight', 'cpu'), ('bias', 'lin.bias', 'cpu')])
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from bigviz.checkpoint.devices import device_of, device_problems
+from bigviz.checkpoint.errors import raise_problems
+from bigviz.checkpoint.index import TensorInfo
+from bigviz.checkpoint.model_tensors import ModelTensor
+from bigviz.core.names import is_prefix, owner
+
+__all__ = ["LoadOptions", "TensorLoad", "LoadPlan", "match_checkpoint", "check_plan", "module_matches"]
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """The knobs of a load (see `bigviz.checkpoint.load.load_checkpoint_in_model`)."""
+
+    device_map: Mapping[str, int | str | torch.device] | None = None
+    dtype: torch.dtype | None = None
+    keep_in_fp32_modules: Sequence[str] = ()
+    strict: bool = True
+    offload_folder: str | None = None
+    can_map_disk: bool = True  # False: disk tensors must be rewritten (needs offload_folder)
+    ignore_unexpected: Sequence[str] = ()  # regexes (transformers' _keys_to_ignore_on_load_*)
+    ignore_missing: Sequence[str] = ()
+
+
+@dataclass(frozen=True)
+class TensorLoad:
+    """Load checkpoint ``key`` into model tensor ``name`` (and its tied ``aliases``)."""
+
+    name: str
+    aliases: tuple[str, ...]
+    key: str
+    device: str  # "cpu", "cuda:0", "mps" or "disk"
+    dtype: torch.dtype
+    nbytes: int  # bytes as stored in the checkpoint
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What a load will do and what it found, decided before any data is read."""
+
+    loads: tuple[TensorLoad, ...]
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    mismatched: tuple[str, ...]
+    ignored: tuple[tuple[str, str], ...]
+    filled_by_tie: tuple[tuple[str, str], ...]
+    prefix: str | None = None
+    prefix_action: str | None = None  # "added" | "stripped"
+    device_problems: tuple[str, ...] = field(default=())
+
+
+def module_matches(name: str, modules: Collection[str]) -> bool:
+    """True if tensor ``name`` lies under one of ``modules``: a dotted prefix, or (for a
+    dotless entry such as ``"wo"``) any name component, as accelerate and transformers match.
+
+    Example:
+        >>> module_matches("block.0.wo.weight", ["wo"]), module_matches("h.10.w", ["h.1"])
+        (True, False)
+    """
+    if not modules:
+        return False
+    parts = set(name.split("."))
+    return owner(name, set(modules)) is not None or any("." not in m and m in parts for m in modules)
+
+
+def match_checkpoint(tensors: Sequence[ModelTensor], entries: Mapping[str, TensorInfo],
+                     options: LoadOptions) -> LoadPlan:
+    """Match a model's tensors to checkpoint entries and decide device and dtype of each."""
+    names = [a for t in tensors for a in t.aliases]
+    prefix, action, key_of = _resolve_prefix(names, entries.keys())
+    loads, missing, mismatched, ignored, tied, used = [], [], [], [], [], set()
+    for t in tensors:
+        found = [(alias, key) for alias in t.aliases if (key := key_of(alias)) is not None]
+        used.update(key for _, key in found)
+        if not found:
+            missing += [a for a in t.aliases if t.persistent and not _any_match(a, options.ignore_missing)]
+            continue
+        (source, key), rest = found[0], found[1:]
+        ignored += [(k, f"tied duplicate of {key!r} (same tensor in the model)") for _, k in rest]
+        if t.kind == "buffer" and not t.persistent and not t.is_meta:
+            ignored.append((key, "non-persistent buffer: the model computes it itself"))
+            continue
+        tied += [(a, source) for a in t.aliases if a not in dict(found)]
+        info = entries[key]
+        if info.shape != t.shape:
+            mismatched.append(f"{t.name}: checkpoint {key!r} has shape {list(info.shape)}, "
+                              f"the model {list(t.shape)}")
+        here = "cpu" if t.is_meta else t.device  # where it goes when there is no device_map
+        loads.append(TensorLoad(t.name, t.aliases, key, here, _target_dtype(t, info, options), info.nbytes))
+    unexpected = [k for k in entries if k not in used]
+    ignored += [(k, "listed by the model class as safe to ignore") for k in unexpected
+                if _any_match(k, options.ignore_unexpected)]
+    unexpected = [k for k in unexpected if not _any_match(k, options.ignore_unexpected)]
+    placed, device_problems = _place(loads, options)
+    return LoadPlan(tuple(placed), tuple(missing), tuple(unexpected), tuple(mismatched),
+                    tuple(ignored), tuple(tied), prefix, action, tuple(device_problems))
+
+
+def check_plan(plan: LoadPlan, *, strict: bool, where: str) -> None:
+    """Raise one `CheckpointError` for every problem that forbids loading ``plan``."""
+    problems = [f"shape mismatch: {m}" for m in plan.mismatched] + list(plan.device_problems)
+    if strict:
+        problems += [f"missing in the checkpoint: {k}" for k in plan.missing]
+        problems += [f"unexpected in the checkpoint (the model has no such tensor): {k}"
+                     for k in plan.unexpected]
+    fixes = []
+    if plan.mismatched or (strict and plan.missing and plan.unexpected):
+        fixes.append("is this the right checkpoint for this model (same config and size)?")
+    if strict and (plan.missing or plan.unexpected):
+        fixes.append("pass strict=False to load what matches and report the rest")
+    raise_problems(problems, f"cannot load {where}; nothing was loaded",
+                   fix="Fix: " + "; ".join(fixes) if fixes else "")
+
+
+def _any_match(name: str, patterns: Iterable[str]) -> bool:
+    return any(re.search(p, name) for p in patterns)
+
+
+def _target_dtype(t: ModelTensor, info: TensorInfo, options: LoadOptions) -> torch.dtype:
+    if not getattr(torch, info.dtype).is_floating_point:
+        return t.dtype
+    if module_matches(t.name, options.keep_in_fp32_modules):
+        return torch.float32
+    return options.dtype or t.dtype
+
+
+def _resolve_prefix(names: Sequence[str], keys: Collection[str]
+                    ) -> tuple[str | None, str | None, Callable[[str], str | None]]:
+    """The (prefix, "added"/"stripped", model name -> key) that matches the most names;
+    no prefix unless one matches strictly more names than the names as they are."""
+    keyset = set(keys)
+
+    def exact(n: str) -> str | None:
+        return n if n in keyset else None
+
+    best = (sum(n in keyset for n in names), None, None, exact)
+    if best[0] == len(names):
+        return best[1:]
+    for p in _common_heads(keyset):
+        def strip(n: str, p: str = p) -> str | None:
+            return exact(n) or (f"{p}.{n}" if f"{p}.{n}" in keyset else None)
+        best = max(best, (sum(strip(n) is not None for n in names), p + ".", "stripped", strip),
+                   key=lambda b: b[0])
+    for p in _common_heads(names):
+        def add(n: str, p: str = p) -> str | None:
+            tail = n[len(p) + 1:] if is_prefix(p, n) else None
+            return exact(n) or (tail if tail in keyset else None)
+        best = max(best, (sum(add(n) is not None for n in names), p + ".", "added", add),
+                   key=lambda b: b[0])
+    return best[1:]
+
+
+def _common_heads(names: Collection[str]) -> list[str]:
+    """First name components shared by at least half of ``names`` (prefix candidates)."""
+    heads = Counter(n.split(".", 1)[0] for n in names if "." in n)
+    return [h for h, count in heads.items() if 2 * count >= len(names)]
+
+
+def _place(loads: list[TensorLoad], options: LoadOptions) -> tuple[list[TensorLoad], list[str]]:
+    if options.device_map is None:
+        return loads, []
+    problems = device_problems(options.device_map, can_map_disk=options.can_map_disk,
+                               offload_folder=options.offload_folder)
+    placed = []
+    for load in loads:
+        devices = {device_of(a, options.device_map) for a in load.aliases}
+        if None in devices:
+            problems.append(f"device_map gives no device for {load.name}: add a key for it or ''")
+        elif len(devices) > 1:
+            problems.append(f"tied tensors {list(load.aliases)} are mapped to different devices "
+                            f"{sorted(devices)}: map their modules to one device")
+        else:
+            placed.append(TensorLoad(load.name, load.aliases, load.key, devices.pop(), load.dtype, load.nbytes))
+    return placed, problems

@@ -1,0 +1,212 @@
+"""Read and write the safetensors format directly: headers only, and streaming writes.
+
+A safetensors file is an 8-byte little-endian header length ``N``, ``N`` bytes of JSON
+(``{name: {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, "__metadata__":
+{...}}``, offsets relative to the end of the header), then the tensor bytes back to back.
+Reading a header costs two small reads, so a whole sharded checkpoint can be listed and
+checked without touching tensor data. Writing streams each tensor's bytes straight from its
+memory to the file (no serialised copy of the shard in RAM), in the layout the
+``safetensors`` library itself writes (header padded to 8 bytes, widest dtypes first so every
+tensor is aligned, no gaps), so files read back with ``safetensors``, transformers and mmap.
+
+Example:
+    >>> import tempfile, torch, pathlib
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "w.safetensors"
+    >>> write_safetensors(path, {"w": torch.ones(2, 3)}, metadata={"format": "pt"})
+    >>> header = read_header(path)
+    >>> header.tensors["w"].shape, header.metadata
+    ((2, 3), {'format': 'pt'})
+"""
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from bigviz.checkpoint.errors import raise_problems
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DTYPES", "HeaderEntry", "Header", "read_header", "check_header", "write_safetensors"]
+
+# safetensors dtype code -> (torch dtype name, bytes per element)
+DTYPES: dict[str, tuple[str, int]] = {
+    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1),
+    "U64": ("uint64", 8), "U32": ("uint32", 4), "U16": ("uint16", 2), "U8": ("uint8", 1),
+    "BOOL": ("bool", 1), "C64": ("complex64", 8), "C128": ("complex128", 16),
+    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
+    "F8_E8M0": ("float8_e8m0fnu", 1),
+}
+_CODES: dict[str, str] = {name: code for code, (name, _) in DTYPES.items()}
+_MAX_HEADER = 100_000_000  # the safetensors library refuses larger headers too
+_FIX = "the file is truncated or corrupt: re-download it or save it again"
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    """One tensor of a safetensors header; ``begin``/``end`` are absolute file offsets."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed, validated safetensors header."""
+
+    tensors: dict[str, HeaderEntry]
+    metadata: dict[str, str]
+    size: int  # file size in bytes
+
+
+def read_header(path: Path) -> Header:
+    """Read and validate the header of one safetensors file; raise on any problem.
+
+    Raises:
+        CheckpointError: listing every problem found in the file.
+
+    Example:
+        >>> read_header(Path("missing.safetensors"))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        bigviz.checkpoint.errors.CheckpointError: cannot read 'missing.safetensors' (1 problem):...
+    """
+    header, problems = check_header(path)
+    raise_problems(problems, f"cannot read '{path}'", fix=_FIX if problems else "")
+    assert header is not None
+    return header
+
+
+def check_header(path: Path) -> tuple[Header | None, list[str]]:
+    """Parse ``path``'s header and return it with every problem found (header None if fatal)."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            f.seek(0)
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                return None, [f"{path}: {size} bytes is too small for a safetensors file"]
+            (length,) = struct.unpack("<Q", prefix)
+            if length > _MAX_HEADER or 8 + length > size:
+                return None, [f"{path}: header length {length} is beyond the file end ({size} bytes)"]
+            raw = f.read(length)
+    except OSError as err:
+        return None, [f"{path}: cannot open ({err.strerror or err})"]
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        return None, [f"{path}: header is not valid JSON ({err})"]
+    if not isinstance(doc, dict):
+        return None, [f"{path}: header is JSON but not an object"]
+    return _parse_doc(path, doc, data_start=8 + length, size=size)
+
+
+def _parse_doc(path: Path, doc: dict, *, data_start: int, size: int) -> tuple[Header | None, list[str]]:
+    problems: list[str] = []
+    metadata = doc.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        problems.append(f"{path}: __metadata__ must map strings to strings")
+        metadata = {}
+    tensors: dict[str, HeaderEntry] = {}
+    for name, raw in doc.items():
+        entry = _parse_entry(raw, data_start)
+        if isinstance(entry, str):
+            problems.append(f"{path}: tensor {name!r} {entry}")
+        elif entry.end > size:
+            problems.append(
+                f"{path}: tensor {name!r} data ends at byte {entry.end}, beyond the file end ({size} bytes)"
+            )
+        else:
+            tensors[name] = entry
+    problems += _overlaps(path, tensors)
+    return Header(tensors, dict(metadata), size), problems
+
+
+def _parse_entry(raw: object, data_start: int) -> HeaderEntry | str:
+    """A header entry, or a string saying what is wrong with it."""
+    if not isinstance(raw, dict):
+        return "has no dtype/shape/data_offsets record"
+    code, shape, offsets = raw.get("dtype"), raw.get("shape"), raw.get("data_offsets")
+    if code not in DTYPES:
+        return f"has unknown dtype {code!r}"
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        return f"has invalid shape {shape!r}"
+    if (
+        not isinstance(offsets, list) or len(offsets) != 2
+        or not all(isinstance(o, int) for o in offsets) or not 0 <= offsets[0] <= offsets[1]
+    ):
+        return f"has invalid data_offsets {offsets!r}"
+    name, itemsize = DTYPES[code]
+    numel = 1
+    for d in shape:
+        numel *= d
+    if offsets[1] - offsets[0] != numel * itemsize:
+        return (
+            f"holds {offsets[1] - offsets[0]} bytes but {code}{shape} needs {numel * itemsize}"
+        )
+    return HeaderEntry(name, tuple(shape), data_start + offsets[0], data_start + offsets[1])
+
+
+def _overlaps(path: Path, tensors: Mapping[str, HeaderEntry]) -> list[str]:
+    spans = sorted((e.begin, e.end, n) for n, e in tensors.items() if e.end > e.begin)
+    problems = []
+    for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:]):
+        if begin_b < end_a:
+            problems.append(f"{path}: tensors {a!r} and {b!r} overlap (bytes {begin_b}..{end_a})")
+    return problems
+
+
+def write_safetensors(
+    path: Path,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    metadata: Mapping[str, str] | None = None,
+    on_bytes: Callable[[int], object] | None = None,
+) -> None:
+    """Write ``tensors`` to ``path`` as safetensors, streaming each tensor's bytes.
+
+    Tensors may live on any device and be non-contiguous; each is copied to a contiguous CPU
+    tensor only when it is not one already, one at a time.
+
+    Args:
+        path: the file to write (overwritten).
+        tensors: name -> tensor; names keep their order within a dtype width.
+        metadata: string -> string pairs stored as ``__metadata__``.
+        on_bytes: called with the byte count after each tensor is written (progress bars).
+    """
+    order = sorted(tensors, key=lambda n: -tensors[n].element_size())  # stable: keeps key order
+    doc: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        nbytes = t.numel() * t.element_size()
+        code = _CODES.get(str(t.dtype).removeprefix("torch."))
+        if code is None:
+            raise TypeError(f"tensor {name!r}: dtype {t.dtype} has no safetensors code")
+        doc[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # pad so the data (and every tensor) starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name in order:
+            f.write(_tensor_bytes(tensors[name]))
+            if on_bytes is not None:
+                on_bytes(tensors[name].numel() * tensors[name].element_size())
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of ``t`` (a copy only when it is not contiguous on the CPU)."""
+    import torch
+
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
