@@ -56,6 +56,9 @@ _EXPORTS: dict[str, str] = {
     "load_checkpoint_in_model": "bigviz.checkpoint.load",
     "load_sharded_checkpoint": "bigviz.checkpoint.load",
     "tree_from_checkpoint": "bigviz.checkpoint.tree",
+    "detect_no_split": "bigviz.checkpoint.tree",
+    "CheckpointError": "bigviz.checkpoint.errors",
+    "LoadResult": "bigviz.checkpoint.load",
     # engine
     "ModelHook": "bigviz.engine.hooks",
     "SequentialHook": "bigviz.engine.hooks",

@@ -68,7 +68,21 @@ def test_no_split_glob_patterns():
     tree = _layers_and_head(n=3, head=4 * KB)
     plan = make_plan(tree, {0: 50 * KB, "cpu": 10**6},
                      PlanOptions(no_split=frozenset({"layers.*"}), offload_reserve=False))
-    assert plan.device_map == {"layers.0": 0, "layers.1": "cpu", "layers.2": "cpu", "head": "cpu"}
+    # Each 40 KB layer is whole: one fits GPU 0's 50 KB. The 4 KB head still fits the 10 KB
+    # left there: streamed-off layers do not push later small modules off the GPU.
+    assert plan.device_map == {"layers.0": 0, "layers.1": "cpu", "layers.2": "cpu", "head": 0}
+
+
+def test_one_big_module_does_not_push_later_layers_off_the_gpus():
+    # emb (100 KB) fits neither GPU 0 (50 KB) nor GPU 1 (90 KB): it is streamed from the CPU,
+    # and GPU 0 keeps 100 KB for it, so GPU 0 holds nothing. The four 20 KB layers then go
+    # to GPU 1 instead of following the embedding to the CPU (accelerate's one-way rule).
+    specs = [TensorSpec("emb.weight", 25_000, "float32")]
+    specs += [TensorSpec(f"layers.{i}.weight", 5_000, "float32") for i in range(4)]
+    plan = make_plan(SizeTree.build(specs), {0: 50 * KB, 1: 90 * KB, "cpu": 10**6},
+                     PlanOptions(strategy="sequential", prefetch=False))
+    assert plan.device_map == {"emb": "cpu", "layers": 1}
+    assert "streamed in at forward time" in plan.placements[0].reason
 
 
 def test_balanced_spreads_and_sequential_does_not():

@@ -86,7 +86,23 @@ def make_plan(tree: SizeTree, max_memory: Mapping[object, object],
               f"forward time" for d, v in offload.items() if v]
     usage = tuple(DeviceUsage(d, budgets[d], caps[d], reserve.get(d, 0), offload[d], state.used[d])
                   for d in budgets)
+    notes += _warnings(usage, main)
     return DevicePlan(tuple(state.placements), usage, options.strategy, main, tuple(notes), tree)
+
+
+def _warnings(usage: tuple[DeviceUsage, ...], main: Device) -> list[str]:
+    """What a person should know: a device over its budget, an execution device left empty."""
+    out = []
+    for u in usage:
+        over = u.used + u.reserve + u.offload_reserve - u.budget
+        if over > 0 and u.used:
+            out.append(f"{device_label(u.device)} is over its budget by {format_size(over)} "
+                       f"(overrides put more there than fits)")
+        elif u.device == main and u.used == 0 and u.offload_reserve and u.budget:
+            out.append(f"{device_label(u.device)} holds no weights: its {format_size(u.budget)} is all "
+                       f"needed for the offloaded weights streamed in; give it more memory or use a "
+                       f"smaller dtype")
+    return out
 
 
 def _check_inputs(tree: SizeTree, budgets: dict[Device, int],
@@ -213,38 +229,55 @@ def _override_charge(tree: SizeTree, name: str, overrides: Mapping[str, Device])
 
 def _fit(tree: SizeTree, state: _Pass, name: str, size: int, splittable: bool,
          stack: list[str], devices: list[Device], index: int, streamed: tuple[str, ...]) -> int:
-    """Place ``name`` on the first device from ``index`` on with room, or split it.
-    Returns the device index the pass continues from (devices fill one way)."""
-    miss = ""
+    """Place ``name`` or split it; returns the resident-device cursor the pass goes on from.
+
+    Resident devices (the GPUs, or the cpu when it executes) fill one way, in order, so
+    consecutive layers stay together. A unit that fits none of them from the cursor on goes
+    alone to the first streamed device (cpu, disk) with room, and the cursor stays: one big
+    embedding does not push every later layer off the GPUs, as it does in accelerate.
+    """
     promises = {f: state.follower_units[f] for f, lead in tree.leader_of.items()
                 if is_prefix(name, lead) and not is_prefix(name, f)}
     extra = sum(promises.values())
-    while index < len(devices):
-        device = devices[index]
-        left = state.remaining[device]
-        if size == 0 and not extra:
-            _put(tree, state, name, device, 0, f"holds no weights: stays with its neighbours on {device_label(device)}")
+    resident = [d for d in devices if d not in streamed]
+    here = resident[index] if index < len(resident) else None
+    if size == 0 and not extra:
+        device = here if here is not None else devices[0]
+        _put(tree, state, name, device, 0, f"holds no weights: stays with its neighbours on {device_label(device)}")
+        return index
+    miss = ""
+    if here is not None and size + extra <= state.remaining[here]:
+        _accept(tree, state, name, here, size, promises, "")
+        return index
+    if splittable:
+        _split(tree, name, stack)  # try the parts; streamed weights are planned per block
+        return index
+    if here is not None:
+        miss = (f"{_what(tree, name)} did not fit {device_label(here)} ({format_size(size)} needed, "
+                f"{format_size(max(state.remaining[here], 0))} left); ")
+        for later in range(index + 1, len(resident)):
+            if size + extra <= state.remaining[resident[later]]:
+                _accept(tree, state, name, resident[later], size, promises, miss)
+                return later
+    for device in (d for d in devices if d in streamed):
+        if size + extra <= state.remaining[device]:
+            _accept(tree, state, name, device, size, promises, miss + "streamed in at forward time; ")
             return index
-        if splittable and device in streamed:
-            _split(tree, name, stack)  # offloaded weights stream in per block: plan per block
-            return index
-        if size + extra <= left:
-            text = f"fits: {format_size(size)} of {format_size(left)} left on {device_label(device)}"
-            if extra:
-                text += f" (with {format_size(extra)} kept for the modules tied to it)"
-            _put(tree, state, name, device, size, f"{miss}{text}" if miss else text)
-            state.remaining[device] -= extra
-            state.promised.update({f: (device, b) for f, b in promises.items()})
-            return index
-        if splittable:
-            _split(tree, name, stack)
-            return index
-        what = _what(tree, name)
-        miss = (f"{what} did not fit {device_label(device)} ({format_size(size)} needed, "
-                f"{format_size(max(left, 0))} left); ")
-        index += 1
     state.unplaced.append(name)
     return index
+
+
+def _accept(tree: SizeTree, state: _Pass, name: str, device: Device, size: int,
+            promises: Mapping[str, int], prefix: str) -> None:
+    """Put a unit that fits, keeping room for the tied modules that will follow it."""
+    extra = sum(promises.values())
+    left = state.remaining[device]
+    text = f"fits: {format_size(size)} of {format_size(left)} left on {device_label(device)}"
+    if extra:
+        text += f" (with {format_size(extra)} kept for the modules tied to it)"
+    _put(tree, state, name, device, size, prefix + text)
+    state.remaining[device] -= extra
+    state.promised.update({f: (device, b) for f, b in promises.items()})
 
 
 def _follower_unit_bytes(tree: SizeTree, follower: str, leader: str, no_split: frozenset[str]) -> int:

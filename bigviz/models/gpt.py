@@ -158,11 +158,16 @@ class GPT(nn.Module):
             )
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_weights:
-            # one Parameter object under two names: saved once, loaded once, placed together
-            self.lm_head.weight = self.transformer.wte.weight
+        self.tie_weights()
         if not self.lm_head.weight.is_meta:  # on meta there are no values to set: skip the work
             self._init_parameters()
+
+    def tie_weights(self) -> None:
+        """Make ``lm_head`` share the embedding matrix (when the config ties them): one
+        Parameter object under two names, saved once, loaded once, placed together. Loaders
+        call this again after replacing meta tensors, as transformers does."""
+        if self.config.tie_weights:
+            self.lm_head.weight = self.transformer.wte.weight
 
     def _init_parameters(self) -> None:
         """nanoGPT's init: N(0, 0.02) weights, zero biases, and the projections that feed

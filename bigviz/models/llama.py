@@ -255,10 +255,16 @@ class Llama(nn.Module):
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
         self._tied_weights_keys = ["lm_head.weight"] if config.tie_weights else []
-        if config.tie_weights:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.tie_weights()
         if not self.lm_head.weight.is_meta:  # on meta there are no values to set: skip the work
             self.apply(self._init_weights)
+
+    def tie_weights(self) -> None:
+        """Make ``lm_head`` share the embedding matrix (when the config ties them): one
+        Parameter object under two names, saved once, loaded once, placed together. Loaders
+        call this again after replacing meta tensors, as transformers does."""
+        if self.config.tie_weights:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
