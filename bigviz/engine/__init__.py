@@ -1,1 +1,21 @@
-"""bigviz.engine"""
+"""bigviz.engine: run a device map — hooks, offload units, prefetch, dispatch.
+
+Modules, bottom up:
+
+- :mod:`~bigviz.engine.hooks`: accelerate's four-method hook protocol (``ModelHook``,
+  ``add_hook_to_module``, ``remove_hook_from_module``) and ``remove_hooks``.
+- :mod:`~bigviz.engine.devices`: torch devices for map values, "does this machine have
+  it", moving nested arguments.
+- :mod:`~bigviz.engine.weights`: tensor slots and tie groups; stores (pinned dicts,
+  ``LazyWeights`` over safetensors); the offload folder.
+- :mod:`~bigviz.engine.units`: a device map becomes offload units (one per offloaded
+  entry, never bigger than a block) and resident tensors.
+- :mod:`~bigviz.engine.prefetch`: zero-copy CPU fetches, side-stream CUDA fetches through
+  pinned staging, and the scheduler that fetches the next unit in recorded order.
+- :mod:`~bigviz.engine.offload`: the hooks a dispatch attaches.
+- :mod:`~bigviz.engine.dispatch`: ``dispatch_model``.
+- :mod:`~bigviz.engine.big_modeling`: ``load_checkpoint_and_dispatch``, ``cpu_offload``,
+  ``cpu_offload_with_hook``, ``disk_offload``.
+
+The public names are exported from ``bigviz`` itself (``bigviz.dispatch_model`` ...).
+"""

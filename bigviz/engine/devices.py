@@ -1,0 +1,210 @@
+"""Devices as the engine sees them: torch devices, what this machine has, moving arguments.
+
+Device maps name devices the planner's way (``0``, ``"cpu"``, ``"disk"``, ``"mps"``; see
+:func:`bigviz.core.units.normalize_device`); the engine turns them into ``torch.device``
+objects, checks the machine has them before anything is loaded, and moves a forward's
+arguments and outputs through nested tuples, lists and dicts.
+
+Example:
+    >>> import torch
+    >>> torch_device(0), torch_device("cpu")
+    (device(type='cuda', index=0), device(type='cpu'))
+    >>> send_to_device({"x": torch.ones(1), "cache": object()}, "cpu", skip_keys=["cache"])["x"]
+    tensor([1.])
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from bigviz.core.units import normalize_device
+
+__all__ = [
+    "torch_device",
+    "available_devices",
+    "check_devices_exist",
+    "send_to_device",
+    "map_tensors",
+    "any_tensor",
+    "find_device",
+]
+
+DeviceLike = int | str | torch.device
+
+
+def torch_device(device: DeviceLike) -> torch.device:
+    """The ``torch.device`` that executes work for a device-map value (not ``"disk"``).
+
+    Example:
+        >>> torch_device("cuda:1")
+        device(type='cuda', index=1)
+    """
+    if isinstance(device, torch.device):
+        return device if device.type != "cuda" or device.index is not None else torch.device("cuda", 0)
+    canonical = normalize_device(device)
+    if canonical == "disk":
+        raise ValueError("'disk' stores weights; it cannot execute a module (use 'cpu' or a GPU)")
+    if isinstance(canonical, int):
+        return torch.device("cuda", canonical)
+    return torch.device(canonical)
+
+
+def available_devices() -> list[int | str]:
+    """Devices this machine can use now: GPU indices, then ``"mps"``, ``"cpu"``, ``"disk"``.
+
+    Example:
+        >>> available_devices()[-2:]
+        ['cpu', 'disk']
+    """
+    gpus: list[int | str] = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        gpus.append("mps")
+    return gpus + ["cpu", "disk"]
+
+
+def check_devices_exist(device_map: Mapping[str, Any], *, main_device: Any = None) -> None:
+    """Raise before anything is loaded if the map (or ``main_device``) names absent devices.
+
+    Raises:
+        ValueError: naming every missing device, the modules mapped to it and what exists.
+
+    Example:
+        >>> check_devices_exist({"": "cpu"})
+        >>> check_devices_exist({"h.0": 3})
+        Traceback (most recent call last):
+        ...
+        ValueError: device map names GPU 3 (h.0), which this machine does not have; ...
+    """
+    have = set(available_devices())
+    missing: dict[Any, list[str]] = {}
+    for name, device in device_map.items():
+        canonical = normalize_device(device)
+        if canonical not in have:
+            missing.setdefault(canonical, []).append(name or "'' (whole model)")
+    if main_device is not None and normalize_device(main_device) not in have:
+        missing.setdefault(normalize_device(main_device), []).append("main_device")
+    if missing:
+        raise ValueError(_missing_message(missing, have))
+
+
+def _missing_message(missing: Mapping[Any, list[str]], have: Iterable[Any]) -> str:
+    def label(device: Any) -> str:
+        return f"GPU {device}" if isinstance(device, int) else repr(device)
+
+    parts = []
+    for device, names in missing.items():
+        shown = ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
+        parts.append(f"{label(device)} ({shown})")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return (
+        f"device map names {'; '.join(parts)}, which this machine does not have; "
+        f"available: {', '.join(label(d) for d in have)} (torch sees {gpus} CUDA GPU(s)). "
+        "Fix: plan again for this machine (bigviz.plan(model) or device_map='auto'), or "
+        "change those entries to an available device."
+    )
+
+
+def send_to_device(
+    obj: Any, device: DeviceLike, *, skip_keys: Iterable[str] = (), non_blocking: bool = False
+) -> Any:
+    """Move every tensor inside ``obj`` (tuples, lists, dicts, nested) to ``device``.
+
+    Objects that are not tensors or containers (a KV cache, a config) pass through; so do
+    dict entries whose key is in ``skip_keys``. A container comes back as the same object
+    when nothing in it moved, which keeps the no-move case (everything on the CPU) cheap.
+
+    Example:
+        >>> import torch
+        >>> args = (torch.ones(2), [torch.zeros(1)], "text")
+        >>> send_to_device(args, "cpu") is args
+        True
+    """
+    target = torch_device(device)
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t if t.device == target else t.to(target, non_blocking=non_blocking)
+
+    return map_tensors(obj, move, skip_keys=skip_keys)
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], *, skip_keys: Iterable[str] = ()) -> Any:
+    """Apply ``fn`` to every tensor in nested tuples, lists and dicts; rebuild only what changed.
+
+    Example:
+        >>> import torch
+        >>> map_tensors({"a": (torch.ones(1),)}, lambda t: t * 3)["a"][0].item()
+        3.0
+    """
+    return _map(obj, fn, frozenset(skip_keys))
+
+
+def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], skip: frozenset[str]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (list, tuple)):
+        moved = [_map(item, fn, skip) for item in obj]
+        if all(a is b for a, b in zip(moved, obj)):
+            return obj
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+            return type(obj)(*moved)
+        return type(obj)(moved)
+    if isinstance(obj, Mapping):
+        items = {k: v if k in skip else _map(v, fn, skip) for k, v in obj.items()}
+        if all(items[k] is v for k, v in obj.items()):
+            return obj
+        return _rebuild_mapping(obj, items)
+    return obj
+
+
+def _rebuild_mapping(original: Mapping[str, Any], items: dict[str, Any]) -> Any:
+    try:  # keeps the type of dict subclasses such as transformers' ModelOutput
+        return type(original)(**items)
+    except TypeError:
+        try:
+            return type(original)(items)
+        except TypeError:
+            return items
+
+
+def any_tensor(obj: Any, predicate: Callable[[torch.Tensor], bool], *, skip_keys: Iterable[str] = ()) -> bool:
+    """True if some tensor inside ``obj`` satisfies ``predicate`` (stops at the first).
+
+    Example:
+        >>> import torch
+        >>> any_tensor((1, [torch.ones(1, requires_grad=True)]), lambda t: t.requires_grad)
+        True
+    """
+    skip = frozenset(skip_keys)
+    if isinstance(obj, torch.Tensor):
+        return predicate(obj)
+    if isinstance(obj, (list, tuple)):
+        return any(any_tensor(item, predicate, skip_keys=skip) for item in obj)
+    if isinstance(obj, Mapping):
+        return any(any_tensor(v, predicate, skip_keys=skip) for k, v in obj.items() if k not in skip)
+    return False
+
+
+def find_device(obj: Any, *, skip_keys: Iterable[str] = ()) -> torch.device | None:
+    """The device of the first tensor found in ``obj`` (depth first), or None.
+
+    Example:
+        >>> import torch
+        >>> find_device(((), {"x": torch.ones(1)}))
+        device(type='cpu')
+    """
+    skip = frozenset(skip_keys)
+    if isinstance(obj, torch.Tensor):
+        return obj.device
+    if isinstance(obj, (list, tuple)):
+        items: Iterable[Any] = obj
+    elif isinstance(obj, Mapping):
+        items = (v for k, v in obj.items() if k not in skip)
+    else:
+        return None
+    for item in items:
+        found = find_device(item, skip_keys=skip)
+        if found is not None:
+            return found
+    return None

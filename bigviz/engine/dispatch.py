@@ -1,0 +1,346 @@
+"""``dispatch_model``: make a device map real on a model, with hooks that stream offloaded units.
+
+What each map value does (``main_device`` is where offloaded units execute: the first GPU
+in the map, else the CPU):
+
+=============  ==========================================================================
+``0``, ``1``   the entry's tensors are moved to that GPU and stay there
+``"cpu"``      with the CPU executing: stays in RAM. With a GPU executing: copied once
+               into pinned RAM, streamed to the GPU for each forward (side stream)
+``"disk"``     read at forward time from safetensors: the checkpoint's own files (passed
+               as ``weights``, e.g. ``LoadResult.disk``) or, for weights in memory, files
+               written once to ``offload_folder``. The CPU computes straight on the
+               memory-mapped pages (no copy); a GPU gets them via pinned staging buffers
+=============  ==========================================================================
+
+Offloaded tensors sit on ``meta`` between forwards. One hook per offloaded entry fetches
+all its tensors; the next entry is fetched while the current one computes (``prefetch``).
+
+Example:
+    >>> import torch, tempfile
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    >>> x = torch.randn(3, 4)
+    >>> expected = model(x)
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     _ = dispatch_model(model, {"0": "cpu", "1": "cpu", "2": "disk"}, offload_folder=folder)
+    ...     torch.equal(model(x), expected), model[2].weight.device.type
+    (True, 'meta')
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from bigviz.core.units import normalize_device
+from bigviz.engine.devices import check_devices_exist, torch_device
+from bigviz.modeling.api import check_device_map
+from bigviz.engine.hooks import GUARDED_METHODS, add_hook_to_module, remove_hook_from_module
+from bigviz.engine.offload import AlignDevicesHook, OffloadHook
+from bigviz.engine.prefetch import CpuFetcher, CudaFetcher, Fetcher, Scheduler
+from bigviz.engine.units import Layout, Unit, called_modules, layout_model
+from bigviz.engine.weights import TensorGroup, as_slot_value, open_offload_folder, pin, set_slot, write_offload_folder
+
+__all__ = ["dispatch_model", "DispatchOptions", "DispatchState", "DEFAULT_SKIP_KEYS"]
+
+DEFAULT_SKIP_KEYS: tuple[str, ...] = ("cache", "past_key_values")
+
+
+@dataclass(frozen=True)
+class DispatchOptions:
+    """The knobs of :func:`dispatch_model`, gathered (see its docstring)."""
+
+    main_device: torch.device
+    offload_folder: Path | None = None
+    offload_buffers: bool = False
+    prefetch: bool = True
+    skip_keys: tuple[str, ...] = DEFAULT_SKIP_KEYS
+    preload_module_classes: tuple[str, ...] = ()
+    no_split_module_classes: tuple[str, ...] = ()
+
+
+@dataclass(eq=False)
+class DispatchState:
+    """What a dispatch set up on a model (``model._bigviz_dispatch``), for inspection and undo.
+
+    Attributes:
+        device_map: The normalised map.
+        options: The options used.
+        units: Offload units, definition order.
+        scheduler: The prefetch scheduler (``scheduler.order``: recorded execution order).
+        owned: Stores opened by the dispatch (closed by ``remove_hooks``).
+    """
+
+    device_map: dict[str, int | str]
+    options: DispatchOptions
+    units: list[Unit] = field(default_factory=list)
+    scheduler: Scheduler | None = None
+    owned: list[Any] = field(default_factory=list)
+
+    def close(self) -> None:
+        """Detach remaining unit hooks, stop prefetching and close the files opened."""
+        for unit in self.units:
+            if getattr(unit.module, "_hf_hook", None) is not None:
+                remove_hook_from_module(unit.module)
+        if self.scheduler is not None:
+            self.scheduler.close()
+        for store in self.owned:
+            close = getattr(store, "close", None)
+            if close is not None:
+                close()
+        self.owned.clear()
+
+
+class _RootHook(AlignDevicesHook):
+    """The model's own hook: inputs in, outputs back, pass boundaries, and the undo."""
+
+    def __init__(self, state: DispatchState, *, skip_keys: Iterable[str]) -> None:
+        super().__init__(
+            state.options.main_device, io_same_device=True, skip_keys=skip_keys, scheduler=state.scheduler
+        )
+        self.state = state
+
+    def detach_hook(self, module: nn.Module) -> nn.Module:
+        self.state.close()
+        for attr in ("hf_device_map", "_bigviz_dispatch"):
+            module.__dict__.pop(attr, None)
+        return module
+
+
+def dispatch_model(
+    model: nn.Module,
+    device_map: Mapping[str, int | str | torch.device],
+    *,
+    main_device: int | str | torch.device | None = None,
+    offload_folder: str | Path | None = None,
+    offload_buffers: bool = False,
+    prefetch: bool = True,
+    skip_keys: str | Sequence[str] | None = None,
+    preload_module_classes: Sequence[str] | None = None,
+    no_split_module_classes: Sequence[str] | None = None,
+    weights: Mapping[str, Tensor] | None = None,
+    state_dict: Mapping[str, Tensor] | None = None,
+    offload_dir: str | Path | None = None,
+    force_hooks: bool = False,
+) -> nn.Module:
+    """Place ``model`` according to ``device_map`` and hook it so it runs as one module.
+
+    Devices are checked before anything moves; every problem with the map (uncovered
+    tensors, weights on ``meta`` that no store holds, a missing ``offload_folder``) is
+    collected and raised together, also before anything moves.
+
+    Args:
+        model: The model: materialised, on ``meta`` (with ``weights``), or a mix.
+        device_map: Module (or tensor) name -> ``0``/``"cuda:1"``/``"cpu"``/``"disk"``/``"mps"``.
+        main_device: Where offloaded units run. Default: the first GPU in the map, else CPU.
+        offload_folder: Where disk-mapped weights that are in memory are written once, as
+            safetensors. Not needed when they come from ``weights``.
+        offload_buffers: Stream buffers of offloaded modules too (else they stay on
+            ``main_device``).
+        prefetch: Fetch the next offloaded module while the current one computes.
+        skip_keys: Forward kwargs never moved between devices. Default: the model's
+            ``_skip_keys_device_placement`` plus ``"cache"`` and ``"past_key_values"``.
+        preload_module_classes: Class names whose instances fetch all their offloaded
+            weights at the start of their forward (modules whose children's weights are
+            read without calling the children).
+        no_split_module_classes: Block classes: an offloaded entry holding blocks is
+            fetched block by block (default: the model's ``_no_split_modules``).
+        weights: Tensors for what is on ``meta`` in the model (e.g. ``LoadResult.disk``).
+        state_dict: accelerate's name for more such tensors (used like ``weights``).
+        offload_dir: accelerate's name for ``offload_folder``.
+        force_hooks: Hook the model even when everything is on one device.
+
+    Returns:
+        The model, with ``hf_device_map`` set. ``.to()``, ``.cuda()``, ``.half()`` ... raise
+        while it is dispatched over several devices: call
+        :func:`~bigviz.engine.hooks.remove_hooks` first.
+
+    Raises:
+        ValueError: the map names devices this machine lacks, or is wrong for this model.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        >>> _ = dispatch_model(model, {"0": "cpu", "1": "cpu"})
+        >>> model.hf_device_map
+        {'0': 'cpu', '1': 'cpu'}
+    """
+    if getattr(model, "_bigviz_dispatch", None) is not None:
+        raise ValueError("dispatch_model: this model is already dispatched; call bigviz.remove_hooks(model) first")
+    cleaned = {name: normalize_device(device) for name, device in device_map.items()}
+    check_devices_exist(cleaned, main_device=main_device)  # before anything is read or moved
+    check_device_map(model, cleaned)  # every tensor covered, every key a module or tensor
+    options = DispatchOptions(
+        main_device=_main_device(cleaned, main_device),
+        offload_folder=_folder(offload_folder if offload_folder is not None else offload_dir),
+        offload_buffers=offload_buffers,
+        prefetch=prefetch,
+        skip_keys=_skip_keys(model, skip_keys),
+        preload_module_classes=tuple(preload_module_classes or ()),
+        no_split_module_classes=tuple(
+            no_split_module_classes if no_split_module_classes is not None else _declared_blocks(model)
+        ),
+    )
+    stores = [s for s in (weights, state_dict) if s is not None]
+    layout = _checked_layout(model, cleaned, options, stores)
+    state = DispatchState(cleaned, options)
+    _materialise(layout, options, state)
+    if len(set(cleaned.values())) > 1 or layout.units or force_hooks:
+        _attach(model, layout, state)
+    model.hf_device_map = dict(cleaned)
+    return model
+
+
+def _main_device(device_map: Mapping[str, int | str], main_device: Any) -> torch.device:
+    if main_device is not None:
+        return torch_device(main_device)
+    executing = [d for d in device_map.values() if d not in ("cpu", "disk")]
+    gpus = sorted(d for d in executing if isinstance(d, int))
+    if gpus:
+        return torch_device(gpus[0])
+    return torch_device(executing[0] if executing else "cpu")
+
+
+def _declared_blocks(model: nn.Module) -> tuple[str, ...]:
+    declared = getattr(model, "_no_split_modules", None) or ()
+    return (declared,) if isinstance(declared, str) else tuple(declared)
+
+
+def _folder(folder: str | Path | None) -> Path | None:
+    return None if folder is None else Path(folder)
+
+
+def _skip_keys(model: nn.Module, skip_keys: str | Sequence[str] | None) -> tuple[str, ...]:
+    if skip_keys is not None:
+        return (skip_keys,) if isinstance(skip_keys, str) else tuple(skip_keys)
+    declared = getattr(model, "_skip_keys_device_placement", None) or ()
+    declared = (declared,) if isinstance(declared, str) else tuple(declared)
+    # the model's own names plus the usual cache names: a cache tuple must never be moved
+    return tuple(dict.fromkeys((*declared, *DEFAULT_SKIP_KEYS)))
+
+
+def _checked_layout(
+    model: nn.Module, device_map: dict[str, int | str], options: DispatchOptions, stores: list[Mapping[str, Tensor]]
+) -> Layout:
+    from bigviz.modeling.sizes import find_tied_parameters
+
+    layout = layout_model(
+        model,
+        device_map,
+        main_device=options.main_device,
+        offload_buffers=options.offload_buffers,
+        preload_module_classes=options.preload_module_classes,
+        block_classes=options.no_split_module_classes,
+        stores=stores,
+        ties=find_tied_parameters(model),
+    )
+    problems = list(layout.problems)
+    if layout.to_write and options.offload_folder is None:
+        units = sorted({u.name for u in layout.units if u.storage == "disk" and u.materialised})
+        problems.append(
+            f"modules mapped to 'disk' hold weights in memory ({', '.join(units[:5])}"
+            f"{', ...' if len(units) > 5 else ''}): pass offload_folder= to write them there once "
+            "as safetensors (or load them from a checkpoint with load_checkpoint_and_dispatch)"
+        )
+    if problems:
+        shown = "\n  - ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+        raise ValueError(f"dispatch_model: {len(problems)} problem(s) with this device map:\n  - {shown}")
+    return layout
+
+
+def _materialise(layout: Layout, options: DispatchOptions, state: DispatchState) -> None:
+    new_sources: dict[str, Mapping[str, Tensor]] = {}
+    if layout.to_write:
+        assert options.offload_folder is not None  # checked in _checked_layout
+        write_offload_folder(layout.to_write, options.offload_folder)
+        store = open_offload_folder(options.offload_folder)
+        state.owned.append(store)
+        new_sources.update(dict.fromkeys(layout.to_write, store))
+    if layout.to_pin:
+        pinned = {key: pin(tensor) for key, tensor in layout.to_pin.items()}
+        new_sources.update(dict.fromkeys(pinned, pinned))
+    layout.to_write, layout.to_pin = {}, {}  # drop references: the RAM copies can be freed
+    for unit in layout.units:
+        for key in unit.slots:
+            if key in new_sources:
+                unit.sources[key] = new_sources[key]
+    for group, device, found in layout.resident:
+        _place(group, device, found)
+    state.units = layout.units
+
+
+def _place(group: TensorGroup, device: torch.device, found: tuple[str, Mapping[str, Tensor]] | None) -> None:
+    tensor = group.tensor
+    if found is None:
+        if tensor.device != device:
+            tensor.data = tensor.data.to(device)  # same object: ties and user references survive
+        return
+    key, store = found
+    value = store[key]
+    value = value.to(device=device, dtype=tensor.dtype) if value.device != device or value.dtype != tensor.dtype else value
+    new = as_slot_value(value, group.kind, requires_grad=tensor.requires_grad)
+    for slot in group.slots:
+        set_slot(slot, new)
+
+
+def _attach(model: nn.Module, layout: Layout, state: DispatchState) -> None:
+    options = state.options
+    fetcher: Fetcher
+    if options.main_device.type == "cuda":
+        fetcher = CudaFetcher(options.main_device, layout.units, background=options.prefetch)
+    else:
+        fetcher = CpuFetcher(options.main_device)
+    wrap = options.main_device.type == "cpu"  # page-in hints only; GPU memory is not held between calls
+    state.scheduler = Scheduler(layout.units, fetcher, prefetch=options.prefetch, wrap=wrap)
+    add_hook_to_module(model, _RootHook(state, skip_keys=options.skip_keys), append=True)
+    several = len({_exec_device(d, options.main_device) for d in state.device_map.values()}) > 1
+    if several:
+        _attach_align_hooks(model, layout.units, state)
+    restored: dict[tuple[int, str], Tensor] = {}
+    for unit in layout.units:
+        hook = OffloadHook(unit, state.scheduler, skip_keys=options.skip_keys, restored=restored)
+        add_hook_to_module(unit.module, hook, append=True)
+    model._bigviz_dispatch = state
+    if layout.units or several:
+        for method in GUARDED_METHODS:
+            if hasattr(model, method):
+                guard = functools.partial(_refuse_move, model, method)
+                guard.bigviz_guard = True  # type: ignore[attr-defined]  (remove_hooks takes it off)
+                setattr(model, method, guard)
+
+
+def _attach_align_hooks(model: nn.Module, units: list[Unit], state: DispatchState) -> None:
+    """With several execution devices, every module that runs moves its inputs to its device."""
+    options = state.options
+    modules = dict(model.named_modules())
+    hooked: set[int] = set()
+    targets = [(m, d) for name, d in state.device_map.items() if name for m in called_modules(name, modules)]
+    targets += [(unit.module, "disk") for unit in units]  # units may sit below their entry
+    for module, device in targets:
+        if id(module) not in hooked:
+            hooked.add(id(module))
+            hook = AlignDevicesHook(_exec_device(device, options.main_device), skip_keys=options.skip_keys)
+            add_hook_to_module(module, hook, append=True)
+
+
+def _exec_device(device: int | str, main_device: torch.device) -> torch.device:
+    return main_device if device == "disk" or (device == "cpu" and main_device.type != "cpu") else torch_device(device)
+
+
+def _refuse_move(model: nn.Module, method: str, *args: Any, **kwargs: Any) -> Any:
+    state: DispatchState = model._bigviz_dispatch
+    offloaded = [f"{u.name} -> {u.storage}" for u in state.units[:3]]
+    where = f"modules offloaded ({', '.join(offloaded)}{', ...' if len(state.units) > 3 else ''})"
+    if not state.units:
+        where = f"modules spread over {sorted({str(d) for d in state.device_map.values()})}"
+    raise RuntimeError(
+        f"model.{method}() refused: this model is dispatched with {where}; moving or casting it "
+        "would leave its hooks and offloaded weights behind. Call bigviz.remove_hooks(model) "
+        "first (offloaded weights return where they were before dispatch), or dispatch again "
+        "with another device map."
+    )
