@@ -45,9 +45,9 @@ _EXPORTS: dict[str, str] = {
     "module_tree": "bigviz.modeling.sizes",
     "find_tied_parameters": "bigviz.modeling.sizes",
     "get_max_memory": "bigviz.modeling.budgets",
-    "plan": "bigviz.modeling.api",
-    "infer_auto_device_map": "bigviz.modeling.api",
-    "check_device_map": "bigviz.modeling.api",
+    "plan": "bigviz.planning",
+    "infer_auto_device_map": "bigviz.planning",
+    "check_device_map": "bigviz.planning",
     # checkpoint
     "CheckpointIndex": "bigviz.checkpoint.index",
     "TensorInfo": "bigviz.checkpoint.index",

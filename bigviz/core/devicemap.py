@@ -21,7 +21,7 @@ from bigviz.core.units import Device, device_label, normalize_device
 if TYPE_CHECKING:
     from bigviz.core.tree import SizeTree
 
-__all__ = ["device_of", "clean_device_map", "device_map_problems", "validate_device_map"]
+__all__ = ["device_of", "clean_device_map", "complete_tied", "device_map_problems", "validate_device_map"]
 
 
 def device_of(name: str, device_map: Mapping[str, Device]) -> Device | None:
@@ -134,9 +134,35 @@ def device_map_problems(tree: SizeTree, device_map: Mapping[str, object],
     return problems
 
 
+def complete_tied(tree: SizeTree, device_map: Mapping[str, object]) -> dict[str, object]:
+    """Add entries for tied tensors the map leaves out, on their leader's device.
+
+    A map planned from checkpoint headers has no ``lm_head`` when ``lm_head.weight`` is a
+    tied duplicate the checkpoint does not store; the module then runs where its weight is.
+
+    Example:
+        >>> from bigviz.core.tree import SizeTree, TensorSpec
+        >>> t = SizeTree.build([TensorSpec("emb.weight", 4, "float32"), TensorSpec("head.weight", 4, "float32")],
+        ...                    ties=[("emb.weight", "head.weight")])
+        >>> complete_tied(t, {"emb": "cpu"})
+        {'emb': 'cpu', 'head': 'cpu'}
+    """
+    out = dict(device_map)
+    for follower, leader in tree.leader_of.items():
+        key = owner(leader, out)
+        if owner(follower, out) is not None or key is None:
+            continue
+        module = parent(follower)
+        rest = [t for t in tree.subtree_tensors(module) if t != follower and owner(t, out) is None]
+        out[module if module and not rest else follower] = out[key]
+    return out
+
+
 def validate_device_map(tree: SizeTree, device_map: Mapping[str, object],
                         devices: Collection[Device] | None = None) -> dict[str, Device]:
     """The map with canonical devices, or ``ValueError`` listing every problem.
+
+    Tied tensors the map leaves out go with their leader (see :func:`complete_tied`).
 
     Example:
         >>> from bigviz.core.tree import SizeTree, TensorSpec
@@ -148,10 +174,11 @@ def validate_device_map(tree: SizeTree, device_map: Mapping[str, object],
         ValueError: invalid device_map:
           - not covered by any key (add them, or a parent, to the map): b2.l3
     """
-    problems = device_map_problems(tree, device_map, devices)
+    completed = complete_tied(tree, device_map)
+    problems = device_map_problems(tree, completed, devices)
     if problems:
         raise ValueError("invalid device_map:\n  - " + "\n  - ".join(problems))
-    return {k: normalize_device(v) for k, v in device_map.items()}
+    return {k: normalize_device(v) for k, v in completed.items()}
 
 
 def _uncovered(tree: SizeTree, device_map: Mapping[str, object]) -> list[str]:

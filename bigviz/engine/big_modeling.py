@@ -87,12 +87,13 @@ def load_checkpoint_and_dispatch(
         (torch.Size([1, 2]), 'meta')
     """
     from bigviz.checkpoint.load import load_checkpoint_in_model
-    from bigviz.modeling.api import check_device_map
+    from bigviz.planning import check_device_map
 
     resolved = _resolve_map(model, device_map, max_memory, no_split_module_classes, dtype)
     if resolved is not None:
         check_devices_exist(resolved)  # before anything is read
-        check_device_map(model, resolved)  # every tensor covered: problems listed, nothing loaded
+        # every tensor covered (tied duplicates join their leader): problems listed, nothing loaded
+        resolved = check_device_map(model, resolved)
     result = load_checkpoint_in_model(
         model, checkpoint, resolved, dtype=dtype, offload_folder=offload_folder, strict=strict, progress=False
     )
@@ -129,7 +130,7 @@ def _resolve_map(
             raise ValueError(
                 f"device_map={device_map!r}: use one of {', '.join(STRATEGIES)}, a dict or a DevicePlan"
             )
-        from bigviz.modeling.api import plan
+        from bigviz.planning import plan
 
         return dict(plan(model, max_memory, strategy=device_map, no_split_module_classes=no_split, dtype=dtype).device_map)
     if hasattr(device_map, "device_map"):  # a DevicePlan

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from bigviz.core.units import normalize_device
 from bigviz.engine.devices import check_devices_exist, torch_device
-from bigviz.modeling.api import check_device_map
+from bigviz.planning import check_device_map
 from bigviz.engine.hooks import GUARDED_METHODS, add_hook_to_module, remove_hook_from_module
 from bigviz.engine.offload import AlignDevicesHook, OffloadHook
 from bigviz.engine.prefetch import CpuFetcher, CudaFetcher, Fetcher, Scheduler
@@ -174,7 +174,7 @@ def dispatch_model(
         raise ValueError("dispatch_model: this model is already dispatched; call bigviz.remove_hooks(model) first")
     cleaned = {name: normalize_device(device) for name, device in device_map.items()}
     check_devices_exist(cleaned, main_device=main_device)  # before anything is read or moved
-    check_device_map(model, cleaned)  # every tensor covered, every key a module or tensor
+    cleaned = check_device_map(model, cleaned)  # every tensor covered (ties join their leader), keys real
     options = DispatchOptions(
         main_device=_main_device(cleaned, main_device),
         offload_folder=_folder(offload_folder if offload_folder is not None else offload_dir),

@@ -58,7 +58,7 @@ class PlannerState:
 
         ``max_memory=None`` means this machine's free memory (``get_max_memory()``).
         """
-        from bigviz.modeling.api import as_tree, default_no_split
+        from bigviz.planning import as_tree, default_no_split
         from bigviz.modeling.budgets import get_max_memory
 
         tree = as_tree(model)

@@ -1,6 +1,9 @@
 """The planning entry points users call: ``plan``, ``infer_auto_device_map`` and
 ``check_device_map``, for an ``nn.Module``, a :class:`SizeTree` or a checkpoint path.
 
+This layer sits above ``modeling`` (trees from modules) and ``checkpoint`` (trees from
+headers) so that one call takes either; ``engine`` and ``ui`` build on it.
+
 Example:
     >>> import torch.nn as nn
     >>> model = nn.Sequential(*[nn.Linear(100, 100) for _ in range(4)])  # 40,400 bytes each
@@ -16,6 +19,7 @@ from typing import Union
 import torch
 import torch.nn as nn
 
+from bigviz.checkpoint.tree import detect_no_split, tree_from_checkpoint
 from bigviz.core.devicemap import validate_device_map
 from bigviz.core.plan import DevicePlan, PlanOptions
 from bigviz.core.strategies import make_plan
@@ -38,8 +42,6 @@ def as_tree(model: ModelLike, dtype: torch.dtype | str | None = None,
     if isinstance(model, nn.Module):
         return module_tree(model, dtype, special_dtypes)
     if isinstance(model, (str, os.PathLike)):
-        from bigviz.checkpoint.tree import tree_from_checkpoint  # modeling must not need it at import
-
         return as_tree(tree_from_checkpoint(model), dtype, special_dtypes)
     raise TypeError(f"expected an nn.Module, a SizeTree or a checkpoint path, got {type(model).__name__}")
 
@@ -51,8 +53,6 @@ def default_no_split(model: ModelLike, tree: SizeTree) -> list[str]:
     if declared:
         return list(declared)
     if isinstance(model, (str, os.PathLike)):
-        from bigviz.checkpoint.tree import detect_no_split
-
         return list(detect_no_split(list(tree.tensors)))
     return []
 
