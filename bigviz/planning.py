@@ -25,7 +25,7 @@ from bigviz.core.plan import DevicePlan, PlanOptions
 from bigviz.core.strategies import make_plan
 from bigviz.core.tree import SizeTree
 from bigviz.core.units import Device
-from bigviz.modeling.budgets import available_devices, get_max_memory
+from bigviz.modeling.budgets import get_max_memory
 from bigviz.modeling.sizes import module_tree
 
 __all__ = ["plan", "infer_auto_device_map", "check_device_map", "as_tree", "default_no_split"]
@@ -133,7 +133,3 @@ def check_device_map(model: ModelLike, device_map: Mapping[str, object], *,
     """
     return validate_device_map(as_tree(model), device_map, devices)
 
-
-def machine_devices() -> list[Device]:
-    """Devices this machine can execute on (for checking a map before loading)."""
-    return available_devices()

@@ -14,6 +14,7 @@ import torch
 
 from bigviz.core import units
 from bigviz.core.names import owner
+from bigviz.modeling.budgets import available_devices
 
 __all__ = ["normalize_device", "device_of", "device_problems"]
 
@@ -67,17 +68,13 @@ def device_problems(device_map: Mapping[str, object] | None, *, can_map_disk: bo
 
 
 def _unavailable(device: str) -> str:
+    if units.normalize_device(device) in available_devices():
+        return ""
     if device.startswith("cuda"):
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        index = int(device.split(":")[1])
-        return "" if index < count else f"has {count} CUDA device{'s' if count != 1 else ''}"
-    if device == "mps" and not (torch.backends.mps.is_available()):
-        return "has no MPS device"
-    return ""
+        count = sum(isinstance(d, int) for d in available_devices())
+        return f"has {count} CUDA device{'s' if count != 1 else ''}"
+    return f"has no {device} device"
 
 
 def _available() -> list[str]:
-    out = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-    if torch.backends.mps.is_available():
-        out.append("mps")
-    return out + ["cpu", "disk"]
+    return [normalize_device(d) for d in available_devices()]

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from bigviz.core.units import normalize_device
+from bigviz.modeling.budgets import available_devices
 
 __all__ = [
     "torch_device",
@@ -49,19 +50,6 @@ def torch_device(device: DeviceLike) -> torch.device:
     if isinstance(canonical, int):
         return torch.device("cuda", canonical)
     return torch.device(canonical)
-
-
-def available_devices() -> list[int | str]:
-    """Devices this machine can use now: GPU indices, then ``"mps"``, ``"cpu"``, ``"disk"``.
-
-    Example:
-        >>> available_devices()[-2:]
-        ['cpu', 'disk']
-    """
-    gpus: list[int | str] = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        gpus.append("mps")
-    return gpus + ["cpu", "disk"]
 
 
 def check_devices_exist(device_map: Mapping[str, Any], *, main_device: Any = None) -> None:
