@@ -22,6 +22,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 BENCHES = ["planning", "load", "dispatch", "slider", "gpu"]
 QUICK = {"dispatch"}  # benches that take --quick
+TITLES = {"planning": "Planning", "load": "Checkpoint loading", "dispatch": "Dispatch and offload",
+          "slider": "Planner slider latency", "gpu": "GPU: CPU offload against the transfer floor"}
 
 
 def machine() -> str:
@@ -51,7 +53,10 @@ def run(name: str, quick: bool) -> tuple[str, float]:
     took = time.perf_counter() - start
     if result.returncode != 0:
         return (f"## {name}: FAILED (exit {result.returncode})\n\n```\n{result.stderr[-3000:]}\n```\n", took)
-    return result.stdout.strip() + "\n", took
+    text = result.stdout.strip() + "\n"
+    if not text.startswith("#"):
+        text = f"## {TITLES[name]} (`python bench/{name}.py`)\n\n{text}"
+    return text, took
 
 
 def main() -> None:

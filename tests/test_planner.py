@@ -82,7 +82,7 @@ def test_one_big_module_does_not_push_later_layers_off_the_gpus():
     plan = make_plan(SizeTree.build(specs), {0: 50 * KB, 1: 90 * KB, "cpu": 10**6},
                      PlanOptions(strategy="sequential", prefetch=False))
     assert plan.device_map == {"emb": "cpu", "layers": 1}
-    assert "streamed in at forward time" in plan.placements[0].reason
+    assert "streamed in from CPU at forward time" in plan.placements[0].reason
 
 
 def test_balanced_spreads_and_sequential_does_not():

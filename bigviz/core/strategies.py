@@ -254,28 +254,30 @@ def _fit(tree: SizeTree, state: _Pass, name: str, size: int, splittable: bool,
         return index
     if here is not None:
         miss = (f"{_what(tree, name)} did not fit {device_label(here)} ({format_size(size)} needed, "
-                f"{format_size(max(state.remaining[here], 0))} left); ")
+                f"{format_size(max(state.remaining[here], 0))} left)")
         for later in range(index + 1, len(resident)):
             if size + extra <= state.remaining[resident[later]]:
                 _accept(tree, state, name, resident[later], size, promises, miss)
                 return later
     for device in (d for d in devices if d in streamed):
         if size + extra <= state.remaining[device]:
-            _accept(tree, state, name, device, size, promises, miss + "streamed in at forward time; ")
+            _accept(tree, state, name, device, size, promises, miss,
+                    f"streamed in from {device_label(device)} at forward time")
             return index
     state.unplaced.append(name)
     return index
 
 
 def _accept(tree: SizeTree, state: _Pass, name: str, device: Device, size: int,
-            promises: Mapping[str, int], prefix: str) -> None:
+            promises: Mapping[str, int], miss: str, how: str = "") -> None:
     """Put a unit that fits, keeping room for the tied modules that will follow it."""
     extra = sum(promises.values())
     left = state.remaining[device]
-    text = f"fits: {format_size(size)} of {format_size(left)} left on {device_label(device)}"
+    room = f"{format_size(size)} of {format_size(left)} left on {device_label(device)}"
+    text = f"{how} ({room})" if how else f"fits: {room}"
     if extra:
-        text += f" (with {format_size(extra)} kept for the modules tied to it)"
-    _put(tree, state, name, device, size, prefix + text)
+        text += f", with {format_size(extra)} kept for the modules tied to it"
+    _put(tree, state, name, device, size, f"{miss}: {text}" if miss else text)
     state.remaining[device] -= extra
     state.promised.update({f: (device, b) for f, b in promises.items()})
 

@@ -79,7 +79,7 @@ def format_size(nbytes: int | float) -> str:
         >>> format_size(1536), format_size(3 * 2**30), format_size(12)
         ('1.5 KiB', '3.0 GiB', '12 B')
     """
-    if nbytes == math.inf or nbytes >= UNLIMITED:
+    if nbytes == math.inf or nbytes >= UNLIMITED // 2:  # an unlimited budget less what it holds
         return "unlimited"
     size = float(nbytes)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
