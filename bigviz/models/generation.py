@@ -31,6 +31,15 @@ class CausalLM(Protocol):
     ) -> tuple[Tensor, Tensor | None]: ...
 
 
+def lm_loss(logits: Tensor, targets: Tensor | None) -> Tensor | None:
+    """Next-token cross-entropy over ``(B, T, V)`` logits; targets of -1 are ignored. The
+    targets move to the logits' device: a device map may put the head anywhere."""
+    if targets is None:
+        return None
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.to(logits.device).view(-1),
+                           ignore_index=-1)
+
+
 def next_token(
     logits: Tensor, *, do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None
 ) -> Tensor:

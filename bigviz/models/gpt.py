@@ -21,11 +21,11 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
 from bigviz.models.cache import KVCache, causal_attention
 from bigviz.models.generation import generate as generate_tokens
+from bigviz.models.generation import lm_loss
 from bigviz.models.presets import from_preset
 
 __all__ = ["GPTConfig", "CausalSelfAttention", "MLP", "Block", "GPT", "GPT_PRESETS"]
@@ -207,14 +207,7 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = block(x, cache=cache)
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab_size)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(
-                logits.view(-1, logits.size(-1)),
-                targets.to(logits.device).view(-1),
-                ignore_index=-1,
-            )
-        return logits, loss
+        return logits, lm_loss(logits, targets)
 
     @torch.no_grad()
     def generate(

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from bigviz.models.cache import KVCache, causal_attention
 from bigviz.models.generation import generate as generate_tokens
+from bigviz.models.generation import lm_loss
 from bigviz.models.presets import from_preset
 
 __all__ = [
@@ -278,14 +279,7 @@ class Llama(nn.Module):
         cross-entropy (targets of -1 are ignored). With a ``cache``, ``idx`` holds only the
         new tokens and their positions continue from ``cache.seq_len``."""
         logits = self.lm_head(self.model(idx, cache=cache))  # (B, T, vocab_size)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(
-                logits.view(-1, logits.size(-1)),
-                targets.to(logits.device).view(-1),
-                ignore_index=-1,
-            )
-        return logits, loss
+        return logits, lm_loss(logits, targets)
 
     @torch.no_grad()
     def generate(
