@@ -155,8 +155,9 @@ def _reason(name: str, key: str | None, by_name: Mapping[str, Any],
         if _only_device(dict(parts)) is not None:
             return f"planned in parts, all on {device_label(_only_device(dict(parts)))}"
         return "split: " + ", ".join(f"{format_size(b)} on {device_label(d)}" for d, b in parts)
-    reason = by_name[key].reason
-    return reason if key == name else f"inside {key or '<model>'}: {reason}"
+    if key != name:  # the unit's own tile carries the full reason; repeating it bloats the figure
+        return f"placed with {key or '<model>'}, of which it is part"
+    return by_name[key].reason
 
 
 def plan_of(plan_or_planner: Any) -> DevicePlan:
