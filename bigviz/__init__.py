@@ -14,8 +14,7 @@ Example:
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from bigviz.core.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -79,14 +78,4 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'bigviz' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # cache: later look-ups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports("bigviz", _EXPORTS, globals())

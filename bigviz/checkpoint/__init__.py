@@ -11,10 +11,9 @@ Submodules are imported on first use, so ``import bigviz.checkpoint`` stays chea
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from bigviz.core.lazy import lazy_exports
 
-_EXPORTS = {
+_EXPORTS: dict[str, str] = {
     "CheckpointError": "bigviz.checkpoint.errors",
     "CheckpointIndex": "bigviz.checkpoint.index",
     "TensorInfo": "bigviz.checkpoint.index",
@@ -30,12 +29,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'bigviz.checkpoint' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports("bigviz.checkpoint", _EXPORTS, globals())

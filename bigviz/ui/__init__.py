@@ -12,10 +12,9 @@ Example:
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from bigviz.core.lazy import lazy_exports
 
-_EXPORTS = {
+_EXPORTS: dict[str, str] = {
     "Planner": "bigviz.ui.planner",
     "save_html": "bigviz.ui.report",
     "render_report": "bigviz.ui.report",
@@ -25,12 +24,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'bigviz.ui' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports("bigviz.ui", _EXPORTS, globals())
