@@ -74,7 +74,7 @@ def check_devices_exist(device_map: Mapping[str, Any], *, main_device: Any = Non
     if main_device is not None and normalize_device(main_device) not in have:
         missing.setdefault(normalize_device(main_device), []).append("main_device")
     if missing:
-        raise ValueError(_missing_message(missing, have))
+        raise ValueError(_missing_message(missing, available_devices()))
 
 
 def _missing_message(missing: Mapping[Any, list[str]], have: Iterable[Any]) -> str:
