@@ -1,11 +1,10 @@
 """The planner on tiny trees with hand-worked bytes: exact maps, reasons, strategies."""
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from bigviz.core.plan import PlanOptions
+from bigviz.core import strategies
 from bigviz.core.strategies import PlanError, make_plan
 from bigviz.core.tree import SizeTree, TensorSpec
 
@@ -155,14 +154,17 @@ def test_planning_for_gpus_the_machine_lacks():
     assert plan.device_map == {"": 7}
 
 
-def test_decreasing_chain_of_8000_layers_is_linear():
-    # accelerate is quadratic here; the planner must stay well under a second per pass.
+def test_decreasing_chain_of_8000_layers_looks_at_each_module_a_bounded_number_of_times(monkeypatch):
+    # accelerate re-scans the remaining layers after each one here (quadratic). bigviz's pass
+    # places each module once per pass; speed itself is measured in bench/planning.py.
     specs = [TensorSpec(f"{i}.weight", 8000 - i, "float32") for i in range(8000)]
     tree = SizeTree.build(specs)
-    start = time.perf_counter()
+    calls = []
+    fit = strategies._fit
+    monkeypatch.setattr(strategies, "_fit", lambda *a, **k: calls.append(1) or fit(*a, **k))
     plan = make_plan(tree, {0: tree.total("") // 3, "cpu": tree.total("") // 3})
-    assert time.perf_counter() - start < 20  # generous: a sanity bound, the bench measures speed
     assert {p.device for p in plan.placements} == {0, "cpu", "disk"}
+    assert 0 < len(calls) <= strategies._MAX_PASSES * len(tree.nodes)
 
 
 def test_plan_exports():

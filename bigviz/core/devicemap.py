@@ -126,8 +126,7 @@ def device_map_problems(tree: SizeTree, device_map: Mapping[str, object],
             have = ", ".join(device_label(d) for d in devices) or "none"
             problems.append(f"key {key!r} sends it to {device_label(device)}, which this machine "
                             f"does not have (available: {have})")
-    normalized = {k: v for k, v in device_map.items()}
-    missing = _uncovered(tree, normalized)
+    missing = _uncovered(tree, device_map)
     if missing:
         problems.append("not covered by any key (add them, or a parent, to the map): "
                         + ", ".join(missing))
@@ -193,7 +192,7 @@ def _uncovered(tree: SizeTree, device_map: Mapping[str, object]) -> list[str]:
     stack = [""]
     while stack:
         name = stack.pop()
-        if full_gap[name] and tree.total(name) >= 0 and tree.subtree_tensors(name):
+        if full_gap[name]:  # full_gap is only true for subtrees that hold tensors
             out.append(name or "<whole model>")
             continue
         node = tree.nodes[name]

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from bigviz.core.units import normalize_device
+from bigviz.core.units import device_label, normalize_device
 from bigviz.modeling.budgets import available_devices
 
 __all__ = [
@@ -78,17 +78,14 @@ def check_devices_exist(device_map: Mapping[str, Any], *, main_device: Any = Non
 
 
 def _missing_message(missing: Mapping[Any, list[str]], have: Iterable[Any]) -> str:
-    def label(device: Any) -> str:
-        return f"GPU {device}" if isinstance(device, int) else repr(device)
-
     parts = []
     for device, names in missing.items():
         shown = ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
-        parts.append(f"{label(device)} ({shown})")
+        parts.append(f"{device_label(device)} ({shown})")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return (
         f"device map names {'; '.join(parts)}, which this machine does not have; "
-        f"available: {', '.join(label(d) for d in have)} (torch sees {gpus} CUDA GPU(s)). "
+        f"available: {', '.join(device_label(d) for d in have)} (torch sees {gpus} CUDA GPU(s)). "
         "Fix: plan again for this machine (bigviz.plan(model) or device_map='auto'), or "
         "change those entries to an available device."
     )

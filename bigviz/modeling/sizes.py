@@ -56,14 +56,8 @@ def find_tied_parameters(model: nn.Module) -> list[list[str]]:
         >>> find_tied_parameters(m)
         [['emb.weight', 'head.weight']]
     """
-    _, tensors = _walk(model)
-    return [g for g in _groups(tensors) if all(k == "param" for k in _kinds(g, tensors))] + \
-        _declared_ties(model, {n for n, _, _ in tensors})
-
-
-def _kinds(group: list[str], tensors: list[tuple[str, torch.Tensor, str]]) -> list[str]:
-    kind = {n: k for n, _, k in tensors}
-    return [kind[n] for n in group]
+    tree = module_tree(model)  # one definition of a tie: identity, shared storage, declared
+    return [list(g) for g in tree.ties if all(tree.tensors[n].kind == "param" for n in g)]
 
 
 def _groups(tensors: list[tuple[str, torch.Tensor, str]]) -> list[list[str]]:
