@@ -48,9 +48,9 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"gpt": _gpt_folder(root / "gpt"), "hf-llama": _hf_llama_folder(root / "llama")}
 
 
-def _torchrun(cwd: Path, *args: str) -> str:
-    """Run the entry point under torchrun with two processes; its output, or a failure."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+def _torchrun(cwd: Path, *args: str, nproc: int = 2) -> str:
+    """Run the entry point under torchrun with ``nproc`` processes; its output, or a failure."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                "-m", "bigviz.distributed", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -110,6 +110,22 @@ def test_two_processes_give_single_process_logits(folders, tmp_path, name, extra
     assert loads[0] & loads[1] == tied
     assert tied == ({"transformer.wte.weight"} if name == "gpt" else set())
     assert "wrote logits.pt" in out and "cut before" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_nccl_stages_on_gpus(folders, tmp_path):
+    """One stage per GPU with NCCL (two stages with two GPUs, one with one GPU)."""
+    n = min(torch.cuda.device_count(), 2)
+    folder = folders["hf-llama"]
+    out = _torchrun(tmp_path, str(folder), "--stages", str(n), "--input-ids", ",".join(map(str, IDS)),
+                    "--microbatches", "2", "--out", "logits.pt", "--report", "report.json", nproc=n)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [r["device"] for r in report["ranks"]] == [f"cuda:{i}" for i in range(n)], out
+    logits = torch.load(tmp_path / "logits.pt")
+    want = _single_process_logits(folder)
+    torch.testing.assert_close(logits[0], want, rtol=1e-4, atol=1e-5)  # GPU kernels sum in their own order
+    assert torch.equal(logits[0], logits[1])
 
 
 # ---- refused before anything loads (the command line, in this process) -----------------

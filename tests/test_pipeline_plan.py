@@ -194,7 +194,10 @@ def test_budget_too_small_says_which_stage_and_by_how_much():
         assert "needs" in line and "over" in line
     assert (f"the stages' weights ({format_size(total + 1200)}, tied tensors counted in each stage that loads "
             f"them) exceed the 2 budgets together ({format_size(2500)})") in text
-    assert text.endswith("plan for a smaller dtype (dtype=torch.float16 halves the bytes)")
+    assert text.endswith("or plan for a smaller dtype (dtype=torch.float16 halves float32 bytes)")
+    with pytest.raises(PipelineError) as info:
+        make_pipeline_plan(tree.with_dtype("float16"), [600, 500], no_split=["Layer"])
+    assert str(info.value).endswith("Fix: give the stages more memory or use more stages")
     with pytest.raises(PipelineError, match=r"stage 1 \(model.layers.1\) needs 400 B with a budget of 300 B: 100 B over"):
         make_pipeline_plan(lm(3), [10**6, 300, 10**6], no_split=["Layer"])
     with pytest.raises(PipelineError, match=r"h.1 alone needs 800 B, more than the largest budget \(700 B\)"):

@@ -66,7 +66,7 @@ def _keys(folder: Path) -> set[str]:
 
 def _run_all(folder: Path, stages: int, **kwargs) -> tuple[torch.Tensor, list]:
     """Build every stage on its own fresh model (as each rank does) and chain them."""
-    x, builds = IDS, []
+    x, builds = IDS.to(kwargs.get("device", "cpu")), []
     for rank in range(stages):
         model = empty_model(folder)
         plan = bigviz.plan_pipeline(model, stages)
@@ -127,6 +127,16 @@ def test_torch_tracer_splits_gpt_and_falls_back_for_llama(checkpoints):
     with pytest.raises(PipelineError, match="torch's tracer could not split Llama"):
         model = empty_model(folder)
         build_stage_module(model, folder, bigviz.plan_pipeline(model, 2), 0, example_args=(IDS,), split="trace")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gpt", "hf-llama"])
+def test_stages_on_a_gpu(checkpoints, name):
+    folder, want = checkpoints[name]
+    logits, builds = _run_all(folder, 2, split="wrap", device="cuda:0")
+    assert all(p.device.type == "cuda" for b in builds for p in b.module.parameters())
+    assert all(b.device == torch.device("cuda:0") for b in builds)
+    torch.testing.assert_close(logits.cpu(), want, rtol=1e-4, atol=1e-5)
 
 
 # ---- refused before anything loads ----------------------------------------------------

@@ -36,8 +36,8 @@ from bigviz.core.units import UNLIMITED, format_size, parse_size
 
 __all__ = ["pipeline_units", "make_pipeline_plan", "cut_pipeline", "unit_flops"]
 
-_FIX = ("Fix: give the stages more memory, use more stages, or plan for a smaller dtype "
-        "(dtype=torch.float16 halves the bytes)")
+_FIX = "Fix: give the stages more memory or use more stages"
+_FIX_DTYPE = ", or plan for a smaller dtype (dtype=torch.float16 halves float32 bytes)"
 
 
 def pipeline_units(tree: SizeTree, no_split: Collection[str]) -> list[tuple[str, str]]:
@@ -468,8 +468,9 @@ def _does_not_fit(tree: SizeTree, items: _Items, request: _Request) -> PipelineE
         problems.append(f"stage {s} ({need[0]}) needs {format_size(need[1])} with a budget of "
                         f"{format_size(budget)}: {format_size(need[1] - budget)} over")
     root = tree.nodes[""].class_name or "the model"
+    wide = any(spec.dtype in ("float32", "float64") for spec in tree.tensors.values())
     return PipelineError(f"cannot cut {root} ({format_size(tree.total(''))}) into {request.k} stages within "
-                         f"the budgets", problems, fix=_FIX)
+                         f"the budgets", problems, fix=_FIX + (_FIX_DTYPE if wide else ""))
 
 
 def _even_fill(items: _Items, budgets: Sequence[int]) -> list[tuple[int, tuple[str, int], int]]:

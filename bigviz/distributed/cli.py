@@ -220,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     speak = os.environ.get("LOCAL_RANK", "0") == "0"  # once per machine
     try:
         job = _prepare(args)
-    except (ValueError, CheckpointError, FileNotFoundError) as err:
+    except (ValueError, CheckpointError, OSError) as err:  # every check, before any loading
         if speak:
             print(f"bigviz.distributed: {err}", file=sys.stderr)
         return 2
