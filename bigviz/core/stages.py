@@ -283,7 +283,7 @@ class _Caps:
     byte_caps: tuple[int, ...]
 
     def __call__(self, t: int) -> list[tuple[int, int]]:
-        top = max(self.shares)
+        top = max(max(self.shares), 1)  # all-zero budgets: every cap is 0
         return [(t * s // top, cb) for s, cb in zip(self.shares, self.byte_caps)]
 
     @classmethod
@@ -464,6 +464,9 @@ def _does_not_fit(tree: SizeTree, items: _Items, request: _Request) -> PipelineE
         if size > max(budgets):
             problems.append(f"{' + '.join(group)} alone needs {format_size(size)}, more than the largest "
                             f"budget ({format_size(max(budgets))})")
+    if 0 not in items.nbytes:  # every block holds bytes: a stage with nothing to spend holds none
+        problems += [f"stage {s} has a budget of 0 B: every stage holds at least one block"
+                     for s, b in enumerate(budgets) if b == 0]
     for s, need, budget in _even_fill(items, request.budgets):  # type: ignore[arg-type]
         problems.append(f"stage {s} ({need[0]}) needs {format_size(need[1])} with a budget of "
                         f"{format_size(budget)}: {format_size(need[1] - budget)} over")

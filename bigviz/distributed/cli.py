@@ -62,8 +62,12 @@ def parse_ids(text: str) -> list[int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bigviz.distributed", description=__doc__.split("\n\n")[0],
-                                     epilog="Launch with torchrun, one process per stage.")
+    parser = argparse.ArgumentParser(
+        prog="python -m bigviz.distributed",
+        description="Run a checkpoint as pipeline stages: each rank loads only its stage, a torch schedule runs "
+                    "the micro-batches, rank 0 writes the last position's logits.",
+        epilog="Launch with torchrun, one process per stage: torchrun --standalone --nproc-per-node 2 "
+               "-m bigviz.distributed CHECKPOINT --stages 2 --input-ids 1,2,3,4 --out logits.pt")
     parser.add_argument("checkpoint", help="checkpoint folder with config.json (transformers or bigviz)")
     how = parser.add_mutually_exclusive_group(required=True)
     how.add_argument("--stages", type=parse_stages, help="number of stages, or per-stage budgets: 20GiB,20GiB")
