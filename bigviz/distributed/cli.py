@@ -169,6 +169,7 @@ def _run(job: _Job) -> dict[str, Any] | None:
     dist.init_process_group(args.backend or ("nccl" if cuda else "gloo"))
     try:
         batch = torch.tensor([args.input_ids] * args.microbatches, dtype=torch.long, device=device)  # (M, T)
+        rss_before = _rss()
         stage = build_stage(job.model, args.checkpoint, job.plan, job.rank, device=device,
                             example_args=(batch[:1],), split=args.split, dtype=job.dtype)
         schedule = (Schedule1F1B if args.schedule == "1f1b" else ScheduleGPipe)(stage, args.microbatches)
@@ -179,6 +180,7 @@ def _run(job: _Job) -> dict[str, Any] | None:
                   "device": str(built.device), "modules": list(job.plan.stages[job.rank]),
                   "loaded": built.loaded, "bytes_loaded": built.nbytes,
                   "planned_bytes": job.plan.stage_bytes[job.rank],
+                  "rss_before_load_bytes": rss_before,
                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         if built.rank == job.world - 1:
             logits = out[0] if isinstance(out, (tuple, list)) else out
@@ -188,6 +190,13 @@ def _run(job: _Job) -> dict[str, Any] | None:
         return {"ranks": gathered} if job.rank == 0 else None
     finally:
         dist.destroy_process_group()
+
+
+def _rss() -> int:
+    """Resident bytes of this process now (the baseline its stage's load adds to)."""
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
 
 
 def _write(job: _Job, result: dict[str, Any]) -> None:
