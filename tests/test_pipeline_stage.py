@@ -34,11 +34,22 @@ def _hf_gpt2() -> nn.Module:
                                       bos_token_id=0, eos_token_id=0))
 
 
+def _hf_gemma2() -> nn.Module:
+    """Alternating sliding-window and full attention, soft-capped logits, a tied head: a
+    forward that differs from Llama's in the ways a hand-written stage would miss."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    return Gemma2ForCausalLM(Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                          vocab_size=128, sliding_window=3, max_position_embeddings=64))
+
+
 BUILDERS = {
     "gpt": lambda: GPT(GPTConfig.preset("gpt-tiny", n_layer=4)),
     "llama": lambda: Llama(LlamaConfig.preset("llama-tiny", n_layers=4)),
     "hf-llama": _hf_llama,
     "hf-gpt2": _hf_gpt2,
+    "hf-gemma2": _hf_gemma2,
 }
 
 

@@ -1,21 +1,22 @@
 """Stage modules for decoder-only language models: what a rank runs when its stage is cut
 out of a model by name rather than by torch's tracer.
 
-A decoder LM is embeddings -> blocks -> final norm -> head. A :class:`DecoderStage` runs one
-contiguous run of its blocks, with the embeddings in the first stage and the norm and head in
-the last; between stages only the hidden states travel. What every stage needs besides
-(positions, the causal mask, rotary cos/sin) it recomputes from the hidden states' shape,
-exactly as the model's own forward computes it, so the pipelined logits equal the model's.
-
-Layouts known here, found from the model's standard attributes:
+A decoder LM is embeddings -> blocks -> final norm -> head. A stage runs one contiguous run of
+its blocks, with the embeddings in the first stage and the norm and head in the last; between
+stages only the hidden states travel, and each stage recomputes what it needs besides
+(positions, causal masks, rotary cos/sin) from their shape, as the whole model does, so the
+pipelined logits equal the model's.
 
 * bigviz's GPT (``transformer.wte/wpe/h/ln_f``, ``lm_head``) and Llama
-  (``model.embed_tokens/layers/norm/rotary_emb``, ``lm_head``);
-* transformers decoder-only LMs: a base model (``model.base_model_prefix``) with
-  ``embed_tokens`` or ``wte`` (+ learned ``wpe``), ``layers`` or ``h``, ``norm`` or ``ln_f``,
-  optional ``rotary_emb`` and ``drop``, and the causal LM's ``lm_head`` (Llama, Mistral, Qwen,
-  Phi-3, GPT-2, ...). Masks come from transformers' own mask functions, per layer type
-  (full or sliding-window attention).
+  (``model.embed_tokens/layers/norm/rotary_emb``, ``lm_head``): a :class:`DecoderStage` calls
+  their parts in order.
+* transformers decoder-only LMs (a base model at ``model.base_model_prefix`` with
+  ``embed_tokens`` or ``wte`` (+ learned ``wpe``), ``layers`` or ``h``, ``norm`` or ``ln_f``, and
+  the causal LM's ``lm_head``: Llama, Mistral, Qwen, Phi-3, Gemma, GPT-2, ...): an
+  :class:`HFStage` runs the model's *own* forward on a shallow copy in which the layers of
+  other stages pass the hidden states through, the embedding is replaced by the hidden states
+  (``inputs_embeds``), and the final norm and head run only in the last stage. Whatever the
+  forward does besides (masks per layer type, sliding windows, logit soft-capping) is kept.
 
 Example:
     >>> import torch
@@ -30,9 +31,9 @@ Example:
 """
 from __future__ import annotations
 
-import inspect
+import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,7 +42,7 @@ from torch import Tensor, nn
 from bigviz.core.names import is_prefix, parent
 from bigviz.core.pipeline import PipelineError
 
-__all__ = ["DecoderLayout", "DecoderStage", "decoder_layout"]
+__all__ = ["DecoderLayout", "DecoderStage", "HFStage", "decoder_layout"]
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,6 @@ class DecoderLayout:
         last: modules run after the blocks, in order (last stage).
         context: modules every stage computes from, holding no checkpoint tensors
             (rotary embeddings).
-        config: the transformers config (for its mask functions), else None.
     """
 
     family: str
@@ -63,7 +63,6 @@ class DecoderLayout:
     blocks: str
     last: tuple[str, ...]
     context: tuple[str, ...] = ()
-    config: Any = field(default=None, compare=False, repr=False)
 
     def modules_for(self, blocks: Sequence[str], *, first: bool, last: bool) -> list[str]:
         """Every module a stage runs: its blocks, the context, and the ends it holds."""
@@ -82,7 +81,7 @@ class DecoderLayout:
                            f"how to run it (it runs {', '.join(runs)})")
         return out
 
-    def stage(self, model: nn.Module, blocks: Sequence[str], *, first: bool, last: bool) -> DecoderStage:
+    def stage(self, model: nn.Module, blocks: Sequence[str], *, first: bool, last: bool) -> nn.Module:
         """The stage module running ``blocks`` (module names) of ``model``."""
         names = self.modules_for(blocks, first=first, last=last)
         return DecoderStage(self, {n: model.get_submodule(n) for n in names}, blocks, first=first, last=last)
@@ -170,54 +169,85 @@ class _LlamaLayout(DecoderLayout):
 
 
 class _HFLayout(DecoderLayout):
-    """A transformers decoder-only LM, called the way its base model's forward calls it."""
+    """A transformers decoder-only LM: stages run the model's own forward (see :class:`HFStage`)."""
 
-    def embed(self, stage: DecoderStage, ids: Tensor) -> Tensor:
-        hidden = stage.part(self.first[0])(ids)
-        for name in self.first[1:]:
-            module = stage.part(name)
-            if name.endswith(".wpe"):  # learned positions (GPT-2): added, as in GPT2Model.forward
-                hidden = hidden + module(_positions(hidden)[None]).to(hidden.device)
-            else:  # dropout
-                hidden = module(hidden)
-        return hidden
-
-    def context_of(self, stage: DecoderStage, hidden: Tensor) -> dict[str, Any]:
-        position_ids = _positions(hidden)[None]  # (1, T)
-        context: dict[str, Any] = {"position_ids": position_ids, "masks": {}, "hidden": hidden}
-        if self.context:
-            context["position_embeddings"] = stage.part(self.context[0])(hidden, position_ids=position_ids)
-        return context
-
-    def run_block(self, block: nn.Module, hidden: Tensor, context: Mapping[str, Any]) -> Tensor:
-        kwargs = {"attention_mask": self._mask(block, context), "position_ids": context["position_ids"],
-                  "use_cache": False}
-        if "position_embeddings" in context:
-            kwargs["position_embeddings"] = context["position_embeddings"]
-        out = block(hidden, **kwargs)
-        return out[0] if isinstance(out, tuple) else out  # older transformers return tuples
-
-    def _mask(self, block: nn.Module, context: Mapping[str, Any]) -> Any:
-        kind = getattr(block, "attention_type", "full_attention")
-        masks = context["masks"]
-        if kind not in masks:
-            masks[kind] = _hf_mask(self.config, kind, context["hidden"], context["position_ids"])
-        return masks[kind]
+    def stage(self, model: nn.Module, blocks: Sequence[str], *, first: bool, last: bool) -> nn.Module:
+        return HFStage(model, self, blocks, first=first, last=last)
 
 
-def _hf_mask(config: Any, kind: str, hidden: Tensor, position_ids: Tensor) -> Any:
-    """transformers' own causal mask for a layer type, called with this version's argument names."""
-    from transformers import masking_utils
+class _PassThrough(nn.Module):
+    """A layer of another stage: the hidden states go through unchanged."""
 
-    fn = masking_utils.create_sliding_window_causal_mask if kind == "sliding_attention" \
-        else masking_utils.create_causal_mask
-    params = inspect.signature(fn).parameters
-    kwargs: dict[str, Any] = {"config": config, "attention_mask": None, "position_ids": position_ids}
-    kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = hidden
-    kwargs.update({name: None for name in ("cache", "past_key_values") if name in params})
-    if "cache_position" in params:
-        kwargs["cache_position"] = position_ids[0]
-    return fn(**kwargs)
+    def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return hidden_states
+
+
+class _NotHere(nn.Module):
+    """A module another stage runs (this stage's input is already past it)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        raise RuntimeError(f"{self.name} runs in another pipeline stage")
+
+
+class _NoPositions(nn.Module):
+    """Learned position embeddings, added once, by the first stage: later stages add nothing
+    (a boolean zero adds exactly 0 and keeps the hidden states' dtype)."""
+
+    def forward(self, position_ids: Tensor) -> Tensor:
+        return torch.zeros(*position_ids.shape, 1, dtype=torch.bool, device=position_ids.device)
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` sharing its submodules and tensors, whose children can be swapped
+    without touching the original."""
+    clone = copy.copy(module)
+    clone._modules = dict(module._modules)  # type: ignore[assignment]
+    return clone
+
+
+class HFStage(nn.Module):
+    """One pipeline stage of a transformers decoder-only LM, run by the model's own forward.
+
+    The first stage takes token ids; the others take hidden states as ``inputs_embeds``; the
+    last returns logits (``CausalLM.forward``: head and any soft-capping), the others the base
+    model's last hidden states (before the final norm, which only the last stage applies).
+    """
+
+    def __init__(self, model: nn.Module, layout: DecoderLayout, blocks: Sequence[str], *, first: bool,
+                 last: bool) -> None:
+        super().__init__()
+        prefix, layers_name = layout.blocks.split(".", 1)
+        base = _shallow(getattr(model, prefix))
+        keep = set(blocks)
+        layers = getattr(base, layers_name)
+        setattr(base, layers_name, nn.ModuleList(
+            layer if f"{layout.blocks}.{i}" in keep else _PassThrough() for i, layer in enumerate(layers)))
+        if not first:  # the token embedding is not called on inputs_embeds; positions are already in
+            setattr(base, layout.first[0].split(".", 1)[1], _NotHere(layout.first[0]))
+            if f"{prefix}.wpe" in layout.first:
+                base.wpe = _NoPositions()
+        if not last:
+            setattr(base, layout.last[0].split(".", 1)[1], nn.Identity())  # the final norm
+        self.first, self.last = first, last
+        self.block_names = tuple(blocks)
+        if last:
+            top = _shallow(model)
+            setattr(top, prefix, base)
+            self.model: nn.Module = top
+        else:
+            self.model = base
+
+    def forward(self, x: Tensor) -> Tensor:
+        inputs = {"input_ids" if self.first else "inputs_embeds": x, "use_cache": False}
+        out = self.model(**inputs)
+        return out.logits if self.last else out.last_hidden_state  # (B, T, vocab) or (B, T, C)
+
+    def extra_repr(self) -> str:
+        return f"blocks={list(self.block_names)}, first={self.first}, last={self.last}"
 
 
 def decoder_layout(model: nn.Module) -> DecoderLayout:
@@ -254,7 +284,7 @@ def _hf_layout(model: nn.Module) -> DecoderLayout:
     first = [f"{prefix}.{found['embeddings']}"] + [f"{prefix}.{n}" for n in ("wpe", "drop") if _is_module(base, n)]
     context = (f"{prefix}.rotary_emb",) if _is_module(base, "rotary_emb") else ()
     return _HFLayout("transformers", tuple(first), f"{prefix}.{found['blocks']}",
-                     (f"{prefix}.{found['final norm']}", head), context, config=getattr(base, "config", None))
+                     (f"{prefix}.{found['final norm']}", head), context)
 
 
 def _first_attr(obj: Any, names: Sequence[str]) -> str | None:
