@@ -26,6 +26,7 @@ _EXPORTS: dict[str, str] = {
     "decoder_layout": "bigviz.distributed.adapters",
     "DecoderStage": "bigviz.distributed.adapters",
     "DecoderLayout": "bigviz.distributed.adapters",
+    "HFStage": "bigviz.distributed.adapters",
 }
 __all__ = sorted(_EXPORTS)
 
