@@ -20,10 +20,11 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ["planning", "load", "dispatch", "slider", "gpu"]
+BENCHES = ["planning", "load", "dispatch", "slider", "gpu", "pipeline"]
 QUICK = {"dispatch"}  # benches that take --quick
 TITLES = {"planning": "Planning", "load": "Checkpoint loading", "dispatch": "Dispatch and offload",
-          "slider": "Planner slider latency", "gpu": "GPU: CPU offload against the transfer floor"}
+          "slider": "Planner slider latency", "gpu": "GPU: CPU offload against the transfer floor",
+          "pipeline": "Pipeline stages: memory per rank"}
 
 
 def machine() -> str:

@@ -36,6 +36,8 @@ _EXPORTS: dict[str, str] = {
     "load_device_map": "bigviz.core.serialize",
     "save_max_memory": "bigviz.core.serialize",
     "load_max_memory": "bigviz.core.serialize",
+    "PipelinePlan": "bigviz.core.pipeline",
+    "PipelineError": "bigviz.core.pipeline",
     # modeling: the bridge from nn.Module
     "init_empty_weights": "bigviz.modeling.meta",
     "init_on_device": "bigviz.modeling.meta",
@@ -47,6 +49,7 @@ _EXPORTS: dict[str, str] = {
     "plan": "bigviz.planning",
     "infer_auto_device_map": "bigviz.planning",
     "check_device_map": "bigviz.planning",
+    "plan_pipeline": "bigviz.planning",
     # checkpoint
     "CheckpointIndex": "bigviz.checkpoint.index",
     "TensorInfo": "bigviz.checkpoint.index",

@@ -1,5 +1,6 @@
 """The planning entry points users call: ``plan``, ``infer_auto_device_map`` and
-``check_device_map``, for an ``nn.Module``, a :class:`SizeTree` or a checkpoint path.
+``check_device_map``, for an ``nn.Module``, a :class:`SizeTree` or a checkpoint path, and
+``plan_pipeline`` (stages across ranks, run by ``torch.distributed``; see ``bigviz.distributed``).
 
 This layer sits above ``modeling`` (trees from modules) and ``checkpoint`` (trees from
 headers) so that one call takes either; ``engine`` and ``ui`` build on it.
@@ -13,7 +14,7 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Union
 
 import torch
@@ -21,14 +22,16 @@ import torch.nn as nn
 
 from bigviz.checkpoint.tree import detect_no_split, tree_from_checkpoint
 from bigviz.core.devicemap import validate_device_map
+from bigviz.core.pipeline import PipelinePlan
 from bigviz.core.plan import DevicePlan, PlanOptions
+from bigviz.core.stages import make_pipeline_plan
 from bigviz.core.strategies import make_plan
 from bigviz.core.tree import SizeTree
 from bigviz.core.units import Device
 from bigviz.modeling.budgets import get_max_memory
 from bigviz.modeling.sizes import module_tree
 
-__all__ = ["plan", "infer_auto_device_map", "check_device_map", "as_tree", "default_no_split"]
+__all__ = ["plan", "infer_auto_device_map", "check_device_map", "plan_pipeline", "as_tree", "default_no_split"]
 
 ModelLike = Union[nn.Module, SizeTree, str, "os.PathLike[str]"]
 
@@ -133,3 +136,42 @@ def check_device_map(model: ModelLike, device_map: Mapping[str, object], *,
     """
     return validate_device_map(as_tree(model), device_map, devices)
 
+
+
+def plan_pipeline(model_or_checkpoint: ModelLike, stages: int | Sequence[int | str], *,
+                  no_split_module_classes: Collection[str] | None = None, balance: str = "bytes",
+                  dtype: torch.dtype | str | None = None) -> PipelinePlan:
+    """Cut a model into pipeline stages (one per rank) between its no-split blocks.
+
+    Stages are contiguous runs of blocks in execution order; embeddings run in the first
+    stage, the final norm and head in the last. The largest stage is as small as it can be
+    (exact, in n log n), and every cut says why it is there. A tied tensor used in two
+    stages (GPT-2's ``wte`` / ``lm_head``) is loaded by both, and the plan says so.
+
+    Args:
+        model_or_checkpoint: an ``nn.Module`` (on meta is fine), a :class:`SizeTree`, or a
+            checkpoint path (planned from its headers).
+        stages: the number of stages, or one byte budget per stage (``["40GiB", "40GiB"]``):
+            stages then never exceed their budget and are balanced by fill fraction.
+        no_split_module_classes: the blocks; default: the model's ``_no_split_modules`` (or,
+            for a checkpoint, its repeated numbered blocks).
+        balance: ``"bytes"`` (weights per stage) or ``"compute"`` (estimated FLOPs per token).
+        dtype: plan for this dtype, e.g. ``torch.float16``.
+
+    Raises:
+        PipelineError: a bad stage count, more stages than blocks, or budgets too small
+            (saying which stage does not fit and by how much).
+
+    Example:
+        >>> from bigviz.models import GPT, GPTConfig
+        >>> with torch.device("meta"):
+        ...     model = GPT(GPTConfig.preset("gpt-tiny", n_layer=4))
+        >>> pipe = plan_pipeline(model, 2)
+        >>> pipe.split_points, pipe.stages[1][-1], pipe.shared[0].leader
+        (('transformer.h.2',), 'lm_head', 'transformer.wte.weight')
+    """
+    tree = as_tree(model_or_checkpoint, dtype)
+    no_split = (no_split_module_classes if no_split_module_classes is not None
+                else default_no_split(model_or_checkpoint, tree))
+    label = str(dtype).removeprefix("torch.") if dtype is not None else None
+    return make_pipeline_plan(tree, stages, no_split=list(no_split), balance=balance, dtype=label)

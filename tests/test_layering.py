@@ -1,6 +1,6 @@
 """Keep the layer arrows honest: parse every import in bigviz/ and check it points down.
 
-    ui, engine  ->  planning  ->  checkpoint  ->  modeling  ->  core
+    ui, engine, distributed  ->  planning  ->  checkpoint  ->  modeling  ->  core
     models: torch only.   cli, demo: anything.
 Heavy libraries stay out of ``import bigviz``: core never imports torch, plotly or
 ipywidgets; plotly and ipywidgets are imported only by ui.
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "bigviz"
-RANK = {"core": 0, "models": 0, "modeling": 1, "checkpoint": 2, "planning": 3, "engine": 4, "ui": 5,
-        "demo": 6, "cli": 6}
+RANK = {"core": 0, "models": 0, "modeling": 1, "checkpoint": 2, "planning": 3, "engine": 4, "distributed": 4,
+        "ui": 5, "demo": 6, "cli": 6}
 
 
 def _layer(module: str) -> str | None:

@@ -17,7 +17,8 @@ Example:
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, KeysView
+import copy
+from collections.abc import Iterable, Iterator, KeysView
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -131,6 +132,29 @@ class CheckpointIndex:
 
     def __getitem__(self, name: str) -> TensorInfo:
         return self.entries[name]
+
+    def subset(self, keys: Iterable[str]) -> CheckpointIndex:
+        """The same checkpoint restricted to ``keys``: a loader given it reads only those
+        (one pipeline stage's tensors). No file is read again.
+
+        Raises:
+            KeyError: naming the keys the checkpoint does not hold.
+
+        Example:
+            >>> import tempfile, torch, pathlib
+            >>> from bigviz.checkpoint.save import save_sharded
+            >>> folder = save_sharded({"a": torch.ones(2), "b": torch.ones(2)},
+            ...                       pathlib.Path(tempfile.mkdtemp()) / "c", progress=False)
+            >>> list(CheckpointIndex.open(folder).subset(["b"]).keys())
+            ['b']
+        """
+        wanted = set(keys)
+        unknown = sorted(wanted - self.entries.keys())
+        if unknown:
+            raise KeyError(f"{self.path}: no such keys in the checkpoint: {unknown[:10]}")
+        part = copy.copy(self)
+        part.entries = {k: v for k, v in self.entries.items() if k in wanted}
+        return part
 
     def torch_state(self, file: Path) -> dict[str, torch.Tensor]:
         """The memory-mapped state dict of a torch-format file (mapped once, when opened)."""

@@ -35,7 +35,7 @@ from bigviz.checkpoint.match import LoadOptions, LoadPlan, TensorLoad, check_pla
 from bigviz.checkpoint.model_tensors import describe_model, tie_model
 from bigviz.checkpoint.offload import offload_problems, write_offload
 
-__all__ = ["LoadResult", "load_checkpoint_in_model", "load_sharded_checkpoint"]
+__all__ = ["LoadResult", "load_checkpoint_in_model", "load_sharded_checkpoint", "check_checkpoint"]
 
 
 @dataclass
@@ -133,10 +133,50 @@ def load_checkpoint_in_model(
         ('net.', 'stripped', torch.float16)
     """
     index = CheckpointIndex.open(checkpoint)
+    options = _options(model, index, device_map=device_map, dtype=dtype, strict=strict,
+                       offload_folder=offload_folder, keep_in_fp32_modules=keep_in_fp32_modules)
+    return _load(model, index, options, progress=progress, inplace=False)
+
+
+def check_checkpoint(model: torch.nn.Module, checkpoint: str | Path | CheckpointIndex, *,
+                     strict: bool = True) -> LoadPlan:
+    """Match ``checkpoint`` to ``model`` and check it, from headers alone: nothing is loaded.
+
+    What `load_checkpoint_in_model` checks first (keys, prefixes, ties, shapes), as a plan
+    saying which checkpoint key fills which model tensor.
+
+    Raises:
+        CheckpointError: listing every missing key, unexpected key and shape mismatch.
+
+    Example:
+        >>> import tempfile, torch, pathlib
+        >>> from bigviz.checkpoint.save import save_sharded
+        >>> folder = save_sharded(torch.nn.Linear(2, 2), pathlib.Path(tempfile.mkdtemp()) / "c",
+        ...                       progress=False)
+        >>> with torch.device("meta"):
+        ...     model = torch.nn.Linear(2, 3)
+        >>> check_checkpoint(model, folder)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        bigviz.checkpoint.errors.CheckpointError: cannot load ... (2 problems):
+          - shape mismatch: weight: checkpoint 'weight' has shape [2, 2], the model [3, 2]
+        ...
+    """
+    index = CheckpointIndex.open(checkpoint)
+    tie_model(model)
+    plan = match_checkpoint(describe_model(model), index.entries, _options(model, index, strict=strict))
+    check_plan(plan, strict=strict, where=f"'{index.path}' into {type(model).__name__}")
+    return plan
+
+
+def _options(model: torch.nn.Module, index: CheckpointIndex, *, device_map: object = None,
+             dtype: torch.dtype | str | None = None, strict: bool = True,
+             offload_folder: str | Path | None = None,
+             keep_in_fp32_modules: Sequence[str] | None = None) -> LoadOptions:
+    """The load's options, with the keys the model class declares ignorable."""
     dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
     if keep_in_fp32_modules is None and dtype in (torch.float16, torch.bfloat16):
         keep_in_fp32_modules = getattr(model, "_keep_in_fp32_modules", None)
-    options = LoadOptions(
+    return LoadOptions(
         device_map=_as_device_map(device_map), dtype=dtype,
         keep_in_fp32_modules=tuple(keep_in_fp32_modules or ()), strict=strict,
         offload_folder=str(offload_folder) if offload_folder is not None else None,
@@ -144,7 +184,6 @@ def load_checkpoint_in_model(
         ignore_unexpected=tuple(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()),
         ignore_missing=tuple(getattr(model, "_keys_to_ignore_on_load_missing", None) or ()),
     )
-    return _load(model, index, options, progress=progress, inplace=False)
 
 
 def load_sharded_checkpoint(model: torch.nn.Module, folder: str | Path, strict: bool = True,

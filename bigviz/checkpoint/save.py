@@ -24,6 +24,7 @@ import shutil
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -42,6 +43,7 @@ def save_sharded(
     overwrite: bool = False,
     metadata: Mapping[str, str] | None = None,
     progress: bool = True,
+    config: Any = None,
 ) -> Path:
     """Save a model's state dict (or a state dict) as a sharded checkpoint in ``folder``.
 
@@ -59,6 +61,9 @@ def save_sharded(
         metadata: extra string pairs for every safetensors shard header (next to
             ``{"format": "pt"}``).
         progress: show a tqdm progress bar over bytes.
+        config: written as ``config.json`` beside the shards, so the model can be rebuilt
+            from the folder alone (``python -m bigviz.distributed``, transformers'
+            ``AutoConfig``): a bigviz config (``model.config``), a transformers config, or a dict.
 
     Returns:
         The folder, as a ``Path``.
@@ -84,6 +89,8 @@ def save_sharded(
     try:
         write_checkpoint_files(tensors, tmp, max_shard_size=limit, safe_serialization=safe_serialization,
                                metadata=metadata, progress=progress)
+        if config is not None:  # inside the temporary folder: weights and config appear together
+            (tmp / "config.json").write_text(json.dumps(_config_data(config), indent=2, sort_keys=True) + "\n")
         _move_into_place(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -125,6 +132,16 @@ def write_checkpoint_files(
     if len(shards) > 1:
         written.append(_write_index(folder, f"{stem}.{ext}.index.json", tensors, shards, names))
     return written
+
+
+def _config_data(config: Any) -> dict[str, Any]:
+    """A config as JSON data: a mapping, or anything with ``to_dict()`` (bigviz and
+    transformers configs)."""
+    data = dict(config) if isinstance(config, Mapping) else getattr(config, "to_dict", lambda: None)()
+    if not isinstance(data, dict):
+        raise TypeError(f"config must be a dict or have to_dict() (a bigviz or transformers config), "
+                        f"not {type(config).__name__}")
+    return data
 
 
 def _shard_names(stem: str, ext: str, count: int) -> list[str]:

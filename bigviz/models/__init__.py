@@ -13,6 +13,7 @@ Example:
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
@@ -20,14 +21,19 @@ from torch import nn
 from bigviz.models.cache import KVCache
 from bigviz.models.gpt import GPT, GPT_PRESETS, Block, GPTConfig
 from bigviz.models.llama import LLAMA_PRESETS, Llama, LlamaConfig, LlamaDecoderLayer
+from bigviz.models.presets import from_config_dict
 
 __all__ = [
     "GPT", "GPTConfig", "Block", "Llama", "LlamaConfig", "LlamaDecoderLayer", "KVCache",
-    "build", "PRESETS",
+    "build", "PRESETS", "MODEL_TYPES", "from_config",
 ]  # fmt: skip
 
 # every preset name, for menus and error messages
 PRESETS: tuple[str, ...] = (*GPT_PRESETS, *LLAMA_PRESETS)
+# config.json "model_type" -> (config class, model class): how a checkpoint says what it holds
+MODEL_TYPES: dict[str, tuple[type, type[nn.Module]]] = {
+    GPTConfig.model_type: (GPTConfig, GPT), LlamaConfig.model_type: (LlamaConfig, Llama),
+}
 
 
 def build(name: str, **overrides: Any) -> nn.Module:
@@ -53,3 +59,22 @@ def build(name: str, **overrides: Any) -> nn.Module:
     if name in LLAMA_PRESETS:
         return Llama(LlamaConfig.preset(name, **overrides))
     raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
+
+
+def from_config(data: Mapping[str, Any]) -> nn.Module:
+    """Build the reference model a ``config.json`` describes (``config.to_dict()`` data).
+
+    Builds on the current default device (wrap in ``bigviz.init_empty_weights()`` to allocate
+    nothing). Save a checkpoint that records its config with
+    ``bigviz.save_sharded(model, folder, config=model.config)``.
+
+    Raises:
+        ValueError: an unknown ``model_type`` or unknown fields.
+
+    Example:
+        >>> model = from_config(GPTConfig.preset("gpt-tiny", n_layer=1).to_dict())
+        >>> type(model).__name__, model.config.n_layer
+        ('GPT', 1)
+    """
+    config = from_config_dict({k: v[0] for k, v in MODEL_TYPES.items()}, data)
+    return MODEL_TYPES[type(config).model_type][1](config)

@@ -26,7 +26,7 @@ from torch import Tensor
 from bigviz.models.cache import KVCache, causal_attention
 from bigviz.models.generation import generate as generate_tokens
 from bigviz.models.generation import lm_loss
-from bigviz.models.presets import from_preset
+from bigviz.models.presets import config_dict, from_preset
 
 __all__ = ["GPTConfig", "CausalSelfAttention", "MLP", "Block", "GPT", "GPT_PRESETS"]
 
@@ -58,6 +58,7 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # GPT-2 has biases in Linears and LayerNorms
     tie_weights: bool = True  # lm_head shares wte's matrix, as in GPT-2
+    model_type: ClassVar[str] = "bigviz-gpt"  # how a checkpoint's config.json names this family
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
@@ -74,6 +75,15 @@ class GPTConfig:
             256
         """
         return from_preset(cls, GPT_PRESETS, name, overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields and ``model_type``: what ``config.json`` of a checkpoint records.
+
+        Example:
+            >>> GPTConfig.preset("gpt-tiny").to_dict()["model_type"]
+            'bigviz-gpt'
+        """
+        return config_dict(self)
 
 
 class CausalSelfAttention(nn.Module):

@@ -27,7 +27,7 @@ from torch import Tensor
 from bigviz.models.cache import KVCache, causal_attention
 from bigviz.models.generation import generate as generate_tokens
 from bigviz.models.generation import lm_loss
-from bigviz.models.presets import from_preset
+from bigviz.models.presets import config_dict, from_preset
 
 __all__ = [
     "LlamaConfig", "RMSNorm", "RotaryEmbedding", "LlamaAttention", "LlamaMLP",
@@ -65,6 +65,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_weights: bool = False
+    model_type: ClassVar[str] = "bigviz-llama"  # how a checkpoint's config.json names this family
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -94,6 +95,10 @@ class LlamaConfig:
             3
         """
         return from_preset(cls, LLAMA_PRESETS, name, overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields and ``model_type``: what ``config.json`` of a checkpoint records."""
+        return config_dict(self)
 
 
 class RMSNorm(nn.Module):

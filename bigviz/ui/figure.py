@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from bigviz.core.pipeline import PipelinePlan
 from bigviz.core.plan import DevicePlan
 from bigviz.ui.treemap import (TreemapLayout, TreemapStyle, apply_layout, apply_style, figure_title,
-                               layout_of, maxdepth_for, style_of, treemap)
+                               layout_of, maxdepth_for, style_for, style_of, treemap)
 
 __all__ = ["FigureView"]
 
@@ -56,10 +57,11 @@ class FigureView:
         """The tile colours the figure shows now."""
         return tuple(self.figure.data[0].marker.colors)
 
-    def update(self, plan: DevicePlan, layout: TreemapLayout | None = None) -> None:
-        """Show ``plan``: one ``batch_update`` (one redraw) on a live figure."""
+    def update(self, plan: DevicePlan | PipelinePlan, layout: TreemapLayout | None = None) -> None:
+        """Show ``plan`` (coloured by device, or by stage for a ``PipelinePlan``): one
+        ``batch_update`` (one redraw) on a live figure."""
         new_layout = layout if layout is not None else self.layout
-        style = style_of(new_layout, plan)
+        style = style_for(new_layout, plan)
         if not self.live:
             self.layout, self.style = new_layout, style
             self.figure = treemap(plan, depth=self.depth, height=self.height)
@@ -71,8 +73,9 @@ class FigureView:
             if reshaped:
                 apply_layout(trace, new_layout)
             apply_style(trace, style, None if reshaped else self.style)
-            if reshaped:
-                self.figure.layout.title.text = figure_title(plan)
+            title = figure_title(plan)
+            if self.figure.layout.title.text != title:
+                self.figure.layout.title.text = title
         self.layout, self.style = new_layout, style
 
     def set_depth(self, depth: int | None) -> None:

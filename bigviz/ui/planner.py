@@ -4,7 +4,8 @@ A treemap of the model coloured by device, one budget slider per device, hardwar
 strategy and dtype, reserves, hand-made overrides, export to JSON and HTML, a cost per
 forward pass, and a button that loads and dispatches a checkpoint with the plan. Every
 control re-plans (one linear-time ``make_plan`` on a cached size tree) and updates the
-figure in place with one ``batch_update``.
+figure in place with one ``batch_update``. A stage mode colours the same treemap by pipeline
+stage instead (``planner.show_stages(4)``; see ``bigviz.plan_pipeline``).
 
 Example:
     >>> import torch.nn as nn
@@ -30,8 +31,10 @@ import traceback
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
+from bigviz.core.pipeline import PipelinePlan
 from bigviz.core.plan import DevicePlan
 from bigviz.core.serialize import save_device_map
+from bigviz.core.stages import make_pipeline_plan, pipeline_units
 from bigviz.core.strategies import PlanError
 from bigviz.core.units import Device, format_size
 from bigviz.ui import controls as ctl
@@ -40,6 +43,7 @@ from bigviz.ui.palette import chip, legend_html
 from bigviz.ui.presets import DTYPE_CHOICES, cost_html, plan_cost, preset_budgets
 from bigviz.ui.report import report_fragment, save_html, table_html, usage_html
 from bigviz.ui.run import describe_error, run_plan
+from bigviz.ui.stages import StageControls, stage_legend_html
 from bigviz.ui.state import PlannerState
 from bigviz.ui.treemap import TreemapLayout, layout_of
 
@@ -93,6 +97,9 @@ class Planner:
         layout = self._layout()
         self.depth = depth if depth is not None else min(4, layout.max_depth)
         self.view = FigureView(self._plan, depth=self.depth, live=live)
+        self._stages: PipelinePlan | None = None  # set in stage mode
+        blocks = sum(role == "block" for _, role in pipeline_units(self.state.tree, self.state.no_split))
+        self.stage_controls = StageControls(max_stages=blocks)
         dtype_label = next(k for k, v in DTYPE_CHOICES.items() if v == self.state.dtype) \
             if self.state.dtype in DTYPE_CHOICES.values() else "as built"
         self.controls = ctl.make_controls(
@@ -102,7 +109,9 @@ class Planner:
         self.budget_sliders: dict[Device, Any] = self._rows.sliders  # the same dicts, kept in sync
         self.reserve_inputs: dict[Device, Any] = self._rows.reserves
         self._sync_device_rows()
-        self.widget = ctl.assemble(self.controls, self.view.widget)
+        import ipywidgets as widgets
+
+        self.widget = ctl.assemble(self.controls, widgets.VBox([self.view.widget, self.stage_controls.widget]))
         self._wire()
         self._show(self._plan)
         if not self.view.live:
@@ -121,6 +130,30 @@ class Planner:
     def device_map(self) -> dict[str, Device]:
         """The cleaned device map, ready for ``load_checkpoint_and_dispatch`` or transformers."""
         return self.plan.device_map
+
+    @property
+    def pipeline_plan(self) -> PipelinePlan | None:
+        """The pipeline stages shown in stage mode (``None`` in device mode)."""
+        if self._error:
+            raise PlanError(self._error)
+        return self._stages
+
+    def show_stages(self, stages: int | None = None, *, balance: str | None = None) -> None:
+        """Colour the treemap by pipeline stage: ``stages`` stages (default: the control's),
+        cut between no-split blocks as ``bigviz.plan_pipeline`` cuts them."""
+        with self._quietly():
+            if stages is not None:
+                self.stage_controls.count.value = stages
+            if balance is not None:
+                self.stage_controls.balance.value = balance
+            self.stage_controls.mode.value = "stages"
+        self.refresh()
+
+    def show_devices(self) -> None:
+        """Colour the treemap by device again."""
+        with self._quietly():
+            self.stage_controls.mode.value = "devices"
+        self.refresh()
 
     @property
     def max_memory(self) -> dict[Device, int]:
@@ -218,6 +251,7 @@ class Planner:
         for widget in [*self.budget_sliders.values(), *self.reserve_inputs.values(), *self._rows.rows.values()]:
             widget.close()
         self.controls.close()
+        self.stage_controls.close()
         self.view.widget.close()
         self.widget.close()
 
@@ -226,18 +260,27 @@ class Planner:
         start = time.perf_counter()
         try:
             plan = self.state.replan()
-        except PlanError as err:
+            stages = self._plan_stages()
+        except PlanError as err:  # a PipelineError too
             self._error = str(err)
             self.controls.status.value = (f"<div style='color:#D55E00;white-space:pre-wrap'><b>Does not plan:"
                                           f"</b> {html.escape(str(err))}</div>")
             return
         self._error = ""
-        self._plan = plan
-        self.view.update(plan, self._layout())
+        self._plan, self._stages = plan, stages
+        self.view.update(stages or plan, self._layout())
         self._show(plan)
         self.last_update_s = time.perf_counter() - start
         self.controls.status.value = (f"<span style='color:#555;font-size:12px'>re-planned in "
                                       f"{self.last_update_s * 1000:.0f} ms</span>")
+
+    def _plan_stages(self) -> PipelinePlan | None:
+        """The pipeline plan in stage mode (same tree, dtype and no-split classes), else None."""
+        c = self.stage_controls
+        if c.mode.value != "stages":
+            return None
+        return make_pipeline_plan(self.state.tree, c.count.value, no_split=self.state.no_split,
+                                  balance=c.balance.value, dtype=self.state.dtype)
 
     # ---- display -------------------------------------------------------------------
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None, **kwargs: Any) -> dict[str, Any]:
@@ -262,7 +305,9 @@ class Planner:
         c.title.value = (f"<b style='font-size:15px'>bigviz planner</b>: {html.escape(root.class_name if root else '')}"
                          f", {format_size(root.total_bytes if root else 0)} ({dtype})")
         captions = {u.device: f"{format_size(u.used)}" for u in plan.usage}
-        c.legend.value = legend_html([u.device for u in plan.usage], captions=captions)
+        c.legend.value = legend_html([u.device for u in plan.usage], captions=captions) if self._stages is None \
+            else stage_legend_html(self._stages)
+        self.stage_controls.show(self._stages)
         c.usage.value = usage_html(plan) + "".join(
             f"<div style='font-size:11px;color:#555'>{html.escape(n)}</div>" for n in plan.notes)
         c.cost.value = cost_html(self.cost())
@@ -322,6 +367,8 @@ class Planner:
         c.save_json.on_click(self._on_save_json)
         c.save_html.on_click(self._on_save_html)
         c.run.on_click(self._on_run)
+        for control in (self.stage_controls.mode, self.stage_controls.count, self.stage_controls.balance):
+            control.observe(self._on_stages, names="value")
 
     @_guarded
     def _on_budget(self, device: Device, change: Mapping[str, Any]) -> None:
@@ -370,6 +417,10 @@ class Planner:
     def _on_depth(self, change: Mapping[str, Any]) -> None:
         self.depth = change["new"]
         self.view.set_depth(self.depth)
+
+    @_guarded
+    def _on_stages(self, _change: Mapping[str, Any]) -> None:
+        self.refresh()
 
     @_guarded
     def _on_assign(self, _button: Any) -> None:

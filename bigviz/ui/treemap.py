@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from bigviz.core.names import ancestors, leaf, owner, parent
+from bigviz.core.pipeline import PipelinePlan
 from bigviz.core.plan import DevicePlan
 from bigviz.core.tree import SizeTree
 from bigviz.core.units import Device, device_label, device_sort_key, format_size
@@ -35,7 +36,8 @@ if TYPE_CHECKING:
     import plotly.graph_objects as go
 
 __all__ = ["ROOT_ID", "OVERRIDE_MARK", "TreemapLayout", "TreemapStyle", "layout_of", "style_of",
-           "treemap", "apply_style", "apply_layout", "plan_of", "maxdepth_for", "figure_title"]
+           "treemap", "apply_style", "apply_layout", "plan_of", "maxdepth_for", "figure_title",
+           "figure_of", "style_for"]
 
 ROOT_ID = "/"
 """The root's id. Every other id is ``"/" + name`` with a non-empty name, so no module
@@ -176,7 +178,9 @@ def treemap(plan_or_planner: Any, *, depth: int | None = None, height: int = 560
     """A plotly treemap of where every module goes.
 
     Args:
-        plan_or_planner: a :class:`DevicePlan` (from ``bigviz.plan``) or a ``Planner``.
+        plan_or_planner: a :class:`DevicePlan` (from ``bigviz.plan``) or a ``Planner``,
+            coloured by device; or a ``PipelinePlan`` (from ``bigviz.plan_pipeline``),
+            coloured by pipeline stage.
         depth: module levels drawn below the model (``None``: all; a Planner's own depth
             control when given a Planner). Click a tile to zoom into it.
         height: figure height in pixels.
@@ -188,14 +192,27 @@ def treemap(plan_or_planner: Any, *, depth: int | None = None, height: int = 560
         >>> fig.data[0].maxdepth, fig.data[0].branchvalues
         (2, 'total')
     """
-    import plotly.graph_objects as go
-
+    if isinstance(plan_or_planner, PipelinePlan):
+        if plan_or_planner.tree is None:
+            raise ValueError("this PipelinePlan carries no size tree: make it with bigviz.plan_pipeline(...) "
+                             "or PipelinePlan.load_json(path, tree=...)")
+        layout = layout_of(plan_or_planner.tree)
+        return figure_of(layout, style_for(layout, plan_or_planner), depth=depth, height=height,
+                         title=title if title is not None else figure_title(plan_or_planner))
     plan = plan_of(plan_or_planner)
     if depth is None and not isinstance(plan_or_planner, DevicePlan):
         depth = getattr(plan_or_planner, "depth", None)
     assert plan.tree is not None  # checked by plan_of
     layout = layout_of(plan.tree)
-    style = style_of(layout, plan)
+    return figure_of(layout, style_of(layout, plan), depth=depth, height=height,
+                     title=title if title is not None else figure_title(plan))
+
+
+def figure_of(layout: TreemapLayout, style: TreemapStyle, *, depth: int | None, height: int,
+              title: str) -> go.Figure:
+    """The plotly figure for a treemap's shape and style."""
+    import plotly.graph_objects as go
+
     trace = go.Treemap(
         ids=list(layout.ids), parents=list(layout.parents), values=list(layout.values),
         labels=list(style.labels), branchvalues="total", sort=False,
@@ -206,9 +223,17 @@ def treemap(plan_or_planner: Any, *, depth: int | None = None, height: int = 560
         pathbar=dict(visible=True), root=dict(color=style.colors[0]))
     fig = go.Figure(trace)
     fig.update_layout(height=height, margin=dict(t=40, l=6, r=6, b=6),
-                      title=dict(text=title if title is not None else figure_title(plan), font=dict(size=15)),
-                      uniformtext=dict(minsize=9, mode="hide"))
+                      title=dict(text=title, font=dict(size=15)), uniformtext=dict(minsize=9, mode="hide"))
     return fig
+
+
+def style_for(layout: TreemapLayout, plan: DevicePlan | PipelinePlan) -> TreemapStyle:
+    """The style of a device plan (by device) or of a pipeline plan (by stage)."""
+    if isinstance(plan, PipelinePlan):
+        from bigviz.ui.stages import stage_style_of
+
+        return stage_style_of(layout, plan)
+    return style_of(layout, plan)
 
 
 def maxdepth_for(depth: int | None) -> int:
@@ -216,8 +241,12 @@ def maxdepth_for(depth: int | None) -> int:
     return -1 if depth is None else max(int(depth), 1) + 1
 
 
-def figure_title(plan: DevicePlan) -> str:
-    """The treemap's title: model class, size, parameters and strategy."""
+def figure_title(plan: DevicePlan | PipelinePlan) -> str:
+    """The treemap's title: model class, size, parameters and strategy (or stages)."""
+    if isinstance(plan, PipelinePlan):
+        from bigviz.ui.stages import stage_title
+
+        return stage_title(plan)
     assert plan.tree is not None
     root = plan.tree.nodes[""]
     return (f"{root.class_name or 'model'}: {format_size(root.total_bytes)}, "

@@ -1,0 +1,327 @@
+"""A pipeline plan as data: which modules each pipeline stage (one rank) holds, and why.
+
+``make_pipeline_plan`` (in :mod:`bigviz.core.stages`) cuts a size tree into stages between
+no-split units; this module holds what it returns. A :class:`PipelinePlan` is frozen and
+plain: it prints, tabulates, round-trips through JSON and is checked before any process loads
+a weight. ``torch.distributed`` runs it (see :mod:`bigviz.distributed`); nothing here imports
+torch.
+
+Example:
+    >>> from bigviz.core.tree import SizeTree, TensorSpec
+    >>> from bigviz.core.stages import make_pipeline_plan
+    >>> tree = SizeTree.build([TensorSpec(f"h.{i}.w", 100, "float32") for i in range(4)])
+    >>> plan = make_pipeline_plan(tree, 2, no_split=["h.*"])
+    >>> plan.stages, plan.split_points, plan.stage_bytes
+    ((('h.0', 'h.1'), ('h.2', 'h.3')), ('h.2',), (800, 800))
+"""
+from __future__ import annotations
+
+import html
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from bigviz.core.names import owner
+from bigviz.core.serialize import write_json_atomic
+from bigviz.core.strategies import PlanError
+from bigviz.core.units import format_size
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from bigviz.core.tree import SizeTree
+
+__all__ = ["BALANCES", "ROLES", "PipelineError", "PipelineUnit", "StageCut", "SharedTensor", "PipelinePlan"]
+
+BALANCES = ("bytes", "compute")
+ROLES = ("first", "block", "between", "last")
+"""Where a unit sits: before the first block (embeddings: first stage), a block (where cuts
+go), between two blocks (stays with the block before it), after the last block (final norm,
+head: last stage)."""
+_FORMAT = "bigviz.PipelinePlan"
+_VERSION = 1
+
+
+class PipelineError(PlanError):
+    """A pipeline plan that cannot be made, read or used; ``problems`` lists every reason.
+
+    Example:
+        >>> err = PipelineError("cannot plan", ["stages=0: give 1 or more stages"])
+        >>> print(err)
+        cannot plan (1 problem):
+          - stages=0: give 1 or more stages
+    """
+
+    def __init__(self, headline: str, problems: Sequence[str] = (), *, fix: str = "") -> None:
+        self.problems = list(problems)
+        count = f"{len(self.problems)} problem" + ("s" if len(self.problems) != 1 else "")
+        lines = [f"{headline} ({count}):" if self.problems else headline]
+        lines += [f"  - {p}" for p in self.problems[:40]]
+        if len(self.problems) > 40:
+            lines.append(f"  ... and {len(self.problems) - 40} more (see err.problems)")
+        super().__init__("\n".join(lines + ([fix] if fix else [])))
+
+    @classmethod
+    def check(cls, problems: Sequence[str], headline: str, *, fix: str = "") -> None:
+        """Raise when ``problems`` is not empty."""
+        if problems:
+            raise cls(headline, problems, fix=fix)
+
+
+@dataclass(frozen=True)
+class PipelineUnit:
+    """One unit the plan never splits: a no-split block, or a module outside the blocks.
+
+    Attributes:
+        name: module (or tensor) name.
+        stage: the stage that holds and runs it.
+        role: one of :data:`ROLES`.
+        nbytes: its bytes (a tied follower counts 0: its leader holds the bytes).
+        flops: estimated floating-point operations per token (2 x matmul weights).
+        class_name: module class, ``""`` when planned from checkpoint headers.
+        reason: why it is in its stage.
+    """
+
+    name: str
+    stage: int
+    role: str
+    nbytes: int
+    flops: int
+    class_name: str = ""
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class StageCut:
+    """Stage ``stage`` begins at module ``before`` (torch's ``SplitPoint.BEGINNING``)."""
+
+    stage: int
+    before: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class SharedTensor:
+    """A tied tensor that several stages load: ``name`` is tied to ``leader``."""
+
+    name: str
+    leader: str
+    stages: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Pipeline stages of a model: units per stage, cut points with reasons, bytes per stage.
+
+    Attributes:
+        units: every unit in execution order, with its stage.
+        cuts: one per stage after the first, in order.
+        stage_bytes: bytes each stage loads (tied tensors it borrows from another stage's
+            modules included).
+        stage_flops: estimated FLOPs per token of each stage.
+        budgets: bytes per stage given to the planner (``None``: no budget).
+        shared: tied tensors loaded by more than one stage.
+        balance: ``"bytes"`` or ``"compute"``.
+        no_split: no-split classes or name globs the units come from.
+        dtype: the dtype the bytes were planned for (``None``: as stored).
+        notes: what a person should know (ties, budgets).
+        tree: the size tree (kept for the treemap; not saved in JSON).
+    """
+
+    units: tuple[PipelineUnit, ...]
+    cuts: tuple[StageCut, ...]
+    stage_bytes: tuple[int, ...]
+    stage_flops: tuple[int, ...]
+    budgets: tuple[int | None, ...]
+    shared: tuple[SharedTensor, ...] = ()
+    balance: str = "bytes"
+    no_split: tuple[str, ...] = ()
+    dtype: str | None = None
+    notes: tuple[str, ...] = ()
+    tree: SizeTree | None = field(default=None, compare=False, repr=False)
+
+    # ---- the shape of the pipeline ---------------------------------------------------
+    @property
+    def n_stages(self) -> int:
+        return len(self.stage_bytes)
+
+    @property
+    def stages(self) -> tuple[tuple[str, ...], ...]:
+        """Module names per stage, in execution order."""
+        out: list[list[str]] = [[] for _ in range(self.n_stages)]
+        for unit in self.units:
+            out[unit.stage].append(unit.name)
+        return tuple(tuple(names) for names in out)
+
+    @property
+    def split_points(self) -> tuple[str, ...]:
+        """The module where each stage after the first begins (stage 0 begins the model)."""
+        return tuple(cut.before for cut in self.cuts)
+
+    def blocks(self, stage: int) -> tuple[str, ...]:
+        """The no-split blocks of one stage, in order."""
+        return tuple(u.name for u in self.units if u.stage == stage and u.role == "block")
+
+    def stage_of(self, name: str) -> int | None:
+        """The stage holding a module or tensor (the stage of the unit that owns it).
+
+        Example:
+            >>> from bigviz.core.tree import SizeTree, TensorSpec
+            >>> from bigviz.core.stages import make_pipeline_plan
+            >>> tree = SizeTree.build([TensorSpec(f"h.{i}.w", 1, "float32") for i in range(3)])
+            >>> make_pipeline_plan(tree, 3, no_split=["h.*"]).stage_of("h.2.w")
+            2
+        """
+        units = {u.name: u.stage for u in self.units}
+        key = owner(name, units)
+        return units[key] if key is not None else None
+
+    def tensors_of(self, stage: int, tree: SizeTree | None = None) -> list[str]:
+        """Every tensor a stage loads: its units' tensors and the tied tensors it shares.
+
+        Raises:
+            ValueError: when the plan carries no tree and none is given.
+        """
+        tree = tree if tree is not None else self.tree
+        if tree is None:
+            raise ValueError("this PipelinePlan carries no size tree: pass the model's tree")
+        out = [t for u in self.units if u.stage == stage for t in tree.subtree_tensors(u.name)]
+        out += [s.leader for s in self.shared if stage in s.stages and s.leader not in out]
+        return out
+
+    # ---- reading it ------------------------------------------------------------------
+    def summary(self) -> str:
+        """A few lines a person reads: bytes per stage, where each stage begins, why."""
+        root = self.tree.nodes[""].class_name if self.tree is not None else ""
+        total = sum(u.nbytes for u in self.units)
+        lines = [f"PipelinePlan: {self.n_stages} stage{'s' if self.n_stages != 1 else ''} of "
+                 f"{root or 'the model'} ({format_size(total)}), balanced by {self.balance}"]
+        for i, names in enumerate(self.stages):
+            budget = f" of {format_size(self.budgets[i])}" if self.budgets[i] is not None else ""
+            span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+            lines.append(f"  stage {i}: {format_size(self.stage_bytes[i]):>10}{budget}  "
+                         f"{span} ({len(self.blocks(i))} blocks)")
+        lines += [f"  cut before {c.before}: {c.reason}" for c in self.cuts]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per unit: stage, module, role, class, bytes, size, GFLOP per token, reason."""
+        import pandas as pd
+
+        columns = ["stage", "module", "role", "class", "bytes", "size", "gflop_per_token", "reason"]
+        return pd.DataFrame(
+            [{"stage": u.stage, "module": u.name or "<model>", "role": u.role, "class": u.class_name,
+              "bytes": u.nbytes, "size": format_size(u.nbytes), "gflop_per_token": u.flops / 1e9,
+              "reason": u.reason} for u in self.units], columns=columns)
+
+    def _repr_html_(self) -> str:
+        rows = "".join(
+            f"<tr><td>{i}</td><td style='text-align:right'>{format_size(b)}</td>"
+            f"<td>{'' if self.budgets[i] is None else format_size(self.budgets[i])}</td>"
+            f"<td><code>{html.escape(names[0])}</code> .. <code>{html.escape(names[-1])}</code></td>"
+            f"<td>{len(self.blocks(i))}</td></tr>"
+            for i, (b, names) in enumerate(zip(self.stage_bytes, self.stages)))
+        cuts = "".join(f"<li>before <code>{html.escape(c.before)}</code>: {html.escape(c.reason)}</li>"
+                       for c in self.cuts)
+        notes = "".join(f"<li>{html.escape(n)}</li>" for n in self.notes)
+        return (f"<div class='bigviz-pipeline'><b>PipelinePlan</b> ({self.n_stages} stages, balanced by "
+                f"{html.escape(self.balance)})<table><tr><th>stage</th><th>bytes</th><th>budget</th>"
+                f"<th>modules</th><th>blocks</th></tr>{rows}</table><ul>{cuts}{notes}</ul></div>")
+
+    # ---- JSON ------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data (everything but the size tree)."""
+        return {
+            "format": _FORMAT, "version": _VERSION, "balance": self.balance,
+            "no_split": list(self.no_split), "dtype": self.dtype,
+            "stages": [{"modules": list(names), "bytes": b, "flops": f, "budget": budget}
+                       for names, b, f, budget in zip(self.stages, self.stage_bytes, self.stage_flops,
+                                                      self.budgets)],
+            "split_points": list(self.split_points),
+            "cuts": [{"stage": c.stage, "before": c.before, "reason": c.reason} for c in self.cuts],
+            "shared": [{"name": s.name, "leader": s.leader, "stages": list(s.stages), "bytes": s.nbytes}
+                       for s in self.shared],
+            "units": [{"name": u.name, "stage": u.stage, "role": u.role, "bytes": u.nbytes,
+                       "flops": u.flops, "class": u.class_name, "reason": u.reason} for u in self.units],
+            "notes": list(self.notes),
+        }
+
+    def save_json(self, path: str | os.PathLike[str]) -> None:
+        """Write the plan as JSON, atomically (a crash never leaves half a file)."""
+        write_json_atomic(self.to_dict(), path)
+
+    @classmethod
+    def load_json(cls, path: str | os.PathLike[str], *, tree: SizeTree | None = None) -> PipelinePlan:
+        """Read a plan written by :meth:`save_json`; ``tree`` re-attaches the size tree.
+
+        Raises:
+            PipelineError: naming the file and every field that is missing or wrong.
+
+        Example:
+            >>> import tempfile, os
+            >>> from bigviz.core.tree import SizeTree, TensorSpec
+            >>> from bigviz.core.stages import make_pipeline_plan
+            >>> tree = SizeTree.build([TensorSpec(f"h.{i}.w", 8, "float32") for i in range(4)])
+            >>> plan = make_pipeline_plan(tree, 2, no_split=["h.*"])
+            >>> path = os.path.join(tempfile.mkdtemp(), "pipeline.json")
+            >>> plan.save_json(path)
+            >>> PipelinePlan.load_json(path) == plan
+            True
+        """
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except json.JSONDecodeError as err:
+            raise PipelineError(f"{path}: not valid JSON ({err}); is this a pipeline plan file?") from err
+        return cls.from_dict(data, where=str(path), tree=tree)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, where: str = "pipeline plan",
+                  tree: SizeTree | None = None) -> PipelinePlan:
+        """The plan :meth:`to_dict` describes (checked: every bad field is named)."""
+        problems = _shape_problems(data)
+        PipelineError.check(problems, f"{where} is not a bigviz pipeline plan",
+                            fix="Fix: write it with PipelinePlan.save_json (or bigviz.plan_pipeline(...).save_json)")
+        stages = data["stages"]
+        return cls(
+            units=tuple(PipelineUnit(u["name"], int(u["stage"]), u["role"], int(u["bytes"]), int(u["flops"]),
+                                     u.get("class", ""), u.get("reason", "")) for u in data["units"]),
+            cuts=tuple(StageCut(int(c["stage"]), c["before"], c.get("reason", "")) for c in data["cuts"]),
+            stage_bytes=tuple(int(s["bytes"]) for s in stages),
+            stage_flops=tuple(int(s.get("flops", 0)) for s in stages),
+            budgets=tuple(None if s.get("budget") is None else int(s["budget"]) for s in stages),
+            shared=tuple(SharedTensor(s["name"], s["leader"], tuple(s["stages"]), int(s["bytes"]))
+                         for s in data.get("shared", [])),
+            balance=data["balance"], no_split=tuple(data.get("no_split", ())), dtype=data.get("dtype"),
+            notes=tuple(data.get("notes", ())), tree=tree)
+
+
+def _shape_problems(data: object) -> list[str]:
+    """Everything missing or malformed in a plan's JSON data, one line each."""
+    if not isinstance(data, Mapping):
+        return [f"expected a JSON object, got {type(data).__name__}"]
+    problems = []
+    if data.get("format") != _FORMAT:
+        problems.append(f"'format' is {data.get('format')!r}, expected {_FORMAT!r}")
+    for key, kind in (("stages", list), ("units", list), ("cuts", list), ("balance", str)):
+        if not isinstance(data.get(key), kind):
+            problems.append(f"{key!r} is missing or not a {kind.__name__}")
+    if problems:
+        return problems
+    n = len(data["stages"])
+    for i, unit in enumerate(data["units"]):
+        if not isinstance(unit, Mapping) or not {"name", "stage", "role", "bytes", "flops"} <= set(unit):
+            problems.append(f"units[{i}] needs name, stage, role, bytes and flops")
+        elif not (isinstance(unit["stage"], int) and 0 <= unit["stage"] < n) or unit["role"] not in ROLES:
+            problems.append(f"units[{i}] ({unit['name']!r}): stage {unit['stage']!r} or role {unit['role']!r} "
+                            f"is out of range ({n} stages; roles {', '.join(ROLES)})")
+    if len(data["cuts"]) != max(n - 1, 0):
+        problems.append(f"{len(data['cuts'])} cuts for {n} stages: expected {max(n - 1, 0)}")
+    return problems
