@@ -180,8 +180,8 @@ def _strategy_caps(tree: SizeTree, budgets: dict[Device, int],
     if options.strategy == "sequential" or len(gpus) < 2:
         return caps, []
     low0 = options.strategy == "balanced_low_0"
-    total = tree.total("")
-    buffer = int(1.25 * _largest_unit(tree, options.no_split))
+    total = tree.total("") + sum(options.kv_cache.values())  # a workload's caches spread with their layers
+    buffer = int(1.25 * _largest_unit(tree, options.no_split)) + max(options.activations.values(), default=0)
     spread = gpus[1:] if low0 else gpus
     share = -(-total // len(spread))  # ceiling division
     for g in spread[:-1]:
