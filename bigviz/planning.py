@@ -26,7 +26,7 @@ from bigviz.core.plan import DevicePlan, PlanOptions
 from bigviz.core.strategies import PlanError, make_plan
 from bigviz.core.tree import SizeTree
 from bigviz.core.units import Device
-from bigviz.core.workload import RunSpec, Workload
+from bigviz.core.workload import RunSpec, Workload, longest_fit
 from bigviz.modeling.budgets import get_max_memory
 from bigviz.modeling.sizes import module_tree
 from bigviz.modeling.workload import is_config_source, model_from_config, run_spec
@@ -232,16 +232,7 @@ def max_context(model: ModelLike, max_memory: Mapping[object, object] | None = N
             return False
         return allow_offload or device_map is not None or not any(result.offloaded_bytes().values())
 
-    if not fits(0):
-        return 0
-    low, high = 0, 1
-    while high <= top and fits(high):  # double to a context that does not fit
-        low, high = high, high * 2
-    high = min(high, top + 1)
-    while high - low > 1:  # low fits, high does not
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low
+    return longest_fit(fits, top)
 
 
 def _position_limit(model: ModelLike) -> int | None:

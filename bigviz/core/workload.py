@@ -25,13 +25,13 @@ Example:
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from bigviz.core.tree import canonical_dtype, itemsize
 
 __all__ = ["Workload", "CacheSpec", "Term", "StepSpec", "RunSpec", "CACHE_KINDS",
-           "kv_cache_bytes", "activation_bytes"]
+           "kv_cache_bytes", "activation_bytes", "longest_fit"]
 
 CACHE_KINDS = ("full_attention", "sliding_attention", "latent_attention", "state", "none")
 """What a layer's cache can be; ``latent_attention`` keeps one shared latent per token."""
@@ -224,3 +224,27 @@ def activation_bytes(steps: Mapping[str, StepSpec], carried: Iterable[Term], wor
         return {name: 0 for name in steps}
     base = sum(t.nbytes(workload, dtype) for t in carried)
     return {name: base + step.nbytes(workload, dtype) for name, step in steps.items()}
+
+
+def longest_fit(fits: Callable[[int], bool], limit: int) -> int:
+    """The largest ``n <= limit`` with ``fits(n)``, for a ``fits`` that holds up to some
+    point and fails after it (0 when ``fits(0)`` fails too): doubling, then bisection, so
+    about ``2 log2(n)`` calls.
+
+    Example:
+        >>> calls = []
+        >>> longest_fit(lambda n: calls.append(n) or n <= 1000, 10**6), len(calls)
+        (1000, 21)
+        >>> longest_fit(lambda n: True, 64), longest_fit(lambda n: False, 64)
+        (64, 0)
+    """
+    if not fits(0):
+        return 0
+    low, high = 0, 1
+    while high <= limit and fits(high):  # double until a length that does not fit
+        low, high = high, high * 2
+    high = min(high, limit + 1)
+    while high - low > 1:  # low fits, high does not
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low

@@ -42,7 +42,8 @@ from bigviz.core.workload import CacheSpec, RunSpec, StepSpec, Term, Workload
 from bigviz.models.gpt import GPT
 from bigviz.models.llama import Llama
 
-__all__ = ["run_spec", "kv_cache_bytes", "model_from_config", "is_config_source", "compute_dtype"]
+__all__ = ["run_spec", "kv_cache_bytes", "model_from_config", "is_config_source", "compute_dtype",
+           "shipped_configs", "config_path"]
 
 ModelOrConfig = Any  # nn.Module, transformers PretrainedConfig, GPTConfig/LlamaConfig, config path
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -50,6 +51,35 @@ _INT64 = 8.0
 
 
 # ---- configs --------------------------------------------------------------------------------
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+def shipped_configs() -> list[str]:
+    """Names of the configs bigviz ships (published hyperparameters of well-known models).
+
+    Example:
+        >>> "llama-3.1-70b" in shipped_configs() and "deepseek-v3" in shipped_configs()
+        True
+    """
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
+def config_path(name: str) -> Path:
+    """The path of a shipped config by name (``"llama-3.1-70b"``), to plan a model you do not have.
+
+    Raises:
+        ValueError: naming the configs there are.
+
+    Example:
+        >>> config_path("mixtral-8x7b").name
+        'mixtral-8x7b.json'
+    """
+    path = CONFIG_DIR / f"{name.removesuffix('.json')}.json"
+    if not path.is_file():
+        raise ValueError(f"bigviz ships no config named {name!r}; it has: {', '.join(shipped_configs())}")
+    return path
+
+
 def is_config_source(source: object) -> bool:
     """True for a ``config.json`` path, or a folder that holds a ``config.json`` and no weights.
 
