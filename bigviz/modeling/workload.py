@@ -362,7 +362,7 @@ def _state_cache(config: Any) -> CacheSpec | None:
     """Mamba: a conv state (inner x kernel, model dtype) and a float32 recurrent state
     (inner x state); Mamba-2: conv over inner + 2 x groups x state, recurrent per head."""
     kernel, state = getattr(config, "conv_kernel", None), getattr(config, "state_size", None)
-    inner = getattr(config, "intermediate_size", None)
+    inner = getattr(config, "intermediate_size", None) or int(getattr(config, "expand", 0) * config.hidden_size)
     if not (kernel and state and inner):
         return None
     if getattr(config, "model_type", "") == "mamba2":
@@ -487,10 +487,13 @@ def _experts(config: Any, index: int) -> tuple[int, int, int, int] | None:
 def _mamba_steps(config: Any, dims: _Dims, cpu: bool) -> tuple[tuple[Term, ...], list[StepSpec], list[str]]:
     """Mamba's mixer: in_proj (2 x inner), the conv, dt, and the selective scan. PyTorch's
     reference scan keeps three (B, inner, T, state) float32 tensors; mamba-ssm's kernel none."""
-    inner, state = int(config.intermediate_size), int(config.state_size)
+    inner = int(getattr(config, "intermediate_size", None) or getattr(config, "expand", 2) * dims.hidden)
+    state = int(config.state_size)
     phase: tuple[Term, ...] = (Term(3 * dims.hidden), Term(2 * inner), Term(6 * inner))
     if cpu:
         phase = (*phase, Term(3 * inner * state, 4.0))
     carried = (Term(3 * dims.hidden), Term(1, _INT64), Term(1, _INT64, batched=False))
     note = "selective scan: " + ("PyTorch reference (CPU)" if cpu else "fused kernel (mamba-ssm)")
+    if getattr(config, "model_type", "") != "mamba":  # Mamba-2's chunked scan: the cache is exact, this is not
+        note += "; activations: Mamba's formula, not checked against this model type"
     return carried, [StepSpec((phase,))] * dims.layers, [note]
