@@ -289,6 +289,7 @@ class Planner:
             self._error = str(err)
             self.controls.status.value = (f"<div style='color:#D55E00;white-space:pre-wrap'><b>Does not plan:"
                                           f"</b> {html.escape(str(err))}</div>")
+            self.controls.fit.value = self._fit_html()
             return
         self._error = ""
         self._plan = plan
@@ -348,7 +349,7 @@ class Planner:
             settings, found = self._longest
             stale = " <i>(settings changed: press Longest context)</i>" if settings != self._settings() else ""
             per_token = found["seconds_per_token"]
-            cost = f", at least {per_token * 1000:,.0f} ms per token" if per_token else ""
+            cost = f", at least {per_token * 1000:,.1f} ms per token" if per_token else ""
             lines.append(f"Longest context (batch {found['batch_size']}): <b>{found['no_offload']:,} tokens</b> "
                          f"without offloading, {found['with_offload']:,} with offloading{cost}{stale}")
         elif self.state.run_specs is not None:
