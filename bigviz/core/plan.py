@@ -213,8 +213,9 @@ class DevicePlan:
             columns=["module", "class", "device", "bytes", "size", "reason", "override", "tied_to"])
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready data: the device map, budgets (string keys) and placements."""
-        return {
+        """Plain JSON-ready data: the device map, budgets (string keys) and placements, and
+        with a workload, the run and its KV cache and activation bytes per device."""
+        out = {
             "strategy": self.strategy,
             "main_device": self.main_device,
             "device_map": self.device_map,
@@ -222,14 +223,22 @@ class DevicePlan:
             "placements": [{"name": p.name, "device": p.device, "bytes": p.nbytes, "reason": p.reason}
                            for p in self.placements],
         }
+        if self.workload is not None:
+            out["workload"] = {"batch_size": self.workload.batch_size,
+                               "context_length": self.workload.context_length, "kv_dtype": self.workload.kv_dtype}
+            out["kv_cache"] = {str(k): v for k, v in self.kv_cache.items()}
+            out["activations"] = {str(k): v for k, v in self.activations.items()}
+        return out
 
     def to_json(self, indent: int = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
     def _repr_html_(self, max_rows: int = 60) -> str:
         usage_rows = "".join(
-            f"<tr><td>{device_label(u.device)}</td><td>{format_size(u.used)}</td>"
-            f"<td>{format_size(u.budget)}</td><td>{format_size(u.reserve + u.offload_reserve)}</td>"
+            f"<tr><td>{device_label(u.device)}</td><td>{format_size(u.used)}"
+            + (f" + {format_size(u.kv_cache)} KV cache + {format_size(u.activations)} activations"
+               if u.kv_cache or u.activations else "")
+            + f"</td><td>{format_size(u.budget)}</td><td>{format_size(u.reserve + u.offload_reserve)}</td>"
             f"<td>{_bar(u.fraction)}</td></tr>" for u in self.usage)
         rows = "".join(
             f"<tr><td><code>{html.escape(p.name or '<model>')}</code></td><td>{html.escape(p.class_name)}</td>"

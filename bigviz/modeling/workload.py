@@ -110,6 +110,11 @@ def model_from_config(source: Any) -> nn.Module:
     Raises:
         ValueError: when the file is not JSON, names no model type transformers knows, or
             transformers is not installed (saying how to install it).
+
+    Example:
+        >>> model = model_from_config(config_path("mixtral-8x7b"))
+        >>> type(model).__name__, round(sum(p.numel() for p in model.parameters()) / 1e9, 1)
+        ('MixtralForCausalLM', 46.7)
     """
     try:
         from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
@@ -210,6 +215,14 @@ def run_spec(model: nn.Module, *, dtype: torch.dtype | str | None = None, device
     Raises:
         ValueError: for a model whose attention layout bigviz does not know, saying how to
             give the bytes by hand (``kv_cache=`` and ``activations=`` of ``bigviz.plan``).
+
+    Example:
+        >>> from bigviz.models import build
+        >>> with torch.device("meta"):
+        ...     spec = run_spec(build("gpt-tiny"))
+        >>> w = Workload(batch_size=1, context_length=64)
+        >>> spec.kv_cache(w)["transformer.h.0"], max(spec.activations(w).values())  # bytes
+        (16384, 107008)
     """
     compute = canonical_dtype(dtype) if dtype is not None else compute_dtype(model)
     cpu = device_type == "cpu"
