@@ -79,8 +79,8 @@ def _plan(args: argparse.Namespace) -> int:
     elif args.model in shipped_configs():
         target = bigviz.resolve_model(config_path(args.model))
     elif not Path(args.model).exists():
-        print(f"bigviz plan: {args.model!r} is neither a checkpoint path, a config, a shipped config "
-              f"({', '.join(shipped_configs())}) nor a preset ({', '.join(sorted(PRESETS))})", file=sys.stderr)
+        print(f"bigviz plan: {args.model!r} is neither a checkpoint path nor a preset ({', '.join(sorted(PRESETS))}), "
+              f"nor a config.json or a shipped config ({', '.join(shipped_configs())})", file=sys.stderr)
         return 2
     else:
         target = bigviz.resolve_model(args.model)

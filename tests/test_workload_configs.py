@@ -141,3 +141,13 @@ def test_cli_plans_a_config_with_a_workload(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["plan", "llama-3.1-8b", "--context", "many"])
     assert "'many'" in capsys.readouterr().err
+
+
+def test_an_encoder_caches_nothing_and_an_encoder_decoder_is_refused(hf_bert):
+    assert set(bigviz.kv_cache_bytes(hf_bert, 2, 64).values()) == {0}
+    plan = bigviz.plan(hf_bert, {"cpu": "1GB"}, context_length=64)
+    assert plan.kv_cache["cpu"] == 0 and plan.activations["cpu"] > 0
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        num_layers=2, d_model=32, d_ff=64, num_heads=2, d_kv=16, vocab_size=100))
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        bigviz.kv_cache_bytes(t5, 1, 10)

@@ -232,7 +232,14 @@ def run_spec(model: nn.Module, *, dtype: torch.dtype | str | None = None, device
         return _reference_spec(model, compute, gpt=False)
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
-        return _hf_spec(model, config.get_text_config(decoder=True), compute, cpu)
+        if getattr(config, "is_encoder_decoder", False):
+            raise ValueError(f"bigviz plans the run of decoder-only models; {type(model).__name__} is an "
+                             f"encoder-decoder: give kv_cache={{module: bytes}} and activations={{module: bytes}}")
+        spec = _hf_spec(model, config.get_text_config(decoder=True), compute, cpu)
+        if hasattr(model, "can_generate") and not model.can_generate():  # an encoder: nothing is cached
+            spec = RunSpec(spec.dtype, {n: (CacheSpec("none"),) for n in spec.caches}, spec.steps, spec.carried,
+                           (*spec.notes, "no KV cache: the model does not generate"))
+        return spec
     raise ValueError(f"bigviz does not know the attention layout of {type(model).__name__}: it reads bigviz's "
                      f"GPT and Llama and transformers models. Give the bytes per module yourself: "
                      f"bigviz.plan(model, ..., kv_cache={{module: bytes}}, activations={{module: bytes}})")
