@@ -4,7 +4,7 @@
     python bench/run.py --only planning    # one bench, printed, RESULTS.md untouched
     python bench/run.py --quick            # smaller settings where a bench offers them
 
-Each bench is its own script (planning.py, load.py, dispatch.py, slider.py, gpu.py) that prints
+Each bench is its own script (planning.py, load.py, dispatch.py, slider.py, workload.py, gpu.py) that prints
 a markdown section with ratios against accelerate and the goals; run one alone to see it.
 The peers come from the `bench` extra: pip install -e ".[bench]".
 """
@@ -20,10 +20,11 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ["planning", "load", "dispatch", "slider", "gpu", "pipeline"]
+BENCHES = ["planning", "load", "dispatch", "slider", "workload", "gpu", "pipeline"]
 QUICK = {"dispatch"}  # benches that take --quick
 TITLES = {"planning": "Planning", "load": "Checkpoint loading", "dispatch": "Dispatch and offload",
-          "slider": "Planner slider latency", "gpu": "GPU: CPU offload against the transfer floor",
+          "slider": "Planner slider latency", "workload": "KV cache and activations",
+          "gpu": "GPU: CPU offload against the transfer floor",
           "pipeline": "Pipeline stages: memory per rank"}
 
 

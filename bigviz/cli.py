@@ -4,6 +4,7 @@ Example:
     $ bigviz demo --out bigviz-demo
     $ bigviz plan path/to/checkpoint --max-memory cpu=8GiB,0=16GiB --out device_map.json
     $ bigviz plan llama-70b --dtype float16 --max-memory 0=24GiB,cpu=64GiB --html report.html
+    $ bigviz plan llama-3.1-70b --batch 4 --context 8192 --max-memory 0=80GiB,1=80GiB
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="bigviz-demo", help="folder for device_map.json, report.html, ...")
     demo.add_argument("--quick", action="store_true", help="shorter training and generation")
     plan = sub.add_parser("plan", help="plan a device map for a checkpoint or a reference model preset")
-    plan.add_argument("model", help="checkpoint file or folder, or a preset name such as llama-70b")
+    plan.add_argument("model", help="checkpoint file or folder, a config.json (or a folder holding only one), "
+                                    "a shipped config such as llama-3.1-70b, or a preset such as llama-70b")
     plan.add_argument("--max-memory", type=parse_max_memory_arg, default=None,
                       help="budgets, e.g. cpu=8GiB,0=16GiB (default: this machine's free memory)")
     plan.add_argument("--strategy", default="auto", choices=["auto", "balanced", "balanced_low_0", "sequential"])
@@ -48,30 +50,64 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--dtype", default=None, help="plan for this dtype, e.g. float16")
     plan.add_argument("--out", default="device_map.json", help="where to write the device map JSON")
     plan.add_argument("--html", default=None, help="also write a standalone HTML report here")
+    plan.add_argument("--batch", type=_positive, default=1, help="sequences run together (with --context)")
+    plan.add_argument("--context", type=_positive, default=None, metavar="TOKENS",
+                      help="plan the run too: KV cache and prefill activations for this many tokens")
+    plan.add_argument("--kv-dtype", default=None, help="dtype of the KV cache (default: the compute dtype)")
     return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
 
 
 def _plan(args: argparse.Namespace) -> int:
     import bigviz
     from bigviz.models import PRESETS, build
+    from bigviz.modeling.workload import config_path, shipped_configs
 
     target: object = args.model
     if args.model in PRESETS:
         with bigviz.init_empty_weights():
             target = build(args.model)
+    elif args.model in shipped_configs():
+        target = bigviz.resolve_model(config_path(args.model))
     elif not Path(args.model).exists():
-        print(f"bigviz plan: {args.model!r} is neither a checkpoint path nor a preset "
-              f"({', '.join(sorted(PRESETS))})", file=sys.stderr)
+        print(f"bigviz plan: {args.model!r} is neither a checkpoint path nor a preset ({', '.join(sorted(PRESETS))}), "
+              f"nor a config.json or a shipped config ({', '.join(shipped_configs())})", file=sys.stderr)
         return 2
-    plan = bigviz.plan(target, args.max_memory, strategy=args.strategy,
-                       no_split_module_classes=args.no_split, dtype=args.dtype)
+    else:
+        target = bigviz.resolve_model(args.model)
+    common = dict(strategy=args.strategy, no_split_module_classes=args.no_split, dtype=args.dtype,
+                  kv_dtype=args.kv_dtype)
+    plan = bigviz.plan(target, args.max_memory, batch_size=args.batch, context_length=args.context, **common)
     print(plan.summary())
+    if args.context:
+        print(_run_lines(plan))
+        longest = bigviz.max_context(target, plan.max_memory, args.batch, **common)
+        offloaded = bigviz.max_context(target, plan.max_memory, args.batch, allow_offload=True, **common)
+        print(f"longest context that fits (batch {args.batch}): {longest:,} tokens without offloading, "
+              f"{offloaded:,} with offloading")
     bigviz.save_device_map(plan.device_map, args.out)
     print(f"wrote {args.out} ({len(plan.device_map)} entries)")
     if args.html:
         bigviz.save_html(plan, args.html)
         print(f"wrote {args.html}")
     return 0
+
+
+def _run_lines(plan: object) -> str:
+    from bigviz.core.units import device_label, format_size
+
+    rows = [f"  {device_label(u.device):>7}: KV cache {format_size(u.kv_cache):>10}, activations "
+            f"{format_size(u.activations):>10}" for u in plan.usage if u.kv_cache or u.activations]  # type: ignore[attr-defined]
+    return "run per device:\n" + "\n".join(rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

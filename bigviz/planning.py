@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
 from typing import Union
 
 import torch
@@ -25,15 +26,24 @@ from bigviz.core.devicemap import validate_device_map
 from bigviz.core.pipeline import PipelinePlan
 from bigviz.core.plan import DevicePlan, PlanOptions
 from bigviz.core.stages import make_pipeline_plan
-from bigviz.core.strategies import make_plan
+from bigviz.core.strategies import PlanError, make_plan
 from bigviz.core.tree import SizeTree
 from bigviz.core.units import Device
+from bigviz.core.workload import RunSpec, Workload, longest_fit
 from bigviz.modeling.budgets import get_max_memory
 from bigviz.modeling.sizes import module_tree
+from bigviz.modeling.workload import is_config_source, model_from_config, run_spec
 
-__all__ = ["plan", "infer_auto_device_map", "check_device_map", "plan_pipeline", "as_tree", "default_no_split"]
+__all__ = ["plan", "infer_auto_device_map", "check_device_map", "plan_pipeline", "as_tree", "default_no_split",
+           "max_context", "workload_bytes", "resolve_model"]
 
 ModelLike = Union[nn.Module, SizeTree, str, "os.PathLike[str]"]
+
+
+def resolve_model(model: ModelLike) -> ModelLike:
+    """A ``config.json`` path, or a folder holding only one, becomes its model built on
+    ``meta``; anything else is returned as it is."""
+    return model_from_config(model) if is_config_source(model) else model
 
 
 def as_tree(model: ModelLike, dtype: torch.dtype | str | None = None,
@@ -45,6 +55,8 @@ def as_tree(model: ModelLike, dtype: torch.dtype | str | None = None,
     if isinstance(model, nn.Module):
         return module_tree(model, dtype, special_dtypes)
     if isinstance(model, (str, os.PathLike)):
+        if is_config_source(model):
+            return as_tree(model_from_config(model), dtype, special_dtypes)
         return as_tree(tree_from_checkpoint(model), dtype, special_dtypes)
     raise TypeError(f"expected an nn.Module, a SizeTree or a checkpoint path, got {type(model).__name__}")
 
@@ -65,11 +77,14 @@ def plan(model: ModelLike, max_memory: Mapping[object, object] | None = None, *,
          dtype: torch.dtype | str | None = None, reserve: Mapping[object, object] | None = None,
          overrides: Mapping[str, object] | None = None,
          special_dtypes: Mapping[str, torch.dtype | str] | None = None,
-         offload_reserve: bool = True, prefetch: bool = True) -> DevicePlan:
+         offload_reserve: bool = True, prefetch: bool = True,
+         batch_size: int = 1, context_length: int | None = None, kv_dtype: torch.dtype | str | None = None,
+         kv_cache: Mapping[str, int] | None = None, activations: Mapping[str, int] | None = None) -> DevicePlan:
     """Plan where every module goes, with bytes and a reason for each placement.
 
     Args:
-        model: an ``nn.Module`` (on meta is fine), a :class:`SizeTree`, or a checkpoint path.
+        model: an ``nn.Module`` (on meta is fine), a :class:`SizeTree`, a checkpoint path, or
+            a ``config.json`` (or a folder holding only one: the model is built on meta).
         max_memory: ``{0: "10GiB", "cpu": "30GiB", "disk": ...}``; default: this machine's
             free memory. GPUs the machine does not have can be planned for.
         strategy: ``"auto"``, ``"balanced"``, ``"balanced_low_0"`` or ``"sequential"``.
@@ -78,6 +93,14 @@ def plan(model: ModelLike, max_memory: Mapping[object, object] | None = None, *,
         dtype: plan for this dtype (floating tensors only), e.g. ``torch.float16``.
         reserve: bytes per device kept free for activations and KV cache.
         overrides: ``{module: device}`` to honour; the rest is planned around them.
+        batch_size: sequences run together (with ``context_length``).
+        context_length: plan the run too: each layer's KV cache (or recurrent state) for this
+            many tokens on the device the layer runs on (its own; the execution device when it
+            is streamed in from cpu or disk), and on every device that runs a layer, room for
+            the activations of the largest step, the prefill of ``context_length`` tokens.
+        kv_dtype: the cache's dtype (default: the compute dtype).
+        kv_cache, activations: ``{module: bytes}`` given by hand, for a model whose layout
+            bigviz does not know (they replace what bigviz would read from the model).
 
     Example:
         >>> import torch.nn as nn
@@ -85,11 +108,144 @@ def plan(model: ModelLike, max_memory: Mapping[object, object] | None = None, *,
         >>> p.device_map, p.placements[0].reason
         ({'': 'cpu'}, 'fits: 880 B of 1000 B left on CPU')
     """
+    model = resolve_model(model)
     tree = as_tree(model, dtype, special_dtypes)
     no_split = no_split_module_classes if no_split_module_classes is not None else default_no_split(model, tree)
+    budgets = get_max_memory(max_memory)
+    workload = Workload(batch_size, context_length or 0, None if kv_dtype is None else str(kv_dtype))
+    kv, act = workload_bytes(model, tree, workload, dtype=dtype, device_type=_device_type(budgets),
+                             kv_cache=kv_cache, activations=activations)
     options = PlanOptions(strategy=strategy, no_split=frozenset(no_split), reserve=dict(reserve or {}),
-                          overrides=dict(overrides or {}), offload_reserve=offload_reserve, prefetch=prefetch)
-    return make_plan(tree, get_max_memory(max_memory), options)
+                          overrides=dict(overrides or {}), offload_reserve=offload_reserve, prefetch=prefetch,
+                          kv_cache=kv, activations=act, workload=workload if (kv or act) else None)
+    return make_plan(tree, budgets, options)
+
+
+def _device_type(budgets: Mapping[Device, int]) -> str:
+    """Where the model executes: ``"cuda"`` when a GPU is planned for, else ``"cpu"``."""
+    return "cuda" if any(isinstance(d, int) or d == "mps" for d in budgets) else "cpu"
+
+
+def workload_bytes(model: ModelLike, tree: SizeTree, workload: Workload, *, dtype: object = None,
+                   device_type: str = "cuda", kv_cache: Mapping[str, int] | None = None,
+                   activations: Mapping[str, int] | None = None) -> tuple[dict[str, int], dict[str, int]]:
+    """``(KV cache bytes, activation bytes)`` per module of ``tree`` for ``workload``
+    (empty without a context): read from the model (a checkpoint: from its ``config.json``)
+    unless given by hand."""
+    if not workload.active:
+        return {}, {}
+    if kv_cache is not None and activations is not None:
+        return dict(kv_cache), dict(activations)
+    spec = model_run_spec(model, tree, dtype=dtype, device_type=device_type)
+    kv = dict(kv_cache) if kv_cache is not None else spec.kv_cache(workload)
+    act = dict(activations) if activations is not None else spec.activations(workload)
+    return kv, act
+
+
+def model_run_spec(model: ModelLike, tree: SizeTree, *, dtype: object = None,
+                   device_type: str = "cuda") -> RunSpec:
+    """The run spec of a model, with its modules named as in ``tree``."""
+    source = model
+    if isinstance(model, (str, os.PathLike)):
+        config = Path(model) / "config.json" if Path(model).is_dir() else None
+        if config is None or not config.is_file():
+            raise ValueError(f"to plan a run (context_length) bigviz reads the attention layout from the "
+                             f"model or its config.json, and {str(model)!r} has none next to its weights: pass "
+                             f"the model, put its config.json there, or give kv_cache= and activations=")
+        source = model_from_config(config)
+    if not isinstance(source, nn.Module):
+        raise ValueError("to plan a run (context_length) from a SizeTree, give kv_cache= and activations= "
+                         "(bytes per module): a tree does not say how the model attends")
+    spec = run_spec(source, dtype=None if dtype is None else str(dtype), device_type=device_type)
+    return _renamed(spec, tree)
+
+
+def _renamed(spec: RunSpec, tree: SizeTree) -> RunSpec:
+    """Key a spec by ``tree``'s module names: a checkpoint may lack or add the base prefix
+    (``model.``) that the module built from its config has."""
+    names = [*spec.caches, *spec.steps]
+    if all(n in tree.nodes for n in names):
+        return spec
+    mapping, missing = {}, []
+    for name in names:
+        found = name if name in tree.nodes else next(
+            (c for c in (name.partition(".")[2], *(f"{p}.{name}" for p in _top_levels(tree))) if c in tree.nodes), None)
+        if found is None:
+            missing.append(name)
+        mapping[name] = found
+    if missing:
+        raise ValueError(f"the checkpoint has no modules named like the model's layers ({', '.join(missing[:4])}"
+                         f"{' ...' if len(missing) > 4 else ''}): give kv_cache= and activations= by module name")
+    return RunSpec(spec.dtype, {mapping[k]: v for k, v in spec.caches.items()},
+                   {mapping[k]: v for k, v in spec.steps.items()}, spec.carried, spec.notes)
+
+
+def _top_levels(tree: SizeTree) -> list[str]:
+    return list(tree.nodes[""].children)
+
+
+def max_context(model: ModelLike, max_memory: Mapping[object, object] | None = None, batch_size: int = 1, *,
+                allow_offload: bool = False, device_map: DevicePlan | Mapping[str, object] | None = None,
+                limit: int | None = None, **plan_kwargs: object) -> int:
+    """The longest context whose run fits, by bisection on the (linear-time) planner.
+
+    "Fits" means the plan succeeds with every device within its budget (weights, KV cache,
+    activations of the prefill, reserves), and:
+
+    * by default, nothing is offloaded: every module stays on the GPUs (or the CPU when no
+      GPU is planned for);
+    * with ``allow_offload=True``, the planner may stream modules in from cpu and disk,
+      re-planning for each context;
+    * with ``device_map`` (a plan or a map), that placement is kept as it is, offload
+      included, and only the run must fit beside it.
+
+    Args:
+        model: what :func:`plan` takes.
+        max_memory: budgets, as for :func:`plan`.
+        batch_size: sequences run together.
+        limit: the largest context worth trying (default: the model's position limit,
+            ``max_position_embeddings`` / ``n_positions`` / ``block_size``, else 2**24).
+        **plan_kwargs: more :func:`plan` options (``dtype``, ``kv_dtype``, ``strategy``, ...).
+
+    Returns:
+        The number of tokens, 0 when not even the weights fit.
+
+    Example:
+        >>> import torch
+        >>> from bigviz.models import build
+        >>> with torch.device("meta"):
+        ...     model = build("gpt-tiny")        # 123.5 KiB of weights, block_size 64
+        >>> max_context(model, {"cpu": "10MiB"}), max_context(model, {"cpu": 160_000})
+        (64, 15)
+    """
+    model = resolve_model(model)
+    budgets = get_max_memory(max_memory)
+    top = limit if limit is not None else _position_limit(model) or 2**24
+    kwargs = dict(plan_kwargs)
+    if device_map is not None:
+        units = device_map.unit_map if isinstance(device_map, DevicePlan) else device_map
+        kwargs["overrides"] = {**dict(units), **dict(kwargs.get("overrides") or {})}  # type: ignore[arg-type]
+
+    def fits(tokens: int) -> bool:
+        try:
+            result = plan(model, budgets, batch_size=batch_size, context_length=tokens, **kwargs)  # type: ignore[arg-type]
+        except PlanError:
+            return False
+        if any(u.free < 0 for u in result.usage):
+            return False
+        return allow_offload or device_map is not None or not any(result.offloaded_bytes().values())
+
+    return longest_fit(fits, top)
+
+
+def _position_limit(model: ModelLike) -> int | None:
+    """The longest context a model's positions allow, when it says."""
+    config = getattr(model, "config", None)
+    for key in ("max_position_embeddings", "n_positions", "block_size", "max_seq_len"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def infer_auto_device_map(model: ModelLike, max_memory: Mapping[object, object] | None = None,

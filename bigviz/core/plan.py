@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from bigviz.core.tree import SizeTree
+    from bigviz.core.workload import Workload
 
 __all__ = ["Placement", "DeviceUsage", "PlanOptions", "DevicePlan", "STRATEGIES"]
 
@@ -50,6 +51,13 @@ class PlanOptions:
         prefetch: the engine holds the next offloaded unit while the current one runs, so
             the offload reserve covers the two largest offloaded units instead of one.
         main_device: the execution device for offloaded modules (default: first GPU, else cpu).
+        kv_cache: ``{layer module: bytes}`` of KV cache (or recurrent state) a run keeps for
+            that module, charged on the device the module runs on: its own, or the execution
+            device when it is streamed in from cpu or disk.
+        activations: ``{module: bytes}`` alive at the peak of that module's step; each
+            device keeps room for the largest step it runs.
+        workload: the :class:`~bigviz.core.workload.Workload` the two above were made for
+            (kept in the plan for reports).
     """
 
     strategy: str = "auto"
@@ -59,6 +67,9 @@ class PlanOptions:
     offload_reserve: bool = True
     prefetch: bool = True
     main_device: Device | None = None
+    kv_cache: Mapping[str, int] = field(default_factory=dict)
+    activations: Mapping[str, int] = field(default_factory=dict)
+    workload: Workload | None = None
 
 
 @dataclass(frozen=True)
@@ -81,7 +92,8 @@ class DeviceUsage:
 
     ``budget`` is what the user gave (or the machine has); ``cap`` is the part the
     strategy lets the planner fill (balanced strategies lower it); ``reserve`` is kept free
-    for activations; ``offload_reserve`` for streamed-in offloaded weights.
+    for activations; ``offload_reserve`` for streamed-in offloaded weights; ``kv_cache`` and
+    ``activations`` are what a planned workload keeps there (0 without one).
     """
 
     device: Device
@@ -90,16 +102,20 @@ class DeviceUsage:
     reserve: int
     offload_reserve: int
     used: int
+    kv_cache: int = 0
+    activations: int = 0
 
     @property
     def free(self) -> int:
-        return self.budget - self.used - self.reserve - self.offload_reserve
+        return self.budget - self.used - self.reserve - self.offload_reserve - self.kv_cache - self.activations
 
     @property
     def fraction(self) -> float:
-        """Share of the usable budget (budget minus reserves) the weights fill."""
+        """Share of the usable budget (budget minus reserves) that weights, KV cache and
+        activations fill."""
         usable = self.budget - self.reserve - self.offload_reserve
-        return self.used / usable if usable > 0 else (0.0 if self.used == 0 else float("inf"))
+        held = self.used + self.kv_cache + self.activations
+        return held / usable if usable > 0 else (0.0 if held == 0 else float("inf"))
 
 
 @dataclass(frozen=True)
@@ -113,6 +129,17 @@ class DevicePlan:
     notes: tuple[str, ...] = ()
     tree: SizeTree | None = field(default=None, compare=False, repr=False)
     _cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    workload: Workload | None = None
+
+    @property
+    def kv_cache(self) -> dict[Device, int]:
+        """Bytes of KV cache per device (each layer's, on the device it runs on)."""
+        return {u.device: u.kv_cache for u in self.usage}
+
+    @property
+    def activations(self) -> dict[Device, int]:
+        """Bytes kept per device for the peak activations of the largest step it runs."""
+        return {u.device: u.activations for u in self.usage}
 
     @property
     def unit_map(self) -> Mapping[str, Device]:
@@ -161,7 +188,14 @@ class DevicePlan:
             extra = ""
             if u.reserve or u.offload_reserve:
                 extra = f" (+ reserve {format_size(u.reserve + u.offload_reserve)})"
-            lines.append(f"  {device_label(u.device):>7}: {format_size(u.used):>10} of {budget}{extra}")
+            run = ""
+            if u.kv_cache or u.activations:
+                run = f" + KV cache {format_size(u.kv_cache)} + activations {format_size(u.activations)}"
+            lines.append(f"  {device_label(u.device):>7}: {format_size(u.used):>10}{run} of {budget}{extra}")
+        if self.workload is not None and self.workload.active:
+            w = self.workload
+            lines.insert(1, f"  workload: batch {w.batch_size} x {w.context_length:,} tokens"
+                            + (f", KV cache in {w.kv_dtype}" if w.kv_dtype else ""))
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 
@@ -179,8 +213,9 @@ class DevicePlan:
             columns=["module", "class", "device", "bytes", "size", "reason", "override", "tied_to"])
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready data: the device map, budgets (string keys) and placements."""
-        return {
+        """Plain JSON-ready data: the device map, budgets (string keys) and placements, and
+        with a workload, the run and its KV cache and activation bytes per device."""
+        out = {
             "strategy": self.strategy,
             "main_device": self.main_device,
             "device_map": self.device_map,
@@ -188,14 +223,22 @@ class DevicePlan:
             "placements": [{"name": p.name, "device": p.device, "bytes": p.nbytes, "reason": p.reason}
                            for p in self.placements],
         }
+        if self.workload is not None:
+            out["workload"] = {"batch_size": self.workload.batch_size,
+                               "context_length": self.workload.context_length, "kv_dtype": self.workload.kv_dtype}
+            out["kv_cache"] = {str(k): v for k, v in self.kv_cache.items()}
+            out["activations"] = {str(k): v for k, v in self.activations.items()}
+        return out
 
     def to_json(self, indent: int = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
     def _repr_html_(self, max_rows: int = 60) -> str:
         usage_rows = "".join(
-            f"<tr><td>{device_label(u.device)}</td><td>{format_size(u.used)}</td>"
-            f"<td>{format_size(u.budget)}</td><td>{format_size(u.reserve + u.offload_reserve)}</td>"
+            f"<tr><td>{device_label(u.device)}</td><td>{format_size(u.used)}"
+            + (f" + {format_size(u.kv_cache)} KV cache + {format_size(u.activations)} activations"
+               if u.kv_cache or u.activations else "")
+            + f"</td><td>{format_size(u.budget)}</td><td>{format_size(u.reserve + u.offload_reserve)}</td>"
             f"<td>{_bar(u.fraction)}</td></tr>" for u in self.usage)
         rows = "".join(
             f"<tr><td><code>{html.escape(p.name or '<model>')}</code></td><td>{html.escape(p.class_name)}</td>"

@@ -33,6 +33,10 @@ from bigviz.core.units import (UNLIMITED, Device, device_label, format_size, nor
 __all__ = ["make_plan", "PlanError"]
 
 _MAX_PASSES = 6
+_RUN_PASSES = 10
+"""Extra passes a workload may take: the KV cache of a streamed layer lives on the execution
+device, so each layer pushed off it brings its cache back there; the reserve grows towards
+what is needed geometrically (by the ratio of a layer's cache to its weights plus cache)."""
 
 
 class PlanError(ValueError):
@@ -51,6 +55,7 @@ class _Pass:
     # room set aside on a leader's device for the tied follower units still to come
     promised: dict[str, tuple[Device, int]] = field(default_factory=dict)
     follower_units: dict[str, int] = field(default_factory=dict)
+    run: _Run | None = None  # a workload's KV cache and activations, when one is planned
 
 
 def make_plan(tree: SizeTree, max_memory: Mapping[object, object],
@@ -74,27 +79,34 @@ def make_plan(tree: SizeTree, max_memory: Mapping[object, object],
     main = _main_device(budgets, options)
     caps, notes = _strategy_caps(tree, budgets, options)
     offload = {d: 0 for d in budgets}
-    for _ in range(_MAX_PASSES):
+    for _ in range(_MAX_PASSES + (_RUN_PASSES if options.kv_cache or options.activations else 0)):
         state = _greedy(tree, caps, reserve, offload, overrides, options)
         needed = _offload_needs(state, main, options)
+        streamed_run = _streamed_run_needs(state, main)  # a streamed layer's cache lives on main
+        needed = {d: needed[d] + streamed_run.get(d, 0) for d in budgets}
         if all(needed[d] <= offload[d] for d in budgets):
             break
         offload = {d: max(offload[d], needed[d]) for d in budgets}
     if state.unplaced:
         raise PlanError(_does_not_fit(tree, budgets, state))
+    staging = {d: offload[d] - streamed_run.get(d, 0) for d in budgets}  # room kept for weights alone
     notes += [f"{device_label(d)} keeps {format_size(v)} free for offloaded weights streamed in at "
-              f"forward time" for d, v in offload.items() if v]
-    usage = tuple(DeviceUsage(d, budgets[d], caps[d], reserve.get(d, 0), offload[d], state.used[d])
-                  for d in budgets)
+              f"forward time" for d, v in staging.items() if v > 0]
+    kv, act = _run_usage(state, main)
+    usage = tuple(DeviceUsage(d, budgets[d], caps[d], reserve.get(d, 0), max(staging[d], 0), state.used[d],
+                              kv.get(d, 0), act.get(d, 0)) for d in budgets)
+    if state.run is not None:
+        _check_run_fits(usage, bool(overrides))
     notes += _warnings(usage, main)
-    return DevicePlan(tuple(state.placements), usage, options.strategy, main, tuple(notes), tree)
+    return DevicePlan(tuple(state.placements), usage, options.strategy, main, tuple(notes), tree,
+                      workload=options.workload)
 
 
 def _warnings(usage: tuple[DeviceUsage, ...], main: Device) -> list[str]:
     """What a person should know: a device over its budget, an execution device left empty."""
     out = []
     for u in usage:
-        over = u.used + u.reserve + u.offload_reserve - u.budget
+        over = -u.free
         if over > 0 and u.used:
             out.append(f"{device_label(u.device)} is over its budget by {format_size(over)} "
                        f"(overrides put more there than fits)")
@@ -168,8 +180,8 @@ def _strategy_caps(tree: SizeTree, budgets: dict[Device, int],
     if options.strategy == "sequential" or len(gpus) < 2:
         return caps, []
     low0 = options.strategy == "balanced_low_0"
-    total = tree.total("")
-    buffer = int(1.25 * _largest_unit(tree, options.no_split))
+    total = tree.total("") + sum(options.kv_cache.values())  # a workload's caches spread with their layers
+    buffer = int(1.25 * _largest_unit(tree, options.no_split)) + max(options.activations.values(), default=0)
     spread = gpus[1:] if low0 else gpus
     share = -(-total // len(spread))  # ceiling division
     for g in spread[:-1]:
@@ -187,6 +199,8 @@ def _greedy(tree: SizeTree, caps: Mapping[Device, int], reserve: Mapping[Device,
             options: PlanOptions) -> _Pass:
     state = _Pass({d: caps[d] - reserve.get(d, 0) - offload[d] for d in caps}, {d: 0 for d in caps})
     must_split = {a for name in overrides for a in ancestors(parent(name))} if overrides else set()
+    if options.kv_cache or options.activations:  # overrides are placed first: charge their run too
+        state.run = _Run.build(tree, options, _main_device(caps, options), _streamed(_main_device(caps, options)))
     for name in sorted(overrides, key=lambda n: n.count(".") + bool(n)):  # outer ones first
         device = overrides[name]
         _put(tree, state, name, device, _override_charge(tree, name, overrides),
@@ -241,22 +255,23 @@ def _fit(tree: SizeTree, state: _Pass, name: str, size: int, splittable: bool,
     extra = sum(promises.values())
     resident = [d for d in devices if d not in streamed]
     here = resident[index] if index < len(resident) else None
-    if size == 0 and not extra:
+    if size == 0 and not extra and not _run_bytes(tree, state, name, here):
         device = here if here is not None else devices[0]
         _put(tree, state, name, device, 0, f"holds no weights: stays with its neighbours on {device_label(device)}")
         return index
     miss = ""
-    if here is not None and size + extra <= state.remaining[here]:
+    if here is not None and size + extra + _run_bytes(tree, state, name, here) <= state.remaining[here]:
         _accept(tree, state, name, here, size, promises, "")
         return index
     if splittable:
         _split(tree, name, stack)  # try the parts; streamed weights are planned per block
         return index
     if here is not None:
-        miss = (f"{_what(tree, name)} did not fit {device_label(here)} ({format_size(size)} needed, "
+        need = size + _run_bytes(tree, state, name, here)
+        miss = (f"{_what(tree, name)} did not fit {device_label(here)} ({format_size(need)} needed, "
                 f"{format_size(max(state.remaining[here], 0))} left)")
         for later in range(index + 1, len(resident)):
-            if size + extra <= state.remaining[resident[later]]:
+            if size + extra + _run_bytes(tree, state, name, resident[later]) <= state.remaining[resident[later]]:
                 _accept(tree, state, name, resident[later], size, promises, miss)
                 return later
     for device in (d for d in devices if d in streamed):
@@ -273,11 +288,11 @@ def _accept(tree: SizeTree, state: _Pass, name: str, device: Device, size: int,
     """Put a unit that fits, keeping room for the tied modules that will follow it."""
     extra = sum(promises.values())
     left = state.remaining[device]
-    room = f"{format_size(size)} of {format_size(left)} left on {device_label(device)}"
+    room = f"{_with_run(tree, state, name, device, size)} of {format_size(left)} left on {device_label(device)}"
     text = f"{how} ({room})" if how else f"fits: {room}"
     if extra:
         text += f", with {format_size(extra)} kept for the modules tied to it"
-    _put(tree, state, name, device, size, f"{miss}: {text}" if miss else text)
+    _put(tree, state, name, device, size, f"{miss}: {text}" if miss else text, described=True)
     state.remaining[device] -= extra
     state.promised.update({f: (device, b) for f, b in promises.items()})
 
@@ -316,8 +331,10 @@ def _outside_leader(tree: SizeTree, name: str, where: Mapping[str, Device]) -> s
 
 
 def _put(tree: SizeTree, state: _Pass, name: str, device: Device, size: int, reason: str,
-         *, override: bool = False, tied_to: str = "") -> None:
+         *, override: bool = False, tied_to: str = "", described: bool = False) -> None:
     node = tree.nodes.get(name)
+    if state.run is not None:
+        reason = _charge_run(tree, state, name, device, reason, described)
     state.placements.append(Placement(
         name, device, size, reason, node.class_name if node else "", "module" if node else "tensor",
         override, tied_to))
@@ -349,10 +366,149 @@ def _offload_needs(state: _Pass, main: Device, options: PlanOptions) -> dict[Dev
     return needs
 
 
+@dataclass
+class _Run:
+    """A workload's bytes per module and what one pass has charged of them.
+
+    A layer's KV cache is charged once, with the unit that holds it (or, for a layer split
+    into parts, with its first part); a device keeps room for the largest step it runs. A
+    unit streamed in from cpu or disk runs on the execution device: its cache and its step
+    are charged there, outside the pass's fill, and the next pass reserves them.
+    """
+
+    kv_own: Mapping[str, int]
+    kv_sub: dict[str, int]  # module -> cache bytes of the layers inside it
+    act_own: Mapping[str, int]
+    act_sub: dict[str, int]  # module -> the largest step inside it
+    overrides: frozenset[str]
+    main: Device
+    streamed: tuple[str, ...]
+    charged: set[str] = field(default_factory=set)
+    kv: dict[Device, int] = field(default_factory=dict)
+    act: dict[Device, int] = field(default_factory=dict)
+    stream_kv: int = 0
+    stream_act: int = 0
+
+    @classmethod
+    def build(cls, tree: SizeTree, options: PlanOptions, main: Device, streamed: tuple[str, ...]) -> _Run:
+        unknown = [n for n in [*options.kv_cache, *options.activations] if n not in tree.nodes]
+        if unknown:
+            raise PlanError(f"cannot plan: KV cache or activation bytes given for names that are no module "
+                            f"of the model: {', '.join(repr(n) for n in unknown[:8])}; key them by module name")
+        kv_sub, act_sub = {}, {}
+        for name, node in reversed(tree.nodes.items()):  # post-order: children before parents
+            kv_sub[name] = options.kv_cache.get(name, 0) + sum(kv_sub[c] for c in node.children)
+            act_sub[name] = max([options.activations.get(name, 0), *(act_sub[c] for c in node.children)])
+        return cls(options.kv_cache, kv_sub, options.activations, act_sub, frozenset(options.overrides),
+                   main, streamed)
+
+    def unit(self, name: str) -> tuple[int, list[str], int]:
+        """Cache bytes a unit brings, the split layers it charges for the first time, and its step."""
+        inside = self.kv_sub.get(name, 0)
+        if name in self.overrides:  # nested overrides carry their own caches to their own devices
+            nested = [o for o in self.overrides if o != name and is_prefix(name, o)]
+            inside -= sum(self.kv_sub.get(o, 0) for o in nested if not any(
+                m != o and is_prefix(m, o) for m in nested))
+        step = self.act_sub.get(name, 0)
+        first = []
+        for holder in ancestors(parent(name)) if name else ():
+            if holder in self.kv_own and holder not in self.charged:
+                first.append(holder)
+                inside += self.kv_own[holder]
+            step = max(step, self.act_own.get(holder, 0))
+        return inside, first, step
+
+    def resident_bytes(self, name: str, device: Device) -> int:
+        """Room a unit's run takes on a resident device besides its weights."""
+        kv, _, step = self.unit(name)
+        return kv + max(0, step - self.act.get(device, 0))
+
+
+def _run_bytes(tree: SizeTree, state: _Pass, name: str, device: Device | None) -> int:
+    """Bytes of KV cache and activations a unit adds to ``device`` (0 without a workload,
+    and on a streamed device: what a streamed unit runs is reserved on the execution device)."""
+    run = state.run
+    if run is None or device is None or device in run.streamed:
+        return 0
+    return run.resident_bytes(name, device)
+
+
+def _with_run(tree: SizeTree, state: _Pass, name: str, device: Device, size: int) -> str:
+    """``"1.1 GiB weights + 0.4 GiB KV cache + 52 MiB activations"`` (just the size without
+    a workload; a streamed unit's cache is told about in :func:`_charge_run`)."""
+    run = state.run
+    if run is None:
+        return format_size(size)
+    if device in run.streamed:
+        return f"{format_size(size)} weights"
+    kv, _, step = run.unit(name)
+    grow = max(0, step - run.act.get(device, 0))
+    return (f"{format_size(size)} weights + {format_size(kv)} KV cache"
+            + (f" + {format_size(grow)} activations" if grow else ""))
+
+
+def _charge_run(tree: SizeTree, state: _Pass, name: str, device: Device, reason: str, described: bool) -> str:
+    """Charge a placed unit's KV cache and step on the device it runs on; returns the reason,
+    completed with where its run lives when the reason does not say it yet."""
+    run = state.run
+    assert run is not None
+    kv, first, step = run.unit(name)
+    run.charged.update(first)
+    if device in run.streamed:
+        run.stream_kv += kv
+        run.stream_act = max(run.stream_act, step)
+        return reason + (f"; its {format_size(kv)} KV cache and {format_size(step)} of activations live on "
+                         f"{device_label(run.main)}, where it runs")
+    state.remaining[device] -= kv + max(0, step - run.act.get(device, 0))
+    run.kv[device] = run.kv.get(device, 0) + kv
+    run.act[device] = max(run.act.get(device, 0), step)
+    if described or not (kv or step):
+        return reason
+    return reason + f" (+ {format_size(kv)} KV cache, up to {format_size(step)} of activations there)"
+
+
+def _check_run_fits(usage: tuple[DeviceUsage, ...], overridden: bool) -> None:
+    """A run that does not fit is not a plan: its cache or activations would run out of memory."""
+    over = [u for u in usage if u.free < 0 and (u.kv_cache or u.activations)]
+    if not over:
+        return
+    lines = [f"{device_label(u.device)} needs {format_size(u.used)} weights + {format_size(u.kv_cache)} KV cache + "
+             f"{format_size(u.activations)} activations + {format_size(u.reserve + u.offload_reserve)} reserved, "
+             f"{format_size(-u.free)} over its {format_size(u.budget)}" for u in over]
+    hint = " or move your overrides" if overridden else ""
+    raise PlanError("the run does not fit:\n  - " + "\n  - ".join(lines) + "\nShorten the context or the "
+                    f"batch, use a smaller KV cache dtype, give the device more memory{hint}.")
+
+
+def _streamed_run_needs(state: _Pass, main: Device) -> dict[Device, int]:
+    """Room streamed units need on the execution device for their caches and steps."""
+    run = state.run
+    if run is None or not (run.stream_kv or run.stream_act):
+        return {}
+    return {main: run.stream_kv + max(0, run.stream_act - run.act.get(main, 0))}
+
+
+def _run_usage(state: _Pass, main: Device) -> tuple[dict[Device, int], dict[Device, int]]:
+    """KV cache and activation bytes per device, streamed units' counted on the execution device."""
+    run = state.run
+    if run is None:
+        return {}, {}
+    kv, act = dict(run.kv), dict(run.act)
+    if run.stream_kv or run.stream_act:
+        kv[main] = kv.get(main, 0) + run.stream_kv
+        act[main] = max(act.get(main, 0), run.stream_act)
+    return kv, act
+
+
 def _does_not_fit(tree: SizeTree, budgets: Mapping[Device, int], state: _Pass) -> str:
     left = sum(tree.total(n) for n in state.unplaced)
     names = ", ".join(state.unplaced[:8]) + (" ..." if len(state.unplaced) > 8 else "")
     given = ", ".join(f"{device_label(d)} {format_size(b)}" for d, b in budgets.items())
-    return (f"the model ({format_size(tree.total(''))}) does not fit the budgets ({given}): "
-            f"{format_size(left)} left unplaced ({names}). Raise max_memory, use a smaller dtype, "
+    what, fix = f"the model ({format_size(tree.total(''))})", ""
+    if state.run is not None:
+        kv = sum(state.run.kv_own.values())
+        what += f" with its run ({format_size(kv)} of KV cache, {format_size(max(state.run.act_sub.values(), default=0))} of activations per device)"
+        fix = " shorten the context or the batch,"
+    return (f"{what} does not fit the budgets ({given}): "
+            f"{format_size(left)} left unplaced ({names}). Raise max_memory,{fix} use a smaller dtype, "
             f"or leave 'disk' out of max_memory so it is unlimited.")

@@ -24,7 +24,8 @@ from bigviz.core.units import Device, device_label
 from bigviz.ui.palette import chip
 from bigviz.ui.presets import DISK_BANDWIDTH, DTYPE_CHOICES, HARDWARE_PRESETS, LINK_BANDWIDTH
 
-__all__ = ["GiB", "CUSTOM", "slider_spec", "Controls", "make_controls", "budget_row", "DeviceRows", "assemble"]
+__all__ = ["GiB", "CUSTOM", "KV_DTYPES", "slider_spec", "Controls", "make_controls", "budget_row", "DeviceRows",
+           "assemble"]
 
 GiB = 2**30
 CUSTOM = "(custom budgets)"
@@ -85,6 +86,11 @@ class Controls:
     run: widgets.Button
     progress: widgets.IntProgress
     run_result: widgets.HTML
+    batch: widgets.BoundedIntText
+    context: widgets.BoundedIntText
+    kv_dtype: widgets.Dropdown
+    find_context: widgets.Button
+    fit: widgets.HTML
 
     def close(self) -> None:
         for f in fields(self):
@@ -95,10 +101,17 @@ def _label(text: str, width: str = "110px") -> widgets.Label:
     return widgets.Label(text, layout=widgets.Layout(width=width))
 
 
+KV_DTYPES: dict[str, str | None] = {"as compute": None, "float16": "float16", "bfloat16": "bfloat16",
+                                     "float8": "float8_e4m3fn", "float32": "float32"}
+"""Dropdown label -> dtype of the KV cache (``None``: the compute dtype)."""
+
+
 def make_controls(*, strategy: str, dtype_label: str, no_split: str, modules: list[str],
-                  depth: int, max_depth: int) -> Controls:
+                  depth: int, max_depth: int, batch: int = 1, context: int = 0, kv_label: str = "as compute",
+                  max_context: int | None = None) -> Controls:
     """Build the controls (the per-device rows are added by :func:`budget_row`)."""
     wide = widgets.Layout(width="98%")
+    narrow = {"description_width": "60px"}
     return Controls(
         title=widgets.HTML(), status=widgets.HTML(), log=widgets.Output(),
         preset=widgets.Dropdown(options=[CUSTOM, *HARDWARE_PRESETS], value=CUSTOM, description="hardware",
@@ -137,6 +150,17 @@ def make_controls(*, strategy: str, dtype_label: str, no_split: str, modules: li
         run=widgets.Button(description="Load and dispatch", button_style="warning", icon="play"),
         progress=widgets.IntProgress(value=0, min=0, max=3, description="", layout=widgets.Layout(width="300px")),
         run_result=widgets.HTML(),
+        batch=widgets.BoundedIntText(value=batch, min=1, max=1 << 20, description="batch", style=narrow,
+                                     layout=widgets.Layout(width="150px"), continuous_update=False),
+        context=widgets.BoundedIntText(value=context, min=0, max=max_context or 1 << 24, step=1024,
+                                       description="context", style=narrow, continuous_update=False,
+                                       tooltip="tokens each sequence's KV cache holds; 0: weights only",
+                                       layout=widgets.Layout(width="190px")),
+        kv_dtype=widgets.Dropdown(options=list(KV_DTYPES), value=kv_label, description="KV dtype", style=narrow,
+                                  layout=widgets.Layout(width="230px")),
+        find_context=widgets.Button(description="Longest context", icon="search",
+                                    tooltip="find the longest context that fits these budgets (bisection)"),
+        fit=widgets.HTML(),
     )
 
 
@@ -194,6 +218,8 @@ def assemble(c: Controls, figure: Any) -> widgets.VBox:
     """Lay the controls out: settings on the left, treemap on the right, tabs below."""
     left = widgets.VBox([
         c.preset, c.devices, widgets.HBox([c.add_gpu, c.remove_gpu]), c.strategy, c.dtype, c.no_split,
+        widgets.HTML("<b>Run</b> (KV cache and prefill activations)"), widgets.HBox([c.batch, c.context]),
+        widgets.HBox([c.kv_dtype, c.find_context]), c.fit,
         widgets.HTML("<b>Memory</b>"), c.usage, widgets.HTML("<b>Cost</b>"), c.link, c.disk, c.cost,
     ], layout=widgets.Layout(width="500px", min_width="500px"))
     right = widgets.VBox([c.legend, figure, c.depth], layout=widgets.Layout(flex="1 1 auto", min_width="420px"))

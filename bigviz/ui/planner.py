@@ -29,6 +29,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable, Collection, Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 from bigviz.core.pipeline import PipelinePlan
@@ -36,7 +37,9 @@ from bigviz.core.plan import DevicePlan
 from bigviz.core.serialize import save_device_map
 from bigviz.core.stages import make_pipeline_plan, pipeline_units
 from bigviz.core.strategies import PlanError
+from bigviz.core.tree import canonical_dtype
 from bigviz.core.units import Device, format_size
+from bigviz.core.workload import Workload
 from bigviz.ui import controls as ctl
 from bigviz.ui.figure import FigureView
 from bigviz.ui.palette import chip, legend_html
@@ -80,14 +83,20 @@ class Planner:
         depth: module levels drawn in the treemap (default: up to 4).
         live: ``False`` draws the treemap as a static figure re-drawn on each change, for
             frontends where plotly's ``FigureWidget`` stays blank (some Colab setups).
+        batch_size, context_length, kv_dtype: the run planned beside the weights (see
+            ``bigviz.plan``); the "Run" controls change them.
     """
 
     def __init__(self, model_or_checkpoint: Any, max_memory: Mapping[object, object] | None = None, *,
                  strategy: str = "auto", no_split_module_classes: Collection[str] | None = None,
-                 dtype: object = None, depth: int | None = None, live: bool = True) -> None:
+                 dtype: object = None, depth: int | None = None, live: bool = True,
+                 batch_size: int = 1, context_length: int | None = None, kv_dtype: object = None) -> None:
         self.model = model_or_checkpoint if hasattr(model_or_checkpoint, "named_modules") else None
         self.state = PlannerState.from_model(model_or_checkpoint, max_memory, strategy=strategy,
                                              no_split_module_classes=no_split_module_classes, dtype=dtype)
+        self.state.set_workload(batch_size=batch_size, context_length=context_length or 0,
+                                kv_dtype=None if kv_dtype is None else canonical_dtype(kv_dtype))
+        self._longest: tuple[Any, dict[str, Any]] | None = None
         self._plan: DevicePlan = self.state.replan()
         self._error = ""
         self._quiet = False
@@ -102,9 +111,12 @@ class Planner:
         self.stage_controls = StageControls(max_stages=blocks)
         dtype_label = next(k for k, v in DTYPE_CHOICES.items() if v == self.state.dtype) \
             if self.state.dtype in DTYPE_CHOICES.values() else "as built"
+        w = self.state.workload
+        kv_label = next((k for k, v in ctl.KV_DTYPES.items() if v == w.kv_dtype), "as compute")
         self.controls = ctl.make_controls(
             strategy=strategy, dtype_label=dtype_label, no_split=", ".join(self.state.no_split),
-            modules=[n for n in self.state.base_tree.nodes if n], depth=self.depth, max_depth=layout.max_depth)
+            modules=[n for n in self.state.base_tree.nodes if n], depth=self.depth, max_depth=layout.max_depth,
+            batch=w.batch_size, context=w.context_length, kv_label=kv_label, max_context=self.state.position_limit)
         self._rows = ctl.DeviceRows(self.controls.devices, self._on_budget, self._on_reserve)
         self.budget_sliders: dict[Device, Any] = self._rows.sliders  # the same dicts, kept in sync
         self.reserve_inputs: dict[Device, Any] = self._rows.reserves
@@ -113,6 +125,8 @@ class Planner:
 
         self.widget = ctl.assemble(self.controls, widgets.VBox([self.view.widget, self.stage_controls.widget]))
         self._wire()
+        if w.active:
+            self.find_longest_context()
         self._show(self._plan)
         if not self.view.live:
             self.controls.log.append_stdout(f"treemap shown static (FigureWidget unavailable: "
@@ -175,6 +189,51 @@ class Planner:
         plan = self.plan
         return plan_cost(plan.offloaded_bytes(), main_device=plan.main_device,
                          link=link or self.controls.link.value, disk=disk or self.controls.disk.value)
+
+    @property
+    def workload(self) -> Workload:
+        """The run planned beside the weights (batch size, context length, cache dtype)."""
+        return self.state.workload
+
+    def set_workload(self, *, batch_size: int | None = None, context_length: int | None = None,
+                     kv_dtype: object = False) -> None:
+        """Plan a run beside the weights: each layer's KV cache on the device it runs on and
+        the prefill's activations on every device that runs a layer (``context_length=0``:
+        weights only; ``kv_dtype=None``: the compute dtype). The controls follow, the plan
+        and the longest context are found again."""
+        dtype = kv_dtype if kv_dtype is False or kv_dtype is None else canonical_dtype(kv_dtype)
+        self.state.set_workload(batch_size=batch_size, context_length=context_length, kv_dtype=dtype)
+        w = self.state.workload
+        with self._quietly():
+            self.controls.batch.value, self.controls.context.value = w.batch_size, w.context_length
+            self.controls.kv_dtype.value = next((k for k, v in ctl.KV_DTYPES.items() if v == w.kv_dtype),
+                                                "as compute")
+        self.find_longest_context()
+        self.refresh()
+
+    def longest_context(self, *, allow_offload: bool = False) -> int:
+        """The longest context (tokens) whose run fits these settings: on the GPUs alone, or
+        with modules streamed in from cpu and disk (``allow_offload=True``)."""
+        return self.state.longest_context(allow_offload=allow_offload)
+
+    def time_per_token(self, plan: DevicePlan | None = None) -> float:
+        """Seconds each generated token spends at least streaming offloaded weights (the cost
+        model of :meth:`cost`, at the bandwidths chosen in the UI)."""
+        plan = plan or self.plan
+        return plan_cost(plan.offloaded_bytes(), main_device=plan.main_device, link=self.controls.link.value,
+                         disk=self.controls.disk.value)["seconds_per_forward"]
+
+    def find_longest_context(self) -> dict[str, Any]:
+        """Find the longest context with and without offloading (what the "Longest context"
+        button does) and the time per token of the offloaded one; shown under the run controls."""
+        alone = self.state.longest_context()
+        offload = self.state.longest_context(allow_offload=True)
+        plan = self.state.fits(replace(self.state.workload, context_length=offload), allow_offload=True)
+        result = {"batch_size": self.state.workload.batch_size, "no_offload": alone, "with_offload": offload,
+                  "seconds_per_token": self.time_per_token(plan) if plan is not None and offload else None}
+        self._longest = (self._settings(), result)
+        self.controls.fit.value = self._fit_html()
+        return result
 
     def save_json(self, path: str | os.PathLike[str]) -> str:
         """Write the device map as JSON (atomically), readable by ``bigviz.load_device_map``
@@ -265,6 +324,7 @@ class Planner:
             self._error = str(err)
             self.controls.status.value = (f"<div style='color:#D55E00;white-space:pre-wrap'><b>Does not plan:"
                                           f"</b> {html.escape(str(err))}</div>")
+            self.controls.fit.value = self._fit_html()
             return
         self._error = ""
         self._plan, self._stages = plan, stages
@@ -311,8 +371,35 @@ class Planner:
         c.usage.value = usage_html(plan) + "".join(
             f"<div style='font-size:11px;color:#555'>{html.escape(n)}</div>" for n in plan.notes)
         c.cost.value = cost_html(self.cost())
+        c.fit.value = self._fit_html()
         c.table.value = table_html(plan, max_rows=TABLE_ROWS)
         c.overrides.value = self._overrides_html()
+
+    def _settings(self) -> tuple[Any, ...]:
+        """What the longest context depends on (to tell when a result is out of date)."""
+        s = self.state
+        return (tuple(s.budgets.items()), tuple(s.reserve.items()), s.strategy, s.dtype, s.no_split,
+                tuple(s.overrides.items()), s.workload.batch_size, s.workload.kv_dtype)
+
+    def _fit_html(self) -> str:
+        """The run's verdict: this plan's time per token, and the longest context that fits."""
+        w = self.state.workload
+        lines = []
+        if w.active and not self._error:
+            seconds = self.time_per_token(self._plan)
+            lines.append(f"This plan ({w.batch_size} x {w.context_length:,} tokens): "
+                         + (f"at least <b>{seconds * 1000:,.0f} ms per token</b> streaming offloaded weights"
+                            if seconds else "nothing offloaded, no weights stream per token"))
+        if self._longest is not None:
+            settings, found = self._longest
+            stale = " <i>(settings changed: press Longest context)</i>" if settings != self._settings() else ""
+            per_token = found["seconds_per_token"]
+            cost = f", at least {per_token * 1000:,.1f} ms per token" if per_token else ""
+            lines.append(f"Longest context (batch {found['batch_size']}): <b>{found['no_offload']:,} tokens</b> "
+                         f"without offloading, {found['with_offload']:,} with offloading{cost}{stale}")
+        elif self.state.run_specs is not None:
+            lines.append("<i>Set a context length, or press Longest context.</i>")
+        return "<div class='bigviz-fit' style='font-size:12px'>" + "<br>".join(lines) + "</div>"
 
     def _overrides_html(self) -> str:
         if not self.state.overrides:
@@ -369,6 +456,10 @@ class Planner:
         c.run.on_click(self._on_run)
         for control in (self.stage_controls.mode, self.stage_controls.count, self.stage_controls.balance):
             control.observe(self._on_stages, names="value")
+        c.batch.observe(self._on_workload, names="value")
+        c.context.observe(self._on_workload, names="value")
+        c.kv_dtype.observe(self._on_workload, names="value")
+        c.find_context.on_click(self._on_find_context)
 
     @_guarded
     def _on_budget(self, device: Device, change: Mapping[str, Any]) -> None:
@@ -441,6 +532,16 @@ class Planner:
     def _on_save_html(self, _button: Any) -> None:
         path = self.save_html(self.controls.html_path.value)
         self.controls.json_view.value = f"<div>Wrote <code>{html.escape(os.path.abspath(path))}</code></div>"
+
+    @_guarded
+    def _on_workload(self, _change: Mapping[str, Any]) -> None:
+        c = self.controls
+        self.set_workload(batch_size=c.batch.value, context_length=c.context.value,
+                          kv_dtype=ctl.KV_DTYPES[c.kv_dtype.value])
+
+    @_guarded
+    def _on_find_context(self, _button: Any) -> None:
+        self.find_longest_context()
 
     @_guarded
     def _on_run(self, _button: Any) -> None:

@@ -39,19 +39,46 @@ body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:18px;
 """
 
 
+KV_FILL = "repeating-linear-gradient(90deg,#1a1a1a 0 2px,#8c8c8c 2px 4px)"
+"""Budget-bar fill of the KV cache: dark stripes, beside the weights' device colour."""
+ACTIVATION_FILL = "repeating-linear-gradient(0deg,#CC79A7 0 2px,#f3d6e6 2px 4px)"
+"""Budget-bar fill of the activations: reddish-purple stripes (Okabe-Ito)."""
+
+
 def usage_html(plan: DevicePlan) -> str:
-    """One bar per device: weights (device colour), reserve for activations (hatched),
-    room for streamed-in offloaded weights (light hatch), free space; red when over budget."""
+    """One bar per device, stacked: weights (device colour), KV cache (dark stripes),
+    activations (purple stripes), reserve for activations (hatched), room for streamed-in
+    offloaded weights (light hatch), free space; red when over budget."""
     rows = [_usage_row(u) for u in plan.usage]
-    return f"<div class='bigviz-usage' style='font-size:12px'>{''.join(rows)}</div>"
+    key = ""
+    if any(u.kv_cache or u.activations for u in plan.usage):
+        key = (f"<div style='margin:2px 0 4px'>{_swatch(KV_FILL)} KV cache &nbsp; {_swatch(ACTIVATION_FILL)} "
+               f"activations (prefill peak) &nbsp; {_workload_text(plan)}</div>")
+    return f"<div class='bigviz-usage' style='font-size:12px'>{key}{''.join(rows)}</div>"
+
+
+def _swatch(fill: str) -> str:
+    return f"<span style='display:inline-block;width:14px;height:10px;background:{fill};vertical-align:middle'></span>"
+
+
+def _workload_text(plan: DevicePlan) -> str:
+    w = plan.workload
+    if w is None or not w.active:
+        return ""
+    return html.escape(f"(batch {w.batch_size} x {w.context_length:,} tokens"
+                       + (f", cache in {w.kv_dtype})" if w.kv_dtype else ")"))
 
 
 def _usage_row(u: DeviceUsage) -> str:
     label = chip(u.device)
+    run = (f" + {format_size(u.kv_cache)} KV cache + {format_size(u.activations)} activations"
+           if u.kv_cache or u.activations else "")
     if u.budget >= UNLIMITED:
-        return f"<div style='margin:3px 0'>{label} {format_size(u.used)} (no limit)</div>"
+        return f"<div style='margin:3px 0'>{label} {format_size(u.used)}{run} (no limit)</div>"
     budget = max(u.budget, 1)
     parts = [(u.used, device_color(u.device), "weights"),
+             (u.kv_cache, KV_FILL, "KV cache"),
+             (u.activations, ACTIVATION_FILL, "activations (peak of the largest step)"),
              (u.reserve, "repeating-linear-gradient(45deg,#999 0 3px,#ddd 3px 6px)", "reserve"),
              (u.offload_reserve, "repeating-linear-gradient(45deg,#bbb 0 3px,#f4f4f4 3px 6px)",
               "room for streamed-in offloaded weights")]
@@ -66,7 +93,7 @@ def _usage_row(u: DeviceUsage) -> str:
     border = "2px solid #D55E00" if over else "1px solid #bbb"
     extra = f" (+ {format_size(u.reserve + u.offload_reserve)} reserved)" if u.reserve or u.offload_reserve else ""
     warn = " <b style='color:#D55E00'>over budget</b>" if over else ""
-    return (f"<div style='margin:3px 0'>{label} {format_size(u.used)} of {format_size(u.budget)}{extra}{warn}"
+    return (f"<div style='margin:3px 0'>{label} {format_size(u.used)}{run} of {format_size(u.budget)}{extra}{warn}"
             f"<div style='display:flex;width:100%;max-width:420px;height:12px;border:{border};"
             f"background:#fff'>{''.join(segments)}</div></div>")
 
@@ -97,14 +124,17 @@ def table_html(plan: DevicePlan, *, max_rows: int | None = None) -> str:
 
 
 def _budgets_html(plan: DevicePlan) -> str:
+    run = any(u.kv_cache or u.activations for u in plan.usage)
     rows = "".join(
         f"<tr><td>{chip(u.device)}</td><td class='num'>{format_size(u.budget)}</td>"
         f"<td class='num'>{format_size(u.reserve)}</td><td class='num'>{format_size(u.offload_reserve)}</td>"
         f"<td class='num'>{format_size(u.used)}</td>"
-        f"<td class='num'>{format_size(u.free) if u.budget < UNLIMITED else 'unlimited'}</td></tr>"
+        + (f"<td class='num'>{format_size(u.kv_cache)}</td><td class='num'>{format_size(u.activations)}</td>"
+           if run else "")
+        + f"<td class='num'>{format_size(u.free) if u.budget < UNLIMITED else 'unlimited'}</td></tr>"
         for u in plan.usage)
     head = ("<tr><th>device</th><th>budget</th><th>reserve</th><th>offload room</th><th>weights</th>"
-            "<th>free</th></tr>")
+            + ("<th>KV cache</th><th>activations</th>" if run else "") + "<th>free</th></tr>")
     return f"<table class='bigviz-table'>{head}{rows}</table>"
 
 

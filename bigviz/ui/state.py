@@ -15,14 +15,15 @@ Example:
 from __future__ import annotations
 
 import difflib
-from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bigviz.core.plan import STRATEGIES, DevicePlan, PlanOptions
-from bigviz.core.strategies import make_plan
-from bigviz.core.tree import SizeTree, canonical_dtype
+from bigviz.core.strategies import PlanError, make_plan
+from bigviz.core.tree import SizeTree, canonical_dtype, itemsize
 from bigviz.core.units import UNLIMITED, Device, device_label, normalize_device, parse_max_memory, parse_size
+from bigviz.core.workload import RunSpec, Workload, longest_fit
 
 __all__ = ["PlannerState"]
 
@@ -39,6 +40,10 @@ class PlannerState:
         dtype: floating tensors are sized as this dtype (``None``: as built).
         no_split: module classes or name globs placed whole.
         overrides: ``{module: device}`` placements kept through every re-plan.
+        workload: the run planned beside the weights (batch size, context length, cache dtype).
+        run_specs: makes the model's :class:`RunSpec` for a device type (``"cuda"``, ``"cpu"``);
+            ``None`` when the model's layout is unknown (a bare size tree).
+        position_limit: the longest context the model's positions allow, if it says.
     """
 
     base_tree: SizeTree
@@ -48,7 +53,11 @@ class PlannerState:
     dtype: str | None = None
     no_split: tuple[str, ...] = ()
     overrides: dict[str, Device] = field(default_factory=dict)
+    workload: Workload = field(default_factory=Workload)
+    run_specs: Callable[[str], RunSpec] | None = field(default=None, repr=False)
+    position_limit: int | None = None
     _trees: dict[str | None, SizeTree] = field(default_factory=dict, repr=False)
+    _specs: dict[str, RunSpec] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_model(cls, model: Any, max_memory: Mapping[object, object] | None = None, *,
@@ -58,12 +67,16 @@ class PlannerState:
 
         ``max_memory=None`` means this machine's free memory (``get_max_memory()``).
         """
-        from bigviz.planning import as_tree, default_no_split
+        from bigviz.planning import _position_limit, as_tree, default_no_split, model_run_spec, resolve_model
         from bigviz.modeling.budgets import get_max_memory
 
+        model = resolve_model(model)
         tree = as_tree(model)
         no_split = no_split_module_classes if no_split_module_classes is not None else default_no_split(model, tree)
         state = cls(tree, dict(get_max_memory(max_memory)), strategy=strategy, no_split=tuple(no_split))
+        if not isinstance(model, SizeTree):  # a module, or a checkpoint whose config.json tells its layout
+            state.run_specs = lambda device_type: model_run_spec(model, tree, device_type=device_type)
+            state.position_limit = _position_limit(model)
         state.set_dtype(None if dtype is None else str(dtype))
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
@@ -77,13 +90,66 @@ class PlannerState:
             self._trees[self.dtype] = self.base_tree.with_dtype(self.dtype)
         return self._trees[self.dtype]
 
-    def options(self) -> PlanOptions:
+    def options(self, workload: Workload | None = None) -> PlanOptions:
+        workload = workload or self.workload
+        kv, act = self.run_bytes(workload)
         return PlanOptions(strategy=self.strategy, no_split=frozenset(self.no_split),
-                           reserve=dict(self.reserve), overrides=dict(self.overrides))
+                           reserve=dict(self.reserve), overrides=dict(self.overrides),
+                           kv_cache=kv, activations=act, workload=workload if workload.active else None)
 
     def replan(self) -> DevicePlan:
         """Plan with the current settings. Raises ``PlanError`` when nothing fits."""
         return make_plan(self.tree, self.budgets, self.options())
+
+    # ---- the run -------------------------------------------------------------------
+    def run_spec(self) -> RunSpec:
+        """The model's run spec for the planned hardware, at the chosen dtype (cached)."""
+        if self.run_specs is None:
+            raise ValueError("this planner was made from a size tree: it cannot plan a run (context length); "
+                             "make it from the model, a config.json, or a checkpoint with its config.json")
+        device_type = "cuda" if any(isinstance(d, int) or d == "mps" for d in self.budgets) else "cpu"
+        if device_type not in self._specs:
+            self._specs[device_type] = self.run_specs(device_type)
+        spec = self._specs[device_type]
+        # weights quantised to 8 bits or less still compute (and cache) in the model's own dtype
+        return replace(spec, dtype=self.dtype) if self.dtype is not None and itemsize(self.dtype) >= 2 else spec
+
+    def run_bytes(self, workload: Workload) -> tuple[dict[str, int], dict[str, int]]:
+        """``(KV cache, activations)`` bytes per module for ``workload`` (empty without a context)."""
+        if not workload.active:
+            return {}, {}
+        spec = self.run_spec()
+        return spec.kv_cache(workload), spec.activations(workload)
+
+    def set_workload(self, *, batch_size: int | None = None, context_length: int | None = None,
+                     kv_dtype: str | None | bool = False) -> None:
+        """Change the run planned beside the weights (``kv_dtype=None``: the compute dtype)."""
+        new = Workload(self.workload.batch_size if batch_size is None else int(batch_size),
+                       self.workload.context_length if context_length is None else int(context_length),
+                       self.workload.kv_dtype if kv_dtype is False else kv_dtype)  # type: ignore[arg-type]
+        if new.active:
+            self.run_spec()  # refuse a run the planner cannot describe, before it is set
+        self.workload = new
+
+    def fits(self, workload: Workload, *, allow_offload: bool = False) -> DevicePlan | None:
+        """The plan of ``workload`` if its run fits (nothing offloaded unless allowed), else None."""
+        try:
+            plan = make_plan(self.tree, self.budgets, self.options(workload))
+        except PlanError:
+            return None
+        if any(u.free < 0 for u in plan.usage):
+            return None
+        if not allow_offload and any(plan.offloaded_bytes().values()):
+            return None
+        return plan
+
+    def longest_context(self, *, allow_offload: bool = False) -> int:
+        """The longest context whose run fits with these settings (0: not even the weights),
+        by bisection on the planner, up to the model's position limit (else 2**24)."""
+        def ok(tokens: int) -> bool:
+            return self.fits(replace(self.workload, context_length=tokens), allow_offload=allow_offload) is not None
+
+        return longest_fit(ok, self.position_limit or 2**24)
 
     @property
     def max_memory(self) -> dict[Device, int]:
