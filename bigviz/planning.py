@@ -7,7 +7,7 @@ headers) so that one call takes either; ``engine`` and ``ui`` build on it.
 Example:
     >>> import torch.nn as nn
     >>> model = nn.Sequential(*[nn.Linear(100, 100) for _ in range(4)])  # 40,400 bytes each
-    >>> infer_auto_device_map(model, {0: "150KB", "cpu": "1GB"}, strategy="sequential")
+    >>> infer_auto_device_map(model, {0: "150KB", "cpu": "1GB"})  # accelerate's default: in order
     {'0': 0, '1': 'cpu', '2': 'cpu', '3': 'cpu'}
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Union
 import torch
 import torch.nn as nn
 
+from bigviz.checkpoint.hf import meta_model_from_folder
 from bigviz.checkpoint.tree import detect_no_split, tree_from_checkpoint
 from bigviz.core.devicemap import validate_device_map
 from bigviz.core.plan import DevicePlan, PlanOptions
@@ -35,25 +36,36 @@ ModelLike = Union[nn.Module, SizeTree, str, "os.PathLike[str]"]
 
 def as_tree(model: ModelLike, dtype: torch.dtype | str | None = None,
             special_dtypes: Mapping[str, torch.dtype | str] | None = None) -> SizeTree:
-    """A size tree from a model, a tree, or a checkpoint path (headers only, no model code)."""
+    """A size tree from a model, a tree, or a checkpoint path (headers only, no weights).
+
+    A checkpoint folder with a transformers ``config.json`` is described in the model's names
+    (built on meta from the config; checkpoint keys converted as the loader converts them,
+    tied duplicates and computed buffers included), so a map planned on it names what the
+    model has and runs in ``from_pretrained(device_map=...)`` as in bigviz. Without one, the
+    tree has the checkpoint's own names.
+    """
     if isinstance(model, SizeTree):
         special = {k: str(v) for k, v in (special_dtypes or {}).items()}
         return model.with_dtype(str(dtype) if dtype is not None else None, special)
     if isinstance(model, nn.Module):
         return module_tree(model, dtype, special_dtypes)
     if isinstance(model, (str, os.PathLike)):
-        return as_tree(tree_from_checkpoint(model), dtype, special_dtypes)
+        meta = meta_model_from_folder(model)
+        return as_tree(tree_from_checkpoint(model, model=meta), dtype, special_dtypes)
     raise TypeError(f"expected an nn.Module, a SizeTree or a checkpoint path, got {type(model).__name__}")
 
 
 def default_no_split(model: ModelLike, tree: SizeTree) -> list[str]:
-    """The model's own no-split classes (``_no_split_modules``), or, for a checkpoint,
-    the repeated numbered blocks found in its tensor names."""
+    """The model's own no-split classes (``_no_split_modules``), or, for a checkpoint, those
+    of the transformers model its ``config.json`` names, else the repeated numbered blocks
+    found in its tensor names."""
     declared = getattr(model, "_no_split_modules", None)
     if declared:
         return list(declared)
     if isinstance(model, (str, os.PathLike)):
-        return list(detect_no_split(list(tree.tensors)))
+        meta = meta_model_from_folder(model)
+        declared = getattr(meta, "_no_split_modules", None)
+        return list(declared) if declared else list(detect_no_split(list(tree.tensors)))
     return []
 
 
@@ -94,13 +106,17 @@ def infer_auto_device_map(model: ModelLike, max_memory: Mapping[object, object] 
                           dtype: torch.dtype | str | None = None,
                           special_dtypes: Mapping[str, torch.dtype | str] | None = None,
                           verbose: bool = False, clean_result: bool = True, offload_buffers: bool = False,
-                          *, strategy: str = "auto", reserve: Mapping[object, object] | None = None,
+                          *, strategy: str = "sequential", reserve: Mapping[object, object] | None = None,
                           overrides: Mapping[str, object] | None = None) -> dict[str, Device]:
     """Accelerate's function with bigviz's planner behind it: a ``{module: device}`` dict.
 
-    ``verbose=True`` prints each placement and its reason (the plan itself is inspectable
-    with :func:`plan`). ``offload_buffers`` is accepted for compatibility; bigviz counts
-    buffers in module sizes either way.
+    Like accelerate's, it fills the devices in order (``strategy="sequential"``): GPU 0 up to
+    its budget, then GPU 1, ..., then the CPU, then disk; a balanced spread comes from a
+    balanced ``max_memory`` (as accelerate's ``get_balanced_memory`` makes), or from
+    ``strategy="balanced"``. ``device_map="auto"`` in loading (and :func:`plan`'s default)
+    balances, as transformers does. ``verbose=True`` prints each placement and its reason
+    (the plan itself is inspectable with :func:`plan`). ``offload_buffers`` is accepted for
+    compatibility; bigviz counts buffers in module sizes either way.
 
     Example:
         >>> import torch.nn as nn

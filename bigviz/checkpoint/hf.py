@@ -15,6 +15,7 @@ Example:
 """
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -120,17 +121,27 @@ def initialise_computed(model: nn.Module, names: Iterable[str]) -> list[str]:
 _UNSET = object()
 
 
+@functools.lru_cache(maxsize=8)
+def _meta_model(folder: Path, stamp: float) -> nn.Module | None:
+    return _build_meta_model(folder)
+
+
 def meta_model_from_folder(folder: str | Path) -> nn.Module | None:
     """The transformers model a checkpoint folder describes, built on ``meta`` (no memory), or None.
 
     Needs ``config.json`` naming an ``architectures`` class the installed transformers has;
     anything else (no config, an unknown class, transformers missing) gives None, and the
-    checkpoint is planned from its headers alone.
+    checkpoint is planned from its headers alone. Cached per folder while its config is unchanged.
     """
     folder = Path(folder)
     folder = folder if folder.is_dir() else folder.parent
-    if not (folder / "config.json").is_file():
+    config = folder / "config.json"
+    if not config.is_file():
         return None
+    return _meta_model(folder.resolve(), config.stat().st_mtime)
+
+
+def _build_meta_model(folder: Path) -> nn.Module | None:
     try:
         import transformers
         from transformers import AutoConfig

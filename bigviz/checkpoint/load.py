@@ -38,7 +38,8 @@ from bigviz.checkpoint.match import LoadOptions, LoadPlan, TensorLoad, check_pla
 from bigviz.checkpoint.model_tensors import ModelTensor, describe_model, tie_model
 from bigviz.checkpoint.offload import offload_problems, write_offload_tensors
 
-__all__ = ["LoadResult", "load_checkpoint_in_model", "load_sharded_checkpoint"]
+__all__ = ["LoadResult", "load_checkpoint_in_model", "load_sharded_checkpoint", "checkpoint_dtypes",
+           "device_map_in_model_names"]
 
 
 @dataclass
@@ -263,6 +264,69 @@ def _load(model: torch.nn.Module, index: CheckpointIndex, options: LoadOptions, 
         filled_by_tie=list(plan.filled_by_tie), disk=_one_store(stores), offload_folder=folder,
         bytes_loaded=nbytes, conversions=list(plan.conversions), computed=[c.name for c in computed],
     )
+
+
+def checkpoint_dtypes(model: torch.nn.Module, index: CheckpointIndex) -> dict[str, str]:
+    """Model tensor name -> the dtype the checkpoint stores it in (after conversions), for
+    every name the checkpoint fills, tied names included; headers only, nothing is loaded.
+
+    Example:
+        >>> import tempfile, torch, pathlib
+        >>> from bigviz.checkpoint.save import save_sharded
+        >>> folder = save_sharded(torch.nn.Linear(2, 2).half(), pathlib.Path(tempfile.mkdtemp()) / "c",
+        ...                       progress=False)
+        >>> with torch.device("meta"):
+        ...     model = torch.nn.Linear(2, 2)
+        >>> checkpoint_dtypes(model, CheckpointIndex.open(folder))
+        {'weight': 'float16', 'bias': 'float16'}
+    """
+    tie_model(model)
+    tensors = describe_model(model)
+    view = _view(model, index, tensors, None)
+    plan = match_checkpoint(tensors, view.entries, LoadOptions(strict=False))
+    return {alias: view.entries[load.key].dtype for load in plan.loads for alias in load.aliases}
+
+
+def device_map_in_model_names(model: torch.nn.Module, checkpoint: str | Path | CheckpointIndex,
+                              device_map: Mapping[str, object]) -> dict[str, object]:
+    """``device_map`` with keys that name checkpoint modules the model does not have (a map
+    planned from headers alone: ``embed_out`` where the model has ``lm_head``, a base-model
+    prefix) replaced by the model tensors those checkpoint keys load into.
+
+    Keys naming a module or tensor of the model are kept as they are; a key naming neither
+    the model nor the checkpoint is kept too (the map check reports it).
+
+    Example:
+        >>> import tempfile, torch, pathlib
+        >>> from bigviz.checkpoint.save import save_sharded
+        >>> folder = save_sharded({"net.weight": torch.ones(2, 2)}, pathlib.Path(tempfile.mkdtemp()) / "c",
+        ...                       progress=False)
+        >>> with torch.device("meta"):
+        ...     model = torch.nn.Linear(2, 2, bias=False)
+        >>> device_map_in_model_names(model, folder, {"net": "cpu"})
+        {'weight': 'cpu'}
+    """
+    from bigviz.core.names import is_prefix
+
+    names = {n for n, _ in model.named_modules()} | {a for t in describe_model(model) for a in t.aliases}
+    foreign = [k for k in device_map if k not in names]
+    if not foreign:
+        return dict(device_map)
+    index = CheckpointIndex.open(checkpoint)
+    tie_model(model)
+    tensors = describe_model(model)
+    view = _view(model, index, tensors, None)
+    plan = resolve_view(match_checkpoint(tensors, view.entries, LoadOptions(strict=False)), view)
+    sources = [(load.conversion.sources if _is_fused(load) else (load.key,), load.aliases)  # type: ignore[union-attr]
+               for load in plan.loads]
+    out: dict[str, object] = {}
+    for key, device in device_map.items():
+        hits = [a for keys, aliases in sources if any(is_prefix(key, k) for k in keys) for a in aliases]
+        if key in names or not hits:
+            out[key] = device
+        else:
+            out.update(dict.fromkeys(hits, device))
+    return out
 
 
 def _view(model: torch.nn.Module, index: CheckpointIndex, tensors: Sequence[ModelTensor],

@@ -24,7 +24,7 @@ import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from bigviz.core.names import ancestors, is_prefix, parent
+from bigviz.core.names import ancestors, is_prefix, join, parent
 from bigviz.core.plan import STRATEGIES, DevicePlan, DeviceUsage, Placement, PlanOptions
 from bigviz.core.tree import SizeTree
 from bigviz.core.units import (UNLIMITED, Device, device_label, format_size, normalize_device,
@@ -143,6 +143,8 @@ def _main_device(budgets: Mapping[Device, int], options: PlanOptions) -> Device:
 
 def _is_no_split(tree: SizeTree, name: str, patterns: frozenset[str]) -> bool:
     node = tree.nodes[name]
+    if join(name, "parametrizations") in node.children:
+        return True  # torch's parametrize: the weight is computed from its parts (weight norm's g, v)
     for pattern in patterns:
         if any(c in pattern for c in "*?[."):
             if fnmatch.fnmatchcase(name, pattern):
@@ -333,18 +335,19 @@ def _streamed(main: Device) -> tuple[str, ...]:
 
 
 def _offload_needs(state: _Pass, main: Device, options: PlanOptions) -> dict[Device, int]:
-    """Reserve the plan needs: on the execution device for streamed-in units, and on the
-    cpu for disk units staged (GPU) or mapped (CPU) while they run."""
+    """Reserve what the engine really holds for streamed units: on a GPU (or mps) executing,
+    room for the running unit and the prefetched one, and on the cpu the pinned staging of
+    disk units on their way to it. With the CPU executing, disk units are computed on straight
+    from the memory-mapped files (page cache, not the process's memory): nothing is reserved."""
     needs = {d: 0 for d in state.remaining}
-    if not options.offload_reserve:
+    if not options.offload_reserve or main == "cpu":
         return needs
     keep = 2 if options.prefetch else 1
-    streamed = _streamed(main)
-    to_main = sorted((p.nbytes for p in state.placements if p.device in streamed), reverse=True)
+    to_main = sorted((p.nbytes for p in state.placements if p.device in _streamed(main)), reverse=True)
     if main in needs:
         needs[main] = sum(to_main[:keep])
     from_disk = sorted((p.nbytes for p in state.placements if p.device == "disk"), reverse=True)
-    if "cpu" in needs and main != "cpu":
+    if "cpu" in needs:
         needs["cpu"] = max(needs["cpu"], sum(from_disk[:keep]))
     return needs
 
