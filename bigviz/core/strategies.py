@@ -80,6 +80,10 @@ def make_plan(tree: SizeTree, max_memory: Mapping[object, object],
         if all(needed[d] <= offload[d] for d in budgets):
             break
         offload = {d: max(offload[d], needed[d]) for d in budgets}
+    else:  # no fixed point in a few passes: reserve what any plan could need, then it holds
+        bound = _offload_bound(tree, options)
+        offload = {d: max(offload[d], bound if needed[d] else 0) for d in budgets}
+        state = _greedy(tree, caps, reserve, offload, overrides, options)
     if state.unplaced:
         raise PlanError(_does_not_fit(tree, budgets, state))
     notes += [f"{device_label(d)} keeps {format_size(v)} free for offloaded weights streamed in at "
@@ -332,6 +336,16 @@ def _put(tree: SizeTree, state: _Pass, name: str, device: Device, size: int, rea
 def _streamed(main: Device) -> tuple[str, ...]:
     """Devices whose weights are streamed to the execution device at forward time."""
     return ("disk",) if main == "cpu" else ("cpu", "disk")
+
+
+def _offload_bound(tree: SizeTree, options: PlanOptions) -> int:
+    """The most `_offload_needs` can ask of one device: streamed units are never split
+    further (no-split modules, leaf modules, single tensors), and it keeps the largest two."""
+    units = [n.total_bytes for name, n in tree.nodes.items()
+             if not n.children or _is_no_split(tree, name, options.no_split)]
+    units += [tree.tensor_bytes(t) for t in tree.tensors]
+    biggest = sorted(units, reverse=True)[:2 if options.prefetch else 1]
+    return sum(biggest)
 
 
 def _offload_needs(state: _Pass, main: Device, options: PlanOptions) -> dict[Device, int]:
