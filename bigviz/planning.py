@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection, Mapping
+from dataclasses import replace
 from typing import Union
 
 import torch
@@ -21,12 +22,14 @@ import torch.nn as nn
 
 from bigviz.checkpoint.hf import meta_model_from_folder
 from bigviz.checkpoint.tree import detect_no_split, tree_from_checkpoint
-from bigviz.core.devicemap import validate_device_map
+from bigviz.core.devicemap import device_of, validate_device_map
+from bigviz.core.names import is_prefix
 from bigviz.core.plan import DevicePlan, PlanOptions
-from bigviz.core.strategies import make_plan
+from bigviz.core.strategies import _is_no_split, make_plan
 from bigviz.core.tree import SizeTree
-from bigviz.core.units import Device
+from bigviz.core.units import Device, device_label
 from bigviz.modeling.budgets import get_max_memory
+from bigviz.modeling.reads import direct_reads
 from bigviz.modeling.sizes import module_tree
 
 __all__ = ["plan", "infer_auto_device_map", "check_device_map", "as_tree", "default_no_split"]
@@ -98,7 +101,46 @@ def plan(model: ModelLike, max_memory: Mapping[object, object] | None = None, *,
     no_split = no_split_module_classes if no_split_module_classes is not None else default_no_split(model, tree)
     options = PlanOptions(strategy=strategy, no_split=frozenset(no_split), reserve=dict(reserve or {}),
                           overrides=dict(overrides or {}), offload_reserve=offload_reserve, prefetch=prefetch)
-    return make_plan(tree, get_max_memory(max_memory), options)
+    budgets = get_max_memory(max_memory)
+    result = make_plan(tree, budgets, options)
+    return _keep_direct_reads_resident(result, _module_of(model), tree, budgets, options)
+
+
+def _module_of(model: ModelLike) -> nn.Module | None:
+    if isinstance(model, nn.Module):
+        return model
+    if isinstance(model, (str, os.PathLike)):
+        return meta_model_from_folder(model)
+    return None
+
+
+def _keep_direct_reads_resident(result: DevicePlan, model: nn.Module | None, tree: SizeTree,
+                                budgets: Mapping[Device, int], options: PlanOptions) -> DevicePlan:
+    """Plan again with the modules read directly by a parent's code (not called: DeBERTa's
+    ``rel_embeddings``, an ``nn.MultiheadAttention``'s ``out_proj``) on the execution device,
+    where the plan had streamed them. bigviz's engine fetches such weights with their reader;
+    accelerate's hooks, which run ``from_pretrained(device_map=...)``, fetch per called module
+    and would leave them on meta. Reads inside a no-split block by the model's own code are
+    left streamed with the block (they are on paths such as CUDA kernels or position
+    interpolation); torch's own modules read their children's weights on every path.
+    """
+    if model is None:
+        return result
+    blocks = [n for n in tree.nodes if n and _is_no_split(tree, n, options.no_split)]
+    modules = dict(model.named_modules())
+    reads = {m: r for m, r in direct_reads(model).items() if m in tree.nodes and (
+        not any(is_prefix(b, m) for b in blocks) or type(modules[r]).__module__.startswith("torch.nn."))}
+    streamed = {"disk"} if result.main_device == "cpu" else {"cpu", "disk"}
+    moved = [m for m in reads if m not in options.overrides and device_of(m, result.unit_map) in streamed]
+    if not moved:
+        return result
+    overrides = {**options.overrides, **dict.fromkeys(moved, result.main_device)}
+    again = make_plan(tree, budgets, replace(options, overrides=overrides))
+    why = {m: f"read directly by {reads[m] or 'the model'}'s code (not called): kept on "
+              f"{device_label(result.main_device)}, where every loader can use it" for m in moved}
+    placements = tuple(replace(p, reason=why[p.name], override=False) if p.name in why else p
+                       for p in again.placements)
+    return replace(again, placements=placements, _cache={})
 
 
 def infer_auto_device_map(model: ModelLike, max_memory: Mapping[object, object] | None = None,

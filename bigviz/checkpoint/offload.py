@@ -67,7 +67,7 @@ def write_offload_tensors(source: Mapping[str, torch.Tensor], folder: Path) -> P
     tmp = folder / f".tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        written = write_checkpoint_files(source, tmp, max_shard_size=_SHARD, align=64)
+        written = write_checkpoint_files(source, tmp, max_shard_size=_SHARD)
         for old in folder.iterdir():
             if _OURS.fullmatch(old.name):
                 old.unlink()

@@ -99,13 +99,15 @@ def write_checkpoint_files(
     safe_serialization: bool = True,
     metadata: Mapping[str, str] | None = None,
     progress: bool = False,
-    align: int = 8,
+    align: int = 64,
 ) -> list[Path]:
     """Write shards (and an index when there are several) into an existing ``folder``.
 
     The building block of `save_sharded` (which adds the atomic folder swap); also used to
-    write disk-offloaded weights once (``align=64``: see `write_safetensors`). Returns the
-    files written, index last.
+    write disk-offloaded weights once. Tensors start 64-byte aligned where their sizes allow
+    (see `write_safetensors`): a memory-mapped tensor then computes exactly as one in fresh
+    memory, even in kernels that take another path on unaligned data. Returns the files
+    written, index last.
     """
     from tqdm.auto import tqdm
 

@@ -18,10 +18,6 @@ Example:
 """
 from __future__ import annotations
 
-import dis
-import functools
-import inspect
-import types
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -31,9 +27,10 @@ from torch import Tensor, nn
 from bigviz.core.names import ancestors, is_prefix, join, owner, parent
 from bigviz.core.units import normalize_device
 from bigviz.engine.devices import torch_device
+from bigviz.modeling.reads import direct_reads
 from bigviz.engine.weights import Slot, TensorGroup, find_source, meta_like, nbytes, set_slot, tensor_groups
 
-__all__ = ["Unit", "Layout", "layout_model", "offloaded_storages", "is_container", "called_modules", "direct_reads"]
+__all__ = ["Unit", "Layout", "layout_model", "offloaded_storages", "is_container", "called_modules"]
 
 
 @dataclass(eq=False)
@@ -293,102 +290,6 @@ def _lift_to_readers(hook: str, home: str, readers: Mapping[str, str]) -> str:
         if reader is not None and is_prefix(hook, module) and reader != hook and is_prefix(reader, hook):
             return _lift_to_readers(reader, home, readers)
     return hook
-
-
-def direct_reads(model: nn.Module) -> dict[str, str]:
-    """Modules whose tensors are read by an ancestor's code without calling them.
-
-    DeBERTa's encoder reads ``self.rel_embeddings.weight``; ``nn.MultiheadAttention`` reads
-    ``self.out_proj.weight``. Their offloaded weights must be fetched when that ancestor runs.
-    Found from the source of each module's class (and its bases): ``self.a.b.weight`` where
-    ``a.b`` is a submodule and ``weight`` one of its tensors, read from the bytecode of the
-    methods of each module's class and its bases (reading only ``.dtype`` or ``.shape`` does
-    not count). Returns module name -> reader.
-
-    Example:
-        >>> mha = torch.nn.Sequential(torch.nn.MultiheadAttention(4, 2))
-        >>> direct_reads(mha)
-        {'0.out_proj': '0'}
-    """
-    out: dict[str, str] = {}
-    for name, module in model.named_modules():
-        for chain in _self_chains(type(module)):
-            target, path = module, []
-            for part in chain:  # down the submodules, then the first tensor name
-                child = target._modules.get(part)
-                if child is None:
-                    if path and (part in target._parameters or part in target._buffers):
-                        out.setdefault(join(name, ".".join(path)), name)
-                    break
-                target, path = child, [*path, part]
-    return out
-
-
-# reading these of a tensor needs no data: ``self.lm_head.weight.dtype`` is not a read
-_METADATA = frozenset({"dtype", "device", "shape", "ndim", "is_meta", "requires_grad", "is_cuda", "dim",
-                       "size", "numel", "element_size", "is_floating_point"})
-
-
-@functools.lru_cache(maxsize=None)
-def _self_chains(cls: type) -> frozenset[tuple[str, ...]]:
-    """Attribute chains loaded from ``self`` at forward time, from bytecode: in ``forward`` and
-    the methods it calls on ``self``, transitively (``self.a.b.weight.t()`` gives ``("a", "b",
-    "weight", "t")``). ``__init__`` or a tie (``self.head.weight = self.emb.weight``) is not
-    forward time; a chain ending in metadata (``.dtype``, ``.shape``) reads no data."""
-    chains: set[tuple[str, ...]] = set()
-    seen: set[str] = set()
-    todo = ["forward"]
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        for code in _codes(inspect.getattr_static(cls, name, None)):
-            for chain in _code_chains(code):
-                chains.add(chain)
-                if _is_method(inspect.getattr_static(cls, chain[0], None)):
-                    todo.append(chain[0])  # a method of this class, called (or read) from forward
-    return frozenset(c for c in chains if len(c) >= 2 and not (len(c) >= 3 and c[-1] in _METADATA))
-
-
-def _is_method(value: object) -> bool:
-    return isinstance(value, (types.FunctionType, staticmethod, classmethod, property)) or (
-        callable(value) and hasattr(value, "__wrapped__"))
-
-
-def _codes(value: object) -> list[types.CodeType]:
-    """The code objects of a class attribute (methods, properties, static/class methods,
-    through decorators that keep ``__wrapped__``) and of the functions nested in them."""
-    if value is None:
-        return []
-    funcs = [getattr(value, "__func__", value)]
-    if isinstance(value, property):
-        funcs = [f for f in (value.fget, value.fset) if f is not None]
-    out: list[types.CodeType] = []
-    for func in funcs:
-        code = getattr(inspect.unwrap(func), "__code__", None) if callable(func) else None
-        stack = [code] if isinstance(code, types.CodeType) else []
-        while stack:
-            code = stack.pop()
-            out.append(code)
-            stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def _code_chains(code: types.CodeType) -> tuple[tuple[str, ...], ...]:
-    chains, current = [], None
-    for ins in dis.get_instructions(code):
-        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and current is not None:
-            current.append(ins.argval)
-            continue
-        if current:
-            chains.append(tuple(current))
-        last = ins.argval[-1] if isinstance(ins.argval, tuple) and ins.argval else ins.argval
-        current = [] if ins.opname.startswith("LOAD_FAST") and last == "self" else None
-    if current:
-        chains.append(tuple(current))
-    return tuple(chains)
 
 
 def is_container(module: nn.Module) -> bool:

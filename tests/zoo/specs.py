@@ -8,7 +8,7 @@ position tables, computed sinusoidal positions, ...), and the inputs of one forw
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,7 +43,6 @@ class Spec:
     generative: bool = False
     output: str = "logits"
     slow: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _gen() -> torch.Generator:
@@ -146,7 +145,7 @@ SPECS: list[Spec] = [
               num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32,
               bos_token_id=1, eos_token_id=2, pad_token_id=0), tokens(), generative=True),
     # mixture of experts: experts stored one by one, fused in the model
-    Spec("mixtral", "moe", "MixtralForCausalLM", "MixtralConfig", MOE, tokens(), generative=True),
+    Spec("mixtral", "moe", "MixtralForCausalLM", "MixtralConfig", MOE, tokens(), generative=True, slow=True),
     Spec("qwen2_moe", "moe", "Qwen2MoeForCausalLM", "Qwen2MoeConfig",
          dict(DEC, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
               shared_expert_intermediate_size=32, decoder_sparse_step=1), tokens(), generative=True),
@@ -169,9 +168,9 @@ SPECS: list[Spec] = [
     Spec("t5", "encdec", "T5ForConditionalGeneration", "T5Config",
          dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2,
               num_heads=4, relative_attention_num_buckets=8, decoder_start_token_id=0,
-              pad_token_id=0, eos_token_id=1), seq2seq(), generative=True),
+              pad_token_id=0, eos_token_id=1), seq2seq(), generative=True, slow=True),
     Spec("bart", "encdec", "BartForConditionalGeneration", "BartConfig", BART, seq2seq(),
-         generative=True),
+         generative=True, slow=True),
     Spec("marian", "encdec", "MarianMTModel", "MarianConfig",
          dict(BART, decoder_start_token_id=0, share_encoder_decoder_embeddings=True),
          seq2seq(), generative=True),
@@ -180,13 +179,13 @@ SPECS: list[Spec] = [
               encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48,
               decoder_ffn_dim=48, d_model=32, max_source_positions=16, max_target_positions=32,
               pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
-              begin_suppress_tokens=None, suppress_tokens=None), mel(), generative=True),
+              begin_suppress_tokens=None, suppress_tokens=None), mel(), generative=True, slow=True),
     # encoders
     Spec("bert", "encoder", "BertForMaskedLM", "BertConfig", ENC, tokens()),
     Spec("roberta", "encoder", "RobertaForMaskedLM", "RobertaConfig",
          dict(ENC, pad_token_id=1), tokens()),
     Spec("albert", "encoder", "AlbertForMaskedLM", "AlbertConfig",
-         dict(ENC, embedding_size=16), tokens()),
+         dict(ENC, embedding_size=16, num_hidden_groups=2), tokens()),
     Spec("deberta_v2", "encoder", "DebertaV2ForMaskedLM", "DebertaV2Config",
          dict(ENC, relative_attention=True, position_buckets=8, max_relative_positions=16,
               pos_att_type=["p2c", "c2p"], position_biased_input=False), tokens()),
