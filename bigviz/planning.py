@@ -25,7 +25,7 @@ from bigviz.checkpoint.tree import detect_no_split, tree_from_checkpoint
 from bigviz.core.devicemap import device_of, validate_device_map
 from bigviz.core.names import is_prefix
 from bigviz.core.plan import DevicePlan, PlanOptions
-from bigviz.core.strategies import _is_no_split, make_plan
+from bigviz.core.strategies import is_no_split, make_plan
 from bigviz.core.tree import SizeTree
 from bigviz.core.units import Device, device_label
 from bigviz.modeling.budgets import get_max_memory
@@ -126,7 +126,7 @@ def _keep_direct_reads_resident(result: DevicePlan, model: nn.Module | None, tre
     """
     if model is None:
         return result
-    blocks = [n for n in tree.nodes if n and _is_no_split(tree, n, options.no_split)]
+    blocks = [n for n in tree.nodes if n and is_no_split(tree, n, options.no_split)]
     modules = dict(model.named_modules())
     reads = {m: r for m, r in direct_reads(model).items() if m in tree.nodes and (
         not any(is_prefix(b, m) for b in blocks) or type(modules[r]).__module__.startswith("torch.nn."))}

@@ -152,7 +152,7 @@ def _build_meta_model(folder: Path) -> nn.Module | None:
             return None
         with torch.device("meta"):
             model = cls._from_config(config)
-    except (ImportError, OSError, ValueError, TypeError, AttributeError):
-        return None
+    except (ImportError, OSError, ValueError, TypeError, AttributeError, KeyError, RuntimeError):
+        return None  # a config transformers cannot build here: plan from the headers alone
     model.tie_weights()
     return model

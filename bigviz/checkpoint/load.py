@@ -306,10 +306,10 @@ def device_map_in_model_names(model: torch.nn.Module, checkpoint: str | Path | C
         >>> device_map_in_model_names(model, folder, {"net": "cpu"})
         {'weight': 'cpu'}
     """
-    from bigviz.core.names import is_prefix
+    from bigviz.core.names import owner
 
     names = {n for n, _ in model.named_modules()} | {a for t in describe_model(model) for a in t.aliases}
-    foreign = [k for k in device_map if k not in names]
+    foreign = {k for k in device_map if k not in names}
     if not foreign:
         return dict(device_map)
     index = CheckpointIndex.open(checkpoint)
@@ -317,15 +317,18 @@ def device_map_in_model_names(model: torch.nn.Module, checkpoint: str | Path | C
     tensors = describe_model(model)
     view = _view(model, index, tensors, None)
     plan = resolve_view(match_checkpoint(tensors, view.entries, LoadOptions(strict=False)), view)
-    sources = [(load.conversion.sources if _is_fused(load) else (load.key,), load.aliases)  # type: ignore[union-attr]
-               for load in plan.loads]
+    hits: dict[str, dict[str, None]] = {}  # foreign key -> the model names its checkpoint keys fill
+    for load in plan.loads:
+        for key in load.conversion.sources if _is_fused(load) else (load.key,):  # type: ignore[union-attr]
+            entry = owner(key, foreign)  # the longest foreign key over it wins, as in any map
+            if entry is not None:
+                hits.setdefault(entry, {}).update(dict.fromkeys(load.aliases))
     out: dict[str, object] = {}
     for key, device in device_map.items():
-        hits = [a for keys, aliases in sources if any(is_prefix(key, k) for k in keys) for a in aliases]
-        if key in names or not hits:
-            out[key] = device
+        if key in hits:
+            out.update(dict.fromkeys(hits[key], device))
         else:
-            out.update(dict.fromkeys(hits, device))
+            out[key] = device
     return out
 
 

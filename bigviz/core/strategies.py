@@ -30,7 +30,7 @@ from bigviz.core.tree import SizeTree
 from bigviz.core.units import (UNLIMITED, Device, device_label, format_size, normalize_device,
                                parse_max_memory, parse_size)
 
-__all__ = ["make_plan", "PlanError"]
+__all__ = ["make_plan", "PlanError", "is_no_split"]
 
 _MAX_PASSES = 6
 
@@ -143,6 +143,19 @@ def _main_device(budgets: Mapping[Device, int], options: PlanOptions) -> Device:
         return normalize_device(options.main_device)
     gpus = [d for d in budgets if isinstance(d, int) or d == "mps"]
     return gpus[0] if gpus else "cpu"
+
+
+def is_no_split(tree: SizeTree, name: str, patterns: frozenset[str]) -> bool:
+    """True if module ``name`` is placed whole: its class or name matches a no-split pattern,
+    or it holds a parametrized weight.
+
+    Example:
+        >>> from bigviz.core.tree import TensorSpec
+        >>> t = SizeTree.build([TensorSpec("conv.parametrizations.weight.original0", 4, "float32")])
+        >>> is_no_split(t, "conv", frozenset()), is_no_split(t, "", frozenset({"[0-9]*"}))
+        (True, False)
+    """
+    return _is_no_split(tree, name, patterns)
 
 
 def _is_no_split(tree: SizeTree, name: str, patterns: frozenset[str]) -> bool:

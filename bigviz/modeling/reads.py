@@ -31,12 +31,12 @@ def direct_reads(model: nn.Module) -> dict[str, str]:
 
     DeBERTa's encoder reads ``self.rel_embeddings.weight``; ``nn.MultiheadAttention`` reads
     ``self.out_proj.weight``. Their offloaded weights must be fetched when that ancestor runs.
-    Found from the source of each module's class (and its bases): ``self.a.b.weight`` where
-    ``a.b`` is a submodule and ``weight`` one of its tensors, read from the bytecode of the
-    methods of each module's class and its bases (reading only ``.dtype`` or ``.shape`` does
-    not count). Returns module name -> reader.
+    Found from the bytecode of ``forward`` and the methods it calls, for each module's class:
+    ``self.a.b.weight`` where ``a.b`` is a submodule and ``weight`` one of its tensors (reading
+    only ``.dtype`` or ``.shape`` does not count). Returns module name -> reader.
 
     Example:
+        >>> import torch
         >>> mha = torch.nn.Sequential(torch.nn.MultiheadAttention(4, 2))
         >>> direct_reads(mha)
         {'0.out_proj': '0'}
