@@ -84,6 +84,21 @@ def test_renamed_head_is_read_in_place_and_fused_disk_needs_a_folder(saved):
                                         progress=False)
 
 
+def test_key_mapping_renames_as_from_pretrained_does(saved, tmp_path: Path):
+    spec = BY_NAME["gpt2"]
+    index = bigviz.CheckpointIndex.open(saved("gpt2"))
+    with bigviz.LazyWeights(index) as weights:  # the same weights under other names
+        state = {k.replace(".mlp.", ".ffn."): weights[k].clone() for k in weights}
+    bigviz.save_sharded(state, tmp_path / "renamed", max_shard_size="20KB", progress=False)
+    shutil.copy(saved("gpt2") / "config.json", tmp_path / "renamed")
+    mapping = {r"\.ffn\.": ".mlp."}
+    model = meta_model(spec)
+    result = bigviz.load_checkpoint_in_model(model, tmp_path / "renamed", key_mapping=mapping, progress=False)
+    assert not result.missing and not result.unexpected and len(result.conversions) == 2 * 4
+    theirs = reference(spec, tmp_path / "renamed", key_mapping=mapping)
+    assert torch.equal(forward(model, spec), forward(theirs, spec))
+
+
 # 2 --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("device_map", [{"": "cpu", "transformer.h.1": "disk"}, {"": "disk"}],
                          ids=["half-disk", "all-disk"])
