@@ -36,8 +36,9 @@ def test_plan_checkpoint_from_headers(tmp_path):
     bigviz.save_sharded(model, tmp_path / "ckpt", max_shard_size="200KB")
     sizes = bigviz.compute_module_sizes(model)
     block = sizes["transformer.h.0"]
-    # Room for the embeddings, one block, and the two disk blocks the CPU maps while they run.
-    budget = sizes["transformer.wte"] + sizes["transformer.wpe"] + 3 * block + 1000
+    # Room for the embeddings and one block: the CPU computes on disk blocks' memory-mapped
+    # pages, so no RAM is kept for them.
+    budget = sizes["transformer.wte"] + sizes["transformer.wpe"] + block + 1000
     out = tmp_path / "map.json"
     code = main(["plan", str(tmp_path / "ckpt"), "--max-memory", f"cpu={budget}",
                  "--no-split", "transformer.h.*", "--out", str(out)])

@@ -33,7 +33,7 @@ import torch
 from bigviz.checkpoint.index import CheckpointIndex, TensorInfo
 from bigviz.checkpoint.match import module_matches
 
-__all__ = ["LazyWeights", "map_file"]
+__all__ = ["LazyWeights", "WeightStores", "map_file"]
 
 
 def map_file(path: Path) -> torch.Tensor:
@@ -62,6 +62,8 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         dtype: convert floating tensors to this dtype when they are looked up (a copy).
         keep_dtype: modules whose floating tensors keep the checkpoint's dtype: dotted
             prefixes (``"model.norm"``) or, for a dotless entry, any name component (``"wo"``).
+        dtypes: model tensor name -> the dtype its floating tensor is converted to (wins over
+            ``dtype`` and ``keep_dtype``; a loader passes each tensor's planned dtype here).
 
     Safetensors tensors with no dtype change are zero-copy views of the mapped file. Every file
     is mapped once, here in the constructor (mapping reads nothing), and stays mapped until
@@ -71,7 +73,8 @@ class LazyWeights(Mapping[str, torch.Tensor]):
     """
 
     def __init__(self, index: CheckpointIndex | str | Path, names: Mapping[str, str] | None = None,
-                 *, dtype: torch.dtype | None = None, keep_dtype: Collection[str] = ()) -> None:
+                 *, dtype: torch.dtype | None = None, keep_dtype: Collection[str] = (),
+                 dtypes: Mapping[str, torch.dtype] | None = None) -> None:
         self.index = CheckpointIndex.open(index)
         self._names: dict[str, str] = dict(names) if names is not None else {k: k for k in self.index}
         unknown = [k for k in self._names.values() if k not in self.index.entries]
@@ -79,6 +82,7 @@ class LazyWeights(Mapping[str, torch.Tensor]):
             raise KeyError(f"names map to keys the checkpoint lacks: {unknown[:10]}")
         self.dtype = dtype
         self._keep = tuple(keep_dtype)
+        self._dtypes = dict(dtypes or {})
         files = {self.index.entries[k].file for k in self._names.values()
                  if self.index.entries[k].data_offsets is not None}
         self._maps: dict[Path, torch.Tensor] = {f: map_file(f) for f in sorted(files)}
@@ -90,10 +94,12 @@ class LazyWeights(Mapping[str, torch.Tensor]):
             raise ValueError("LazyWeights is closed: open a new one to read more tensors")
         info = self.index.entries[self._names[name]]
         tensor = self._raw(info)
-        if self.dtype is not None and tensor.is_floating_point() and tensor.dtype != self.dtype:
-            if not module_matches(name, self._keep):
-                tensor = tensor.to(self.dtype)
-        return tensor
+        if not tensor.is_floating_point():
+            return tensor
+        want = self._dtypes.get(name)
+        if want is None and self.dtype is not None and not module_matches(name, self._keep):
+            want = self.dtype
+        return tensor if want is None or tensor.dtype == want else tensor.to(want)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
@@ -190,3 +196,69 @@ def _willneed(address: int, length: int) -> None:
     end = address + length
     for chunk in range(start, end, _CHUNK):
         _MADVISE(chunk, min(_CHUNK, end - chunk), mmap.MADV_WILLNEED)
+
+
+class WeightStores(Mapping[str, torch.Tensor]):
+    """Several read-only stores seen as one ``name -> tensor`` mapping (the first holding a name wins).
+
+    A load whose disk-offloaded tensors come from more than one place (the checkpoint read in
+    place, converted tensors written once to an offload folder, tensors computed in memory)
+    hands the engine one of these. ``prefetch`` and ``close`` go to every store that has them.
+
+    Example:
+        >>> stores = WeightStores([{"a": torch.zeros(1)}, {"a": torch.ones(1), "b": torch.ones(2)}])
+        >>> sorted(stores), stores["a"].tolist(), len(stores)
+        (['a', 'b'], [0.0], 2)
+    """
+
+    def __init__(self, stores: Iterable[Mapping[str, torch.Tensor]]) -> None:
+        self.stores = list(stores)
+        self._where: dict[str, Mapping[str, torch.Tensor]] = {}
+        for store in reversed(self.stores):
+            self._where.update(dict.fromkeys(store, store))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._where[name][name]
+
+    def __iter__(self) -> Iterator[str]:
+        seen: set[str] = set()
+        for store in self.stores:
+            for name in store:
+                if name not in seen:
+                    seen.add(name)
+                    yield name
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def info(self, name: str) -> TensorInfo:
+        """The `TensorInfo` of ``name`` in the file store holding it."""
+        return self._where[name].info(name)  # type: ignore[attr-defined]
+
+    def prefetch(self, names: Iterable[str]) -> None:
+        """Page-cache hints, passed to each file store for its names."""
+        grouped: dict[int, tuple[Mapping[str, torch.Tensor], list[str]]] = {}
+        for name in names:
+            store = self._where.get(name)
+            if store is not None:
+                grouped.setdefault(id(store), (store, []))[1].append(name)
+        for store, chosen in grouped.values():
+            hint = getattr(store, "prefetch", None)
+            if hint is not None:
+                hint(chosen)
+
+    def close(self) -> None:
+        """Close every store that can be closed."""
+        for store in self.stores:
+            close = getattr(store, "close", None)
+            if close is not None:
+                close()
+
+    def __enter__(self) -> WeightStores:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -24,17 +24,19 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from bigviz.checkpoint.convert import CheckpointView, Conversion
 from bigviz.checkpoint.devices import device_of, device_problems
 from bigviz.checkpoint.errors import raise_problems
 from bigviz.checkpoint.index import TensorInfo
 from bigviz.checkpoint.model_tensors import ModelTensor
 from bigviz.core.names import is_prefix, owner
 
-__all__ = ["LoadOptions", "TensorLoad", "LoadPlan", "match_checkpoint", "check_plan", "module_matches"]
+__all__ = ["LoadOptions", "TensorLoad", "LoadPlan", "match_checkpoint", "check_plan", "module_matches",
+           "resolve_view"]
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,8 @@ class LoadOptions:
 
     device_map: Mapping[str, int | str | torch.device] | None = None
     dtype: torch.dtype | None = None
-    keep_in_fp32_modules: Sequence[str] = ()
+    keep_in_fp32_modules: Sequence[str] = ()  # module names (dotted prefixes or name components)
+    fp32_patterns: Sequence[str] = ()  # regexes searched in tensor names (transformers' dtype plan)
     strict: bool = True
     offload_folder: str | None = None
     can_map_disk: bool = True  # False: disk tensors must be rewritten (needs offload_folder)
@@ -61,6 +64,7 @@ class TensorLoad:
     device: str  # "cpu", "cuda:0", "mps" or "disk"
     dtype: torch.dtype
     nbytes: int  # bytes as stored in the checkpoint
+    conversion: Conversion | None = None  # how the checkpoint key(s) become this tensor
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ class LoadPlan:
     prefix: str | None = None
     prefix_action: str | None = None  # "added" | "stripped"
     device_problems: tuple[str, ...] = field(default=())
+    conversions: tuple[Conversion, ...] = field(default=())  # renamed or fused keys this load uses
 
 
 def module_matches(name: str, modules: Collection[str]) -> bool:
@@ -125,6 +130,33 @@ def match_checkpoint(tensors: Sequence[ModelTensor], entries: Mapping[str, Tenso
                     tuple(ignored), tuple(tied), prefix, action, tuple(device_problems))
 
 
+def resolve_view(plan: LoadPlan, view: CheckpointView) -> LoadPlan:
+    """Turn a plan made on a converted `CheckpointView` back into checkpoint terms: a renamed
+    tensor reads its checkpoint key in place, a fused one keeps its `Conversion`, and keys
+    reported unexpected or ignored are the checkpoint's own.
+
+    Example:
+        >>> from bigviz.checkpoint.convert import CheckpointView, Conversion
+        >>> c = Conversion(("old.w",), ("new.w",), "rename")
+        >>> plan = LoadPlan((TensorLoad("new.w", ("new.w",), "new.w", "cpu", torch.float32, 4),),
+        ...                 (), (), (), (), ())
+        >>> resolve_view(plan, CheckpointView({}, (c,), {"new.w": c})).loads[0].key
+        'old.w'
+    """
+    if not view.source_of:
+        return plan
+    loads = []
+    for load in plan.loads:
+        conversion = view.source_of.get(load.key)
+        key = conversion.sources[0] if conversion is not None and conversion.is_rename else load.key
+        loads.append(replace(load, key=key, conversion=conversion))
+    used = {id(c): c for load in loads if (c := load.conversion) is not None}
+    unexpected = tuple(k for name in plan.unexpected for k in view.checkpoint_keys(name))
+    ignored = tuple((k, why) for name, why in plan.ignored for k in view.checkpoint_keys(name))
+    return replace(plan, loads=tuple(loads), unexpected=unexpected, ignored=ignored,
+                   conversions=tuple(used.values()))
+
+
 def check_plan(plan: LoadPlan, *, strict: bool, where: str) -> None:
     """Raise one `CheckpointError` for every problem that forbids loading ``plan``."""
     problems = [f"shape mismatch: {m}" for m in plan.mismatched] + list(plan.device_problems)
@@ -148,7 +180,7 @@ def _any_match(name: str, patterns: Iterable[str]) -> bool:
 def _target_dtype(t: ModelTensor, info: TensorInfo, options: LoadOptions) -> torch.dtype:
     if not getattr(torch, info.dtype).is_floating_point:
         return t.dtype
-    if module_matches(t.name, options.keep_in_fp32_modules):
+    if module_matches(t.name, options.keep_in_fp32_modules) or _any_match(t.name, options.fp32_patterns):
         return torch.float32
     return options.dtype or t.dtype
 
@@ -192,12 +224,16 @@ def _place(loads: list[TensorLoad], options: LoadOptions) -> tuple[list[TensorLo
                                offload_folder=options.offload_folder)
     placed = []
     for load in loads:
-        devices = {device_of(a, options.device_map) for a in load.aliases}
+        devices = [device_of(a, options.device_map) for a in load.aliases]
         if None in devices:
             problems.append(f"device_map gives no device for {load.name}: add a key for it or ''")
-        elif len(devices) > 1:
-            problems.append(f"tied tensors {list(load.aliases)} are mapped to different devices "
-                            f"{sorted(devices)}: map their modules to one device")
         else:
-            placed.append(TensorLoad(load.name, load.aliases, load.key, devices.pop(), load.dtype, load.nbytes))
+            placed.append(replace(load, device=min(devices, key=_residency)))  # type: ignore[arg-type]
     return placed, problems
+
+
+def _residency(device: str) -> int:
+    """Where a tensor tied across devices lives: the engine keeps it resident with the user
+    that computes fastest (a GPU, then mps, then the CPU) and lends it to the others; on disk
+    only when every user is. One object stays under every name, so the tie survives."""
+    return 0 if device.startswith("cuda") else {"mps": 1, "cpu": 2}.get(device, 3)

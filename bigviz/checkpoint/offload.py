@@ -14,7 +14,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,10 +22,12 @@ from bigviz.checkpoint.lazy import LazyWeights
 from bigviz.checkpoint.save import write_checkpoint_files
 
 if TYPE_CHECKING:
+    import torch
+
     from bigviz.checkpoint.index import CheckpointIndex
     from bigviz.checkpoint.match import TensorLoad
 
-__all__ = ["offload_problems", "write_offload"]
+__all__ = ["offload_problems", "write_offload", "write_offload_tensors"]
 
 # files a previous offload wrote; anything else in the folder is the user's and is kept
 _OURS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
@@ -54,12 +56,18 @@ def write_offload(index: CheckpointIndex, loads: Sequence[TensorLoad], folder: P
     pickle to its shard, so no copy of the weights is made in memory. Files of an earlier
     offload in ``folder`` are replaced; other files are never touched.
     """
+    with LazyWeights(index, {load.name: load.key for load in loads}) as source:
+        return write_offload_tensors(source, folder)
+
+
+def write_offload_tensors(source: Mapping[str, torch.Tensor], folder: Path) -> Path:
+    """Write every tensor of ``source`` (read one at a time) into ``folder`` as safetensors,
+    with the same ownership rules as `write_offload`."""
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        with LazyWeights(index, {load.name: load.key for load in loads}) as source:
-            written = write_checkpoint_files(source, tmp, max_shard_size=_SHARD)
+        written = write_checkpoint_files(source, tmp, max_shard_size=_SHARD)
         for old in folder.iterdir():
             if _OURS.fullmatch(old.name):
                 old.unlink()

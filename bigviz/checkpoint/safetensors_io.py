@@ -168,6 +168,7 @@ def write_safetensors(
     *,
     metadata: Mapping[str, str] | None = None,
     on_bytes: Callable[[int], object] | None = None,
+    align: int = 8,
 ) -> None:
     """Write ``tensors`` to ``path`` as safetensors, streaming each tensor's bytes.
 
@@ -179,8 +180,12 @@ def write_safetensors(
         tensors: name -> tensor; names keep their order within a dtype width.
         metadata: string -> string pairs stored as ``__metadata__``.
         on_bytes: called with the byte count after each tensor is written (progress bars).
+        align: the data starts at a multiple of this (a power of two >= 8) in the file, and
+            tensors whose size is a multiple of it come first, so each starts aligned too
+            (a memory-mapped file is page aligned). Some CPU kernels give other low bits on
+            memory that is not 16-byte aligned (``grouped_mm`` for mixture-of-experts).
     """
-    order = sorted(tensors, key=lambda n: -tensors[n].element_size())  # stable: keeps key order
+    order = sorted(tensors, key=lambda n: (_nbytes(tensors[n]) % align != 0, -tensors[n].element_size()))
     doc: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name in order:
@@ -192,7 +197,7 @@ def write_safetensors(
         doc[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(doc, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # pad so the data (and every tensor) starts 8-byte aligned
+    raw += b" " * (-(len(raw) + 8) % align)  # pad so the data (after the 8-byte length) is aligned
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
@@ -200,6 +205,10 @@ def write_safetensors(
             f.write(_tensor_bytes(tensors[name]))
             if on_bytes is not None:
                 on_bytes(tensors[name].numel() * tensors[name].element_size())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -106,11 +106,15 @@ def write_checkpoint_files(
     safe_serialization: bool = True,
     metadata: Mapping[str, str] | None = None,
     progress: bool = False,
+    align: int = 64,
 ) -> list[Path]:
     """Write shards (and an index when there are several) into an existing ``folder``.
 
     The building block of `save_sharded` (which adds the atomic folder swap); also used to
-    write disk-offloaded weights once. Returns the files written, index last.
+    write disk-offloaded weights once. Tensors start 64-byte aligned where their sizes allow
+    (see `write_safetensors`): a memory-mapped tensor then computes exactly as one in fresh
+    memory, even in kernels that take another path on unaligned data. Returns the files
+    written, index last.
     """
     from tqdm.auto import tqdm
 
@@ -124,7 +128,7 @@ def write_checkpoint_files(
             part = {k: tensors[k] for k in shard}
             if safe_serialization:
                 header = {"format": "pt", **(metadata or {})}
-                write_safetensors(folder / name, part, metadata=header, on_bytes=bar.update)
+                write_safetensors(folder / name, part, metadata=header, on_bytes=bar.update, align=align)
             else:
                 torch.save({k: _own_storage(t) for k, t in part.items()}, folder / name)
                 bar.update(sum(t.numel() * t.element_size() for t in part.values()))

@@ -17,23 +17,33 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bigviz.checkpoint.index import CheckpointIndex
 from bigviz.checkpoint.sharding import unique_tensors
 from bigviz.core.names import join
 from bigviz.core.tree import SizeTree, TensorSpec, canonical_dtype
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["tree_from_checkpoint", "detect_no_split", "natural_order"]
 
 
 def tree_from_checkpoint(path_or_index: str | Path | CheckpointIndex, *,
-                         dtype: object | None = None) -> SizeTree:
+                         dtype: object | None = None, model: torch.nn.Module | None = None) -> SizeTree:
     """Build the `SizeTree` of a checkpoint from its headers (no tensor data is read).
 
     Args:
         path_or_index: anything `CheckpointIndex.open` takes.
         dtype: size floating tensors as if converted to this dtype (e.g. ``"float16"``).
+        model: the model the checkpoint is for (on meta). The tree then has the model's
+            names (checkpoint keys converted as the loader converts them: renamed modules,
+            fused experts), classes and ties, and what the checkpoint does not hold (tied
+            duplicates, computed buffers) sized from the model; each tensor the checkpoint
+            holds is sized by its header. A map planned on it names what the model has.
 
     Example:
         >>> import tempfile, torch, pathlib
@@ -45,10 +55,26 @@ def tree_from_checkpoint(path_or_index: str | Path | CheckpointIndex, *,
         (80, 80, 40)
     """
     index = CheckpointIndex.open(path_or_index)
-    specs = [TensorSpec(info.name, info.numel, canonical_dtype(info.dtype), info.shape)
-             for info in (index.entries[n] for n in natural_order(index.keys()))]
-    tree = SizeTree.build(specs, ties=_pickled_ties(index))
+    if model is not None:
+        tree = _model_tree(index, model)
+    else:
+        specs = [TensorSpec(info.name, info.numel, canonical_dtype(info.dtype), info.shape)
+                 for info in (index.entries[n] for n in natural_order(index.keys()))]
+        tree = SizeTree.build(specs, ties=_pickled_ties(index))
     return tree.with_dtype(canonical_dtype(dtype)) if dtype is not None else tree
+
+
+def _model_tree(index: CheckpointIndex, model: torch.nn.Module) -> SizeTree:
+    """The model's tree, each tensor the checkpoint holds in the checkpoint's dtype."""
+    from bigviz.checkpoint.load import checkpoint_dtypes
+    from bigviz.modeling.sizes import module_tree
+
+    tree = module_tree(model)
+    stored = checkpoint_dtypes(model, index)
+    specs = [replace(spec, dtype=canonical_dtype(stored[name])) if name in stored else spec
+             for name, spec in tree.tensors.items()]
+    classes = {name: node.class_name for name, node in tree.nodes.items()}
+    return SizeTree.build(specs, classes, tree.ties)
 
 
 def _pickled_ties(index: CheckpointIndex) -> list[list[str]]:

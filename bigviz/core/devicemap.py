@@ -12,7 +12,7 @@ Example:
 from __future__ import annotations
 
 import difflib
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from bigviz.core.names import ancestors, owner, parent
@@ -21,7 +21,8 @@ from bigviz.core.units import Device, device_label, normalize_device
 if TYPE_CHECKING:
     from bigviz.core.tree import SizeTree
 
-__all__ = ["device_of", "clean_device_map", "complete_tied", "device_map_problems", "validate_device_map"]
+__all__ = ["device_of", "clean_device_map", "complete_tied", "complete_computed", "device_map_problems",
+           "validate_device_map"]
 
 
 def device_of(name: str, device_map: Mapping[str, Device]) -> Device | None:
@@ -157,11 +158,49 @@ def complete_tied(tree: SizeTree, device_map: Mapping[str, object]) -> dict[str,
     return out
 
 
+def complete_computed(tree: SizeTree, device_map: Mapping[str, object]) -> dict[str, object]:
+    """Add entries for what a map leaves out that no checkpoint holds: non-persistent buffers
+    the model computes itself (``model.rotary_emb``). A map planned from checkpoint headers
+    cannot name them; they go to the execution device (the first GPU in the map, else the
+    CPU), where a dispatch keeps the buffers of offloaded modules too.
+
+    Example:
+        >>> from bigviz.core.tree import SizeTree, TensorSpec
+        >>> t = SizeTree.build([TensorSpec("h.0.w", 4, "float32"),
+        ...                     TensorSpec("rope.inv_freq", 2, "float32", kind="buffer", persistent=False)])
+        >>> complete_computed(t, {"h": 0})
+        {'h': 0, 'rope': 0}
+    """
+    out = dict(device_map)
+    gaps = [name for name in _uncovered(tree, out) if name != "<whole model>"]
+    computed = [g for g in gaps if g and all(not tree.tensors[t].persistent for t in tree.subtree_tensors(g))]
+    if computed:
+        main = _execution_device(out.values())
+        out.update(dict.fromkeys(computed, main))
+    return out
+
+
+def _execution_device(devices: Iterable[object]) -> object:
+    seen = list(devices)
+    gpus = sorted({d for d in seen if isinstance(d, int)})
+    if gpus:
+        return gpus[0]
+    for value in seen:
+        try:
+            device = normalize_device(value)  # type: ignore[arg-type]
+        except ValueError:
+            continue
+        if isinstance(device, int):
+            return device
+    return "mps" if "mps" in seen else "cpu"
+
+
 def validate_device_map(tree: SizeTree, device_map: Mapping[str, object],
                         devices: Collection[Device] | None = None) -> dict[str, Device]:
     """The map with canonical devices, or ``ValueError`` listing every problem.
 
-    Tied tensors the map leaves out go with their leader (see :func:`complete_tied`).
+    Tied tensors the map leaves out go with their leader (see :func:`complete_tied`), and
+    non-persistent buffers it leaves out to the execution device (see :func:`complete_computed`).
 
     Example:
         >>> from bigviz.core.tree import SizeTree, TensorSpec
@@ -173,7 +212,7 @@ def validate_device_map(tree: SizeTree, device_map: Mapping[str, object],
         ValueError: invalid device_map:
           - not covered by any key (add them, or a parent, to the map): b2.l3
     """
-    completed = complete_tied(tree, device_map)
+    completed = complete_computed(tree, complete_tied(tree, device_map))
     problems = device_map_problems(tree, completed, devices)
     if problems:
         raise ValueError("invalid device_map:\n  - " + "\n  - ".join(problems))

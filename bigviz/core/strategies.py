@@ -24,13 +24,13 @@ import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from bigviz.core.names import ancestors, is_prefix, parent
+from bigviz.core.names import ancestors, is_prefix, join, parent
 from bigviz.core.plan import STRATEGIES, DevicePlan, DeviceUsage, Placement, PlanOptions
 from bigviz.core.tree import SizeTree
 from bigviz.core.units import (UNLIMITED, Device, device_label, format_size, normalize_device,
                                parse_max_memory, parse_size)
 
-__all__ = ["make_plan", "PlanError"]
+__all__ = ["make_plan", "PlanError", "is_no_split"]
 
 _MAX_PASSES = 6
 _RUN_PASSES = 10
@@ -87,6 +87,10 @@ def make_plan(tree: SizeTree, max_memory: Mapping[object, object],
         if all(needed[d] <= offload[d] for d in budgets):
             break
         offload = {d: max(offload[d], needed[d]) for d in budgets}
+    else:  # no fixed point in a few passes: reserve what any plan could need, then it holds
+        bound = _offload_bound(tree, options)
+        offload = {d: max(offload[d], bound if needed[d] else 0) for d in budgets}
+        state = _greedy(tree, caps, reserve, offload, overrides, options)
     if state.unplaced:
         raise PlanError(_does_not_fit(tree, budgets, state))
     staging = {d: offload[d] - streamed_run.get(d, 0) for d in budgets}  # room kept for weights alone
@@ -153,8 +157,23 @@ def _main_device(budgets: Mapping[Device, int], options: PlanOptions) -> Device:
     return gpus[0] if gpus else "cpu"
 
 
+def is_no_split(tree: SizeTree, name: str, patterns: frozenset[str]) -> bool:
+    """True if module ``name`` is placed whole: its class or name matches a no-split pattern,
+    or it holds a parametrized weight.
+
+    Example:
+        >>> from bigviz.core.tree import TensorSpec
+        >>> t = SizeTree.build([TensorSpec("conv.parametrizations.weight.original0", 4, "float32")])
+        >>> is_no_split(t, "conv", frozenset()), is_no_split(t, "", frozenset({"[0-9]*"}))
+        (True, False)
+    """
+    return _is_no_split(tree, name, patterns)
+
+
 def _is_no_split(tree: SizeTree, name: str, patterns: frozenset[str]) -> bool:
     node = tree.nodes[name]
+    if join(name, "parametrizations") in node.children:
+        return True  # torch's parametrize: the weight is computed from its parts (weight norm's g, v)
     for pattern in patterns:
         if any(c in pattern for c in "*?[."):
             if fnmatch.fnmatchcase(name, pattern):
@@ -349,19 +368,30 @@ def _streamed(main: Device) -> tuple[str, ...]:
     return ("disk",) if main == "cpu" else ("cpu", "disk")
 
 
+def _offload_bound(tree: SizeTree, options: PlanOptions) -> int:
+    """The most `_offload_needs` can ask of one device: streamed units are never split
+    further (no-split modules, leaf modules, single tensors), and it keeps the largest two."""
+    units = [n.total_bytes for name, n in tree.nodes.items()
+             if not n.children or _is_no_split(tree, name, options.no_split)]
+    units += [tree.tensor_bytes(t) for t in tree.tensors]
+    biggest = sorted(units, reverse=True)[:2 if options.prefetch else 1]
+    return sum(biggest)
+
+
 def _offload_needs(state: _Pass, main: Device, options: PlanOptions) -> dict[Device, int]:
-    """Reserve the plan needs: on the execution device for streamed-in units, and on the
-    cpu for disk units staged (GPU) or mapped (CPU) while they run."""
+    """Reserve what the engine really holds for streamed units: on a GPU (or mps) executing,
+    room for the running unit and the prefetched one, and on the cpu the pinned staging of
+    disk units on their way to it. With the CPU executing, disk units are computed on straight
+    from the memory-mapped files (page cache, not the process's memory): nothing is reserved."""
     needs = {d: 0 for d in state.remaining}
-    if not options.offload_reserve:
+    if not options.offload_reserve or main == "cpu":
         return needs
     keep = 2 if options.prefetch else 1
-    streamed = _streamed(main)
-    to_main = sorted((p.nbytes for p in state.placements if p.device in streamed), reverse=True)
+    to_main = sorted((p.nbytes for p in state.placements if p.device in _streamed(main)), reverse=True)
     if main in needs:
         needs[main] = sum(to_main[:keep])
     from_disk = sorted((p.nbytes for p in state.placements if p.device == "disk"), reverse=True)
-    if "cpu" in needs and main != "cpu":
+    if "cpu" in needs:
         needs["cpu"] = max(needs["cpu"], sum(from_disk[:keep]))
     return needs
 

@@ -70,6 +70,7 @@ class TensorSpec:
     dtype: str
     shape: tuple[int, ...] = ()
     kind: str = "param"  # "param" or "buffer"
+    persistent: bool = True  # False: a buffer the model computes itself (never in a checkpoint)
 
     @property
     def nbytes(self) -> int:

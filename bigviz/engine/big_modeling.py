@@ -86,11 +86,12 @@ def load_checkpoint_and_dispatch(
         >>> model(torch.ones(1, 2)).shape, model.weight.device.type
         (torch.Size([1, 2]), 'meta')
     """
-    from bigviz.checkpoint.load import load_checkpoint_in_model
+    from bigviz.checkpoint.load import device_map_in_model_names, load_checkpoint_in_model
     from bigviz.planning import check_device_map
 
     resolved = _resolve_map(model, device_map, max_memory, no_split_module_classes, dtype)
     if resolved is not None:
+        resolved = device_map_in_model_names(model, checkpoint, resolved)  # a map planned from headers
         check_devices_exist(resolved)  # before anything is read
         # every tensor covered (tied duplicates join their leader): problems listed, nothing loaded
         resolved = check_device_map(model, resolved)

@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,6 +111,26 @@ class _RootHook(AlignDevicesHook):
         for attr in ("hf_device_map", "_bigviz_dispatch"):
             module.__dict__.pop(attr, None)
         return module
+
+    def on_forward_error(self, module: nn.Module) -> None:
+        error = sys.exc_info()[1]
+        if self.scheduler is not None and error is not None and "meta" in str(error):
+            _explain_meta_error(error, self.scheduler.not_fetched())
+        super().on_forward_error(module)
+
+
+def _explain_meta_error(error: BaseException, idle: list[Unit]) -> None:
+    """A forward that touched a weight still on meta: name the offloaded modules whose hook
+    never ran (their weights were read without calling them) and the fix."""
+    if not idle or not hasattr(error, "add_note"):
+        return
+    names = ", ".join(repr(u.name) for u in idle[:5]) + (", ..." if len(idle) > 5 else "")
+    error.add_note(
+        f"bigviz: offloaded modules whose forward did not run in this pass: {names}. If the code of a "
+        "parent module reads their weights directly (not by calling them), keep those modules on a "
+        "device that computes, or pass preload_module_classes=[<the parent's class name>] so the "
+        "parent fetches them."
+    )
 
 
 def dispatch_model(

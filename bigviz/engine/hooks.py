@@ -161,7 +161,9 @@ def add_hook_to_module(module: nn.Module, hook: ModelHook, append: bool = False)
     """Attach ``hook`` to ``module``, wrapping its ``forward`` (the original is kept).
 
     An existing hook is replaced, unless ``append`` is true: then both run, the old one
-    first, chained in a :class:`SequentialHook`.
+    first, chained in a :class:`SequentialHook`. Chaining neither detaches nor re-initialises
+    the existing hook (only ``hook.init_hook`` runs): a dispatch's root hook keeps the files it
+    owns open when another hook joins it on the same module.
 
     Args:
         module: The module to hook (changed in place).
@@ -178,19 +180,23 @@ def add_hook_to_module(module: nn.Module, hook: ModelHook, append: bool = False)
         True
     """
     old_hook = getattr(module, "_hf_hook", None)
-    if append and old_hook is not None:
-        remove_hook_from_module(module)
-        hook = SequentialHook(old_hook, hook)
     if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward"):
         old_forward = module._old_forward  # replacing a hook: keep the true original
     else:
         old_forward = module.forward
         module._old_forward = old_forward
     module = hook.init_hook(module)
+    if append and old_hook is not None:
+        hook = SequentialHook(*_chain(old_hook), hook)  # the old hook stays as it is: attached
     module._hf_hook = hook
     forward = functools.update_wrapper(functools.partial(_hooked_forward, module), old_forward)
     _set_forward(module, forward)
     return module
+
+
+def _chain(hook: ModelHook) -> tuple[ModelHook, ...]:
+    """The hooks of a chain, flattened (appending twice gives one chain, not a nest)."""
+    return tuple(hook.hooks) if type(hook) is SequentialHook else (hook,)
 
 
 def remove_hook_from_module(module: nn.Module, recurse: bool = False) -> nn.Module:

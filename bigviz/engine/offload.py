@@ -176,7 +176,10 @@ class OffloadHook(ModelHook):
         self._guards.append(self._needs_guard(args, kwargs))
         tensors = self.scheduler.acquire(self.unit)
         for key, slots in self.unit.slots.items():
-            value = as_slot_value(tensors[key], slots[0][2])
+            # the flags the model declares (some kernels choose their path by requires_grad,
+            # nn.MultiheadAttention even under no_grad): the same numbers as in memory
+            grad = self.unit.placeholders[(id(slots[0][0]), slots[0][1])][1].requires_grad
+            value = as_slot_value(tensors[key], slots[0][2], requires_grad=grad)
             for slot in slots:
                 set_slot(slot, value)
         return args, kwargs

@@ -329,6 +329,7 @@ class Scheduler:
         self._next_pos: dict[int, int] = {}
         self._pending: OrderedDict[int, Handle] = OrderedDict()
         self._depth = 0
+        self._this_pass: set[int] = set()  # units fetched since the outermost pass began
 
     def __enter__(self) -> Scheduler:
         return self
@@ -343,7 +344,13 @@ class Scheduler:
 
     def begin_pass(self) -> None:
         """A forward of the whole model starts (called by the root hook)."""
+        if self._depth == 0:
+            self._this_pass = set()
         self._depth += 1
+
+    def not_fetched(self) -> list[Unit]:
+        """Units not fetched since the outermost forward began (for error messages)."""
+        return [u for u in self.units if id(u) not in self._this_pass]
 
     def end_pass(self, *, completed: bool = True) -> None:
         """A forward of the whole model ended: the first complete one fixes the order."""
@@ -357,6 +364,7 @@ class Scheduler:
 
     def acquire(self, unit: Unit) -> dict[str, Tensor]:
         """Key -> tensor for ``unit``, ready on the execution device (starts the next fetch)."""
+        self._this_pass.add(id(unit))
         handle = self._pending.pop(id(unit), None)
         if handle is None:
             handle = self.fetcher.start(unit, background=False)

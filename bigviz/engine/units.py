@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from bigviz.core.names import ancestors, join, owner, parent
+from bigviz.core.names import ancestors, is_prefix, join, owner, parent
 from bigviz.core.units import normalize_device
 from bigviz.engine.devices import torch_device
+from bigviz.modeling.reads import direct_reads
 from bigviz.engine.weights import Slot, TensorGroup, find_source, meta_like, nbytes, set_slot, tensor_groups
 
 __all__ = ["Unit", "Layout", "layout_model", "offloaded_storages", "is_container", "called_modules"]
@@ -149,6 +150,7 @@ def layout_model(
     order = {name: i for i, name in enumerate(modules)}
     preload = frozenset(preload_module_classes)
     above_blocks = _above_blocks(modules, frozenset(block_classes))
+    readers = direct_reads(model)
     layout, units = Layout(), {}
     for group in tensor_groups(model, ties=ties):
         entries = _entries_of(group, device_map, layout.problems)
@@ -165,7 +167,7 @@ def layout_model(
         for name in group.names:
             entry = owner(name, device_map)
             assert entry is not None  # checked by _entries_of
-            unit = _unit_for(name, entry, device_map[entry], modules, order, preload, above_blocks, units)
+            unit = _unit_for(name, entry, device_map[entry], modules, order, preload, above_blocks, units, readers)
             _add_slot(unit, group, name, found, placeholder)
     layout.units = sorted(units.values(), key=lambda u: u.order)
     return layout
@@ -248,9 +250,10 @@ def _unit_for(
     preload: frozenset[str],
     above_blocks: frozenset[str],
     units: dict[int, Unit],
+    readers: Mapping[str, str] | None = None,
 ) -> Unit:
     """The unit that fetches tensor ``name`` of device-map ``entry`` (created on first use)."""
-    hook = _hook_module_name(name, entry, modules, above_blocks)
+    hook = _lift_to_readers(_hook_module_name(name, entry, modules, above_blocks), parent(name), readers or {})
     for candidate in reversed(list(ancestors(hook))):  # outermost preload ancestor wins
         if candidate in modules and type(modules[candidate]).__name__ in preload:
             hook = candidate
@@ -275,6 +278,17 @@ def _hook_module_name(name: str, entry: str, modules: Mapping[str, nn.Module], a
     while hook != home and (hook in above_blocks or is_container(modules[hook])):
         rest = home[len(hook) + 1 :] if hook else home
         hook = join(hook, rest.split(".", 1)[0])
+    return hook
+
+
+def _lift_to_readers(hook: str, home: str, readers: Mapping[str, str]) -> str:
+    """Move the hook up to a module whose code reads the tensor's module's weights directly
+    (``self.rel_embeddings.weight``): hooked on the tensor's own module, the fetch would never
+    run, as that module is never called."""
+    for module in reversed(list(ancestors(home))):  # outermost first
+        reader = readers.get(module)
+        if reader is not None and is_prefix(hook, module) and reader != hook and is_prefix(reader, hook):
+            return _lift_to_readers(reader, home, readers)
     return hook
 
 

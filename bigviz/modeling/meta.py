@@ -47,6 +47,11 @@ def init_on_device(device: torch.device | str, include_buffers: bool = False) ->
     """Create every parameter (and buffer, if ``include_buffers``) built inside the block on
     ``device``.
 
+    With ``include_buffers=True`` this is torch's own device context (``with device:``): every
+    tensor made in the block is made there, and nothing of ``nn.Module`` is patched. Without
+    it, parameters only are moved, by wrapping ``nn.Module.register_parameter`` for the block
+    (as accelerate does; put back on exit, even after an error).
+
     Example:
         >>> import torch.nn as nn
         >>> with init_on_device("meta", include_buffers=True):
@@ -55,6 +60,10 @@ def init_on_device(device: torch.device | str, include_buffers: bool = False) ->
         'meta'
     """
     device = torch.device(device)
+    if include_buffers:
+        with device:  # tensors are born on the device: ties made in __init__ are kept as they are
+            yield
+        return
     original = nn.Module.register_parameter
 
     def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -69,10 +78,6 @@ def init_on_device(device: torch.device | str, include_buffers: bool = False) ->
 
     nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
     try:
-        if include_buffers:
-            with device:  # every tensor created in the block, buffers included
-                yield
-        else:
-            yield
+        yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]

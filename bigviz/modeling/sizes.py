@@ -37,12 +37,16 @@ def _tensor_key(tensor: torch.Tensor) -> tuple[object, ...]:
 
 
 def _walk(model: nn.Module) -> tuple[dict[str, str], list[tuple[str, torch.Tensor, str]]]:
+    """Module classes, and every (name, tensor, kind); kind is ``"param"``, ``"buffer"`` or
+    ``"computed"`` (a non-persistent buffer: the model makes it, no checkpoint holds it)."""
     classes: dict[str, str] = {}
     tensors: list[tuple[str, torch.Tensor, str]] = []
     for mname, module in model.named_modules(remove_duplicate=False):
         classes[mname] = type(module).__name__
         tensors += [(join(mname, n), p, "param") for n, p in module._parameters.items() if p is not None]
-        tensors += [(join(mname, n), b, "buffer") for n, b in module._buffers.items() if b is not None]
+        computed = module._non_persistent_buffers_set
+        tensors += [(join(mname, n), b, "computed" if n in computed else "buffer")
+                    for n, b in module._buffers.items() if b is not None]
     return classes, tensors
 
 
@@ -99,7 +103,8 @@ def module_tree(model: nn.Module, dtype: torch.dtype | str | None = None,
         if name not in seen:  # a module reachable by two paths lists its tensors twice
             seen.add(name)
             specs.append(TensorSpec(name, tensor.numel(), canonical_dtype(tensor.dtype),
-                                    tuple(tensor.shape), kind))
+                                    tuple(tensor.shape), "param" if kind == "param" else "buffer",
+                                    persistent=kind != "computed"))
     ties = _groups(tensors) + _declared_ties(model, seen)
     tree = SizeTree.build(specs, classes, _merge(ties))
     if dtype is None and not special_dtypes:

@@ -1,0 +1,158 @@
+"""What bigviz asks a transformers model before loading it, through transformers' own functions.
+
+``from_pretrained`` does more than copy tensors: it renames and fuses checkpoint keys
+(``get_model_conversion_mapping``), keeps some modules in float32 (``_get_dtype_plan``),
+ignores keys the class declares ignorable, and computes what no checkpoint holds (sinusoidal
+positions, rotary frequencies) with the model's ``_init_weights``. bigviz reads those rules from
+the installed transformers, never from copies of its tables, so a new architecture behaves
+here as it does there. Every function returns a neutral answer for other modules, and
+transformers is imported only when the model is one of its.
+
+Example:
+    >>> import torch
+    >>> conversion_rules(torch.nn.Linear(2, 2)) is None, fp32_patterns(torch.nn.Linear(2, 2), torch.float16)
+    (True, ())
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["is_transformers_model", "conversion_rules", "fp32_patterns", "initialise_computed",
+           "meta_model_from_folder"]
+
+
+def is_transformers_model(model: object) -> bool:
+    """True for a transformers ``PreTrainedModel`` (checked without importing transformers).
+
+    Example:
+        >>> is_transformers_model(torch.nn.Linear(1, 1))
+        False
+    """
+    if "transformers" not in sys.modules:
+        return False
+    from transformers import PreTrainedModel
+
+    return isinstance(model, PreTrainedModel)
+
+
+def conversion_rules(model: nn.Module, key_mapping: Mapping[str, str] | None = None) -> list[Any] | None:
+    """The weight transforms ``from_pretrained`` applies to checkpoint keys for ``model``.
+
+    transformers' ``get_model_conversion_mapping`` (renamings, expert fusions, legacy names,
+    per-submodel scopes), plus ``key_mapping`` (regex -> replacement) as ``from_pretrained``
+    takes it. None when ``model`` is not a transformers model or nothing applies.
+    """
+    if not is_transformers_model(model):
+        if key_mapping:
+            raise ValueError("key_mapping= needs a transformers model (its rules are transformers' WeightRenaming)")
+        return None
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    rules = get_model_conversion_mapping(model, dict(key_mapping) if key_mapping else None)  # fresh copies
+    return rules or None
+
+
+def fp32_patterns(model: nn.Module, dtype: torch.dtype | None) -> tuple[str, ...]:
+    """Regex patterns of tensors ``from_pretrained(dtype=dtype)`` keeps in float32.
+
+    transformers' rule (``PreTrainedModel._get_dtype_plan``): ``_keep_in_fp32_modules`` under
+    float16 only; ``_keep_in_fp32_modules_strict`` under float16 and bfloat16. A pattern is
+    searched anywhere in a tensor's name (``"wo"`` matches ``...DenseReluDense.wo.weight``),
+    ``*`` standing for any characters.
+    """
+    if dtype is None or not is_transformers_model(model):
+        return ()
+    plan = model._get_dtype_plan(dtype)  # type: ignore[operator]
+    return tuple(sorted(p.replace("*", ".*") for p, d in plan.items() if d == torch.float32))
+
+
+def ignorable_missing(model: nn.Module) -> tuple[str, ...]:
+    """Regexes of missing keys the model class says it computes or does not need."""
+    return tuple(getattr(model, "_keys_to_ignore_on_load_missing", None) or ())
+
+
+def initialise_computed(model: nn.Module, names: Iterable[str]) -> list[str]:
+    """Compute tensors no checkpoint holds, as ``from_pretrained`` does: with the model's
+    ``_init_weights`` (sinusoidal positions, rotary frequencies, a missing bias).
+
+    Only the modules owning ``names`` are initialised, and every other tensor is protected for
+    the call (transformers' init functions skip tensors flagged ``_is_hf_initialized``), so
+    only ``names`` change; every flag is put back as it was. ``names`` must be materialised.
+
+    Returns:
+        The names that the model's ``_init_weights`` wrote (an empty list for other modules).
+    """
+    names = set(names)
+    if not names or not is_transformers_model(model):
+        return []
+    tensors = {**dict(model.named_parameters(remove_duplicate=False)),
+               **dict(model.named_buffers(remove_duplicate=False))}
+    protect = {id(t): t for n, t in tensors.items() if n not in names}
+    for n in names:
+        protect.pop(id(tensors[n]), None)  # a tie: its other name is computed too
+    flagged = [t for t in protect.values() if not getattr(t, "_is_hf_initialized", False)]
+    owners = {id(model.get_submodule(n.rpartition(".")[0])) for n in names}
+    modules = list(model.modules())
+    before = [m.__dict__.get("_is_hf_initialized", _UNSET) for m in modules]
+    for t in flagged:
+        t._is_hf_initialized = True
+    for m in modules:  # a model built outside from_pretrained marks every module initialised
+        m._is_hf_initialized = id(m) not in owners
+    try:
+        model.initialize_weights()  # type: ignore[operator]
+    finally:
+        for t in flagged:
+            del t._is_hf_initialized
+        for m, flag in zip(modules, before):
+            if flag is _UNSET:
+                m.__dict__.pop("_is_hf_initialized", None)
+            else:
+                m._is_hf_initialized = flag
+    return sorted(names)
+
+
+_UNSET = object()
+
+
+@functools.lru_cache(maxsize=8)
+def _meta_model(folder: Path, stamp: float) -> nn.Module | None:
+    return _build_meta_model(folder)
+
+
+def meta_model_from_folder(folder: str | Path) -> nn.Module | None:
+    """The transformers model a checkpoint folder describes, built on ``meta`` (no memory), or None.
+
+    Needs ``config.json`` naming an ``architectures`` class the installed transformers has;
+    anything else (no config, an unknown class, transformers missing) gives None, and the
+    checkpoint is planned from its headers alone. Cached per folder while its config is unchanged.
+    """
+    folder = Path(folder)
+    folder = folder if folder.is_dir() else folder.parent
+    config = folder / "config.json"
+    if not config.is_file():
+        return None
+    return _meta_model(folder.resolve(), config.stat().st_mtime)
+
+
+def _build_meta_model(folder: Path) -> nn.Module | None:
+    try:
+        import transformers
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(folder)
+        cls = getattr(transformers, (config.architectures or [""])[0], None)
+        if cls is None:
+            return None
+        with torch.device("meta"):
+            model = cls._from_config(config)
+    except (ImportError, OSError, ValueError, TypeError, AttributeError, KeyError, RuntimeError):
+        return None  # a config transformers cannot build here: plan from the headers alone
+    model.tie_weights()
+    return model

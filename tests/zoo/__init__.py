@@ -1,0 +1,1 @@
+"""The transformers zoo: tiny configs of many architectures, and what every one must pass."""
