@@ -34,6 +34,7 @@ from bigviz.checkpoint.lazy import LazyWeights
 from bigviz.checkpoint.match import LoadOptions, LoadPlan, TensorLoad, check_plan, match_checkpoint
 from bigviz.checkpoint.model_tensors import describe_model, tie_model
 from bigviz.checkpoint.offload import offload_problems, write_offload
+from bigviz.core.devicemap import check_keys
 
 __all__ = ["LoadResult", "load_checkpoint_in_model", "load_sharded_checkpoint"]
 
@@ -180,7 +181,10 @@ def load_sharded_checkpoint(model: torch.nn.Module, folder: str | Path, strict: 
 
 
 def _as_device_map(device_map: object) -> Mapping[str, int | str | torch.device] | None:
-    if device_map is None or isinstance(device_map, Mapping):
+    if device_map is None:
+        return None
+    if isinstance(device_map, Mapping):
+        check_keys(device_map)  # {0: "cpu"}: a ValueError quoting 0, not a TypeError midway
         return device_map
     inner = getattr(device_map, "device_map", None)  # a DevicePlan
     if isinstance(inner, Mapping):
