@@ -22,7 +22,7 @@ import torch.nn as nn
 from bigviz.checkpoint.tree import detect_no_split, tree_from_checkpoint
 from bigviz.core.devicemap import validate_device_map
 from bigviz.core.plan import DevicePlan, PlanOptions
-from bigviz.core.strategies import make_plan
+from bigviz.core.strategies import check_no_split, make_plan
 from bigviz.core.tree import SizeTree
 from bigviz.core.units import Device
 from bigviz.modeling.budgets import get_max_memory
@@ -71,7 +71,9 @@ def plan(model: ModelLike, max_memory: Mapping[object, object] | None = None, *,
             free memory. GPUs the machine does not have can be planned for.
         strategy: ``"auto"``, ``"balanced"``, ``"balanced_low_0"`` or ``"sequential"``.
         no_split_module_classes: classes (or name globs like ``"transformer.h.*"``) kept whole;
-            default: the model's ``_no_split_modules``.
+            default: the model's ``_no_split_modules``. Each entry must match a class of the
+            model or, for a glob, a module name: a typo raises ``PlanError`` listing the
+            model's classes.
         dtype: plan for this dtype (floating tensors only), e.g. ``torch.float16``.
         reserve: bytes per device kept free for activations and KV cache.
         overrides: ``{module: device}`` to honour; the rest is planned around them.
@@ -83,10 +85,18 @@ def plan(model: ModelLike, max_memory: Mapping[object, object] | None = None, *,
         ({'': 'cpu'}, 'fits: 880 B of 1000 B left on CPU')
     """
     tree = as_tree(model, dtype, special_dtypes)
+    if no_split_module_classes is not None:  # yours: a typo would split every block silently
+        no_split_module_classes = _as_names(no_split_module_classes)
+        check_no_split(tree, no_split_module_classes)
     no_split = no_split_module_classes if no_split_module_classes is not None else default_no_split(model, tree)
     options = PlanOptions(strategy=strategy, no_split=frozenset(no_split), reserve=dict(reserve or {}),
                           overrides=dict(overrides or {}), offload_reserve=offload_reserve, prefetch=prefetch)
     return make_plan(tree, get_max_memory(max_memory), options)
+
+
+def _as_names(names: Collection[str] | str) -> list[str]:
+    """``"Block"`` alone means ``["Block"]`` (not the letters B, l, o, c, k)."""
+    return [names] if isinstance(names, str) else list(names)
 
 
 def infer_auto_device_map(model: ModelLike, max_memory: Mapping[object, object] | None = None,

@@ -32,7 +32,7 @@ from typing import Any
 
 from bigviz.core.plan import DevicePlan
 from bigviz.core.serialize import save_device_map
-from bigviz.core.strategies import PlanError
+from bigviz.core.strategies import PlanError, check_no_split
 from bigviz.core.units import Device, format_size
 from bigviz.ui import controls as ctl
 from bigviz.ui.figure import FigureView
@@ -359,7 +359,9 @@ class Planner:
 
     @_guarded
     def _on_no_split(self, change: Mapping[str, Any]) -> None:
-        self.state.no_split = tuple(s.strip() for s in change["new"].split(",") if s.strip())
+        names = tuple(s.strip() for s in change["new"].split(",") if s.strip())
+        check_no_split(self.state.base_tree, names)  # a typo is shown, not silently ignored
+        self.state.no_split = names
         self.refresh()
 
     @_guarded
