@@ -154,7 +154,9 @@ def load_sharded_checkpoint(model: torch.nn.Module, folder: str | Path, strict: 
 
     Values are copied into the model's existing tensors (their devices and dtypes are kept),
     one tensor at a time; meta tensors are filled on the CPU. Every key and shape is checked
-    first, so a mismatching checkpoint raises before anything is copied.
+    first, so a mismatching checkpoint raises before anything is copied. Should the load stop
+    midway (Ctrl-C, a read error), every value is put back: a CPU copy of each overwritten
+    tensor is kept until the load ends (peak memory: up to the model's size again).
 
     Args:
         model: the model to fill.
@@ -259,15 +261,23 @@ def _disk_weights(index: CheckpointIndex, disk: list[TensorLoad],
         names = {alias: load.key for load in disk for alias in load.aliases}
         return LazyWeights(index, names, dtype=dtype, keep_dtype=keep), None
     assert options.offload_folder is not None  # checked before loading
-    folder = write_offload(index, disk, Path(options.offload_folder))
+    written = write_offload(index, disk, Path(options.offload_folder))
     names = {alias: load.name for load in disk for alias in load.aliases}
-    return LazyWeights(CheckpointIndex.open(folder), names, dtype=dtype, keep_dtype=keep), folder
+    return LazyWeights(CheckpointIndex.open(written), names, dtype=dtype, keep_dtype=keep), written.parent
 
 
 class _Slots:
-    """Where each model tensor lives (module dict + key), and what was there before."""
+    """Where each model tensor lives (module dict + key), and what was there before.
+
+    A load into a real tensor copies in place (optimizers and user references keep the same
+    objects), so the value it overwrites is saved first, on the CPU: `restore` puts back the
+    values as well as the objects. That costs up to the model's size in RAM until the load
+    ends; loading into new tensors and swapping at the end would cost the same (every new
+    tensor held at once) and would break the objects' identity.
+    """
 
     def __init__(self, model: torch.nn.Module, loads: Sequence[TensorLoad]) -> None:
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor overwritten, old value)
         self._slots: dict[str, tuple[dict, str, torch.Tensor]] = {}
         for load in loads:
             for alias in load.aliases:
@@ -280,6 +290,7 @@ class _Slots:
         store, leaf, old = self._slots[load.name]
         if inplace and not old.is_meta:
             with torch.no_grad():
+                self._saved.append((old, old.detach().to("cpu", copy=True)))
                 old.copy_(tensor)
             return
         if isinstance(old, torch.nn.Parameter):
@@ -289,5 +300,9 @@ class _Slots:
             alias_store[alias_leaf] = tensor
 
     def restore(self) -> None:
+        with torch.no_grad():
+            for tensor, value in reversed(self._saved):  # values first, then the objects
+                tensor.copy_(value)
+        self._saved.clear()
         for store, leaf, old in self._slots.values():
             store[leaf] = old
