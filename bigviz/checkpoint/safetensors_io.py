@@ -20,9 +20,10 @@ Example:
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,7 +33,7 @@ from bigviz.core.serialize import parse_json
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DTYPES", "HeaderEntry", "Header", "read_header", "check_header", "write_safetensors"]
+__all__ = ["DTYPES", "HeaderEntry", "Header", "read_header", "check_header", "write_safetensors", "file_stamp"]
 
 # safetensors dtype code -> (torch dtype name, bytes per element)
 DTYPES: dict[str, tuple[str, int]] = {
@@ -65,6 +66,20 @@ class Header:
     tensors: dict[str, HeaderEntry]
     metadata: dict[str, str]
     size: int  # file size in bytes
+    stamp: tuple[int, ...] | None = None  # the file as it was read (see `file_stamp`)
+
+
+def file_stamp(st: os.stat_result) -> tuple[int, ...]:
+    """What identifies a file's content cheaply: device, inode, size, modification time.
+
+    A file truncated or rewritten in place keeps its inode but changes size or mtime: reading
+    a memory map of it then could give wrong bytes or a SIGBUS, so readers compare stamps first.
+
+    Example:
+        >>> len(file_stamp(os.stat(__file__)))
+        4
+    """
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def read_header(path: Path) -> Header:
@@ -88,6 +103,7 @@ def check_header(path: Path) -> tuple[Header | None, list[str]]:
     """Parse ``path``'s header and return it with every problem found (header None if fatal)."""
     try:
         with open(path, "rb") as f:
+            stamp = file_stamp(os.fstat(f.fileno()))
             size = f.seek(0, 2)
             f.seek(0)
             prefix = f.read(8)
@@ -105,10 +121,11 @@ def check_header(path: Path) -> tuple[Header | None, list[str]]:
         return None, [str(err)]
     if not isinstance(doc, dict):
         return None, [f"{path}: header is JSON but not an object"]
-    return _parse_doc(path, doc, data_start=8 + length, size=size)
+    header, problems = _parse_doc(path, doc, data_start=8 + length, size=size)
+    return replace(header, stamp=stamp), problems
 
 
-def _parse_doc(path: Path, doc: dict, *, data_start: int, size: int) -> tuple[Header | None, list[str]]:
+def _parse_doc(path: Path, doc: dict, *, data_start: int, size: int) -> tuple[Header, list[str]]:
     problems: list[str] = []
     metadata = doc.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
