@@ -1,5 +1,5 @@
 """Promise: planning stays linear with tied tensors. Work is counted, not timed: every line the
-planner module executes is counted with a trace function, for 500 and for 2,000 tied pairs."""
+planner module executes is counted with a trace function, for 300 and for 1,200 tied pairs."""
 from __future__ import annotations
 
 import sys
@@ -46,7 +46,7 @@ def _lines_executed(fn: Callable[[], object]) -> int:
 @pytest.mark.parametrize("budget_share", [2, 10**9])  # some blocks offloaded / everything fits
 def test_planner_work_grows_linearly_with_tied_pairs(budget_share: int):
     work = {}
-    for pairs in (500, 2000):
+    for pairs in (300, 1200):
         tree = _tied_tree(pairs)
         total = tree.total("")
         budgets = {0: total // budget_share if budget_share > 1 else total, "cpu": total}
@@ -55,4 +55,4 @@ def test_planner_work_grows_linearly_with_tied_pairs(budget_share: int):
         where = {p.name: p.device for p in plan.placements}
         for i in range(0, pairs, 97):  # every head placed with its embedding
             assert plan.device_of(f"head.{i}.weight") == plan.device_of(f"emb.{i}.weight"), (i, where)
-    assert work[2000] <= 4.6 * work[500], work  # linear: 4x the pairs, about 4x the work
+    assert work[1200] <= 4.6 * work[300], work  # linear: 4x the pairs, about 4x the work (quadratic: 16x)
