@@ -1,13 +1,17 @@
-"""Promise: planning stays linear with tied tensors. Work is counted, not timed: every line the
-planner module executes is counted with a trace function, for 300 and for 1,200 tied pairs."""
+"""Promise: sizing and planning stay linear with tied tensors. Work is counted, not timed: every
+line the planner (and the sizing code) executes is counted with a trace function, for 300 and
+for 1,200 tied pairs."""
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
 
 import pytest
+import torch
+from torch import nn
 
-from bigviz.core import strategies
+from bigviz.core import strategies, tree as tree_module
+from bigviz.modeling import sizes
 from bigviz.core.strategies import make_plan
 from bigviz.core.tree import SizeTree, TensorSpec
 
@@ -21,9 +25,9 @@ def _tied_tree(pairs: int) -> SizeTree:
     return SizeTree.build(specs, ties=ties)
 
 
-def _lines_executed(fn: Callable[[], object]) -> int:
-    """Lines of ``bigviz/core/strategies.py`` executed by ``fn()`` (loop iterations included)."""
-    target = strategies.__file__
+def _lines_executed(fn: Callable[[], object], *modules: object) -> int:
+    """Lines of ``modules`` (default: the planner) executed by ``fn()``, loop iterations included."""
+    targets = {m.__file__ for m in modules or (strategies,)}  # type: ignore[attr-defined]
     count = 0
 
     def local(frame, event, arg):
@@ -33,7 +37,7 @@ def _lines_executed(fn: Callable[[], object]) -> int:
         return local
 
     def global_(frame, event, arg):
-        return local if frame.f_code.co_filename == target else None
+        return local if frame.f_code.co_filename in targets else None
 
     sys.settrace(global_)
     try:
@@ -56,3 +60,24 @@ def test_planner_work_grows_linearly_with_tied_pairs(budget_share: int):
         for i in range(0, pairs, 97):  # every head placed with its embedding
             assert plan.device_of(f"head.{i}.weight") == plan.device_of(f"emb.{i}.weight"), (i, where)
     assert work[1200] <= 4.6 * work[300], work  # linear: 4x the pairs, about 4x the work (quadratic: 16x)
+
+
+def _tied_model(pairs: int) -> nn.Module:
+    with torch.device("meta"):
+        model = nn.Module()
+        model.emb = nn.ModuleList([nn.Linear(4, 4, bias=False) for _ in range(pairs)])
+        model.body = nn.ModuleList([nn.Linear(16, 16, bias=False) for _ in range(pairs)])
+        model.head = nn.ModuleList([nn.Linear(4, 4, bias=False) for _ in range(pairs)])
+    for i in range(pairs):
+        model.head[i].weight = model.emb[i].weight
+    return model
+
+
+def test_sizing_a_model_grows_linearly_with_tied_pairs():
+    work = {}
+    for pairs in (300, 1200):
+        model = _tied_model(pairs)
+        work[pairs] = _lines_executed(lambda: sizes.module_tree(model), sizes, tree_module)
+        tree = sizes.module_tree(model)
+        assert len(tree.ties) == pairs and tree.total("") == pairs * (16 + 256) * 4  # each tie once
+    assert work[1200] <= 4.6 * work[300], work
