@@ -57,6 +57,7 @@ _EXPORTS: dict[str, str] = {
     "tree_from_checkpoint": "bigviz.checkpoint.tree",
     "detect_no_split": "bigviz.checkpoint.tree",
     "CheckpointError": "bigviz.checkpoint.errors",
+    "OffloadFolderError": "bigviz.checkpoint.offload",
     "LoadResult": "bigviz.checkpoint.load",
     # engine
     "ModelHook": "bigviz.engine.hooks",

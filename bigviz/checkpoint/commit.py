@@ -296,10 +296,13 @@ def _folder_lock(folder: Path, *, exclusive: bool) -> Iterator[bool]:
 
 
 def _lock(path: Path) -> int | None:
+    """Hold an exclusive ``flock`` on ``path`` (until the descriptor is closed). Where locks
+    are not supported the stage is just unlocked: cleaners fail to lock it too, and keep it."""
     if fcntl is None:
         return None
     fd = os.open(path, os.O_RDONLY)
-    fcntl.flock(fd, fcntl.LOCK_EX)
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_EX)
     return fd
 
 

@@ -228,8 +228,11 @@ def open_offload_folder(folder: str | Path) -> LazyWeights:
 
     folder = Path(folder)
     record = read_record(folder)
-    if record is None or record.index is None:
+    if record is None:
         return LazyWeights(CheckpointIndex.open(folder))
+    if record.index is None:
+        raise OffloadFolderError(f"offload folder {folder}: bigviz's write into it never finished (its "
+                                 f"{RECORD} lists no weights); offload the model again")
     changed = [name for name, size in record.files.items()
                if not (folder / name).is_file() or (folder / name).stat().st_size != size]
     if changed:
