@@ -70,7 +70,12 @@ def checkpoint_names(names: Iterable[str]) -> list[str]:
 
 
 def folder_checkpoint(folder: Path) -> list[str]:
-    """The checkpoint files ``folder`` holds now, sorted."""
+    """The checkpoint files ``folder`` holds now, sorted (none for a missing folder).
+
+    Example:
+        >>> folder_checkpoint(Path("no/such/folder"))
+        []
+    """
     try:
         return sorted(checkpoint_names(e.name for e in os.scandir(folder) if not e.is_dir()))
     except FileNotFoundError:
@@ -228,6 +233,14 @@ def clean_stale_stages(folder: Path) -> list[str]:
     """Remove stages of killed saves in ``folder`` (unlocked, and not read by a live index).
 
     Returns the names removed. Nothing else is removed; without ``flock`` nothing at all.
+
+    Example:
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> (folder / ".bigviz-save-0123456789ab").mkdir()  # left by a killed save
+        >>> (folder / ".bigviz-save-mine").mkdir()  # not bigviz's naming: kept
+        >>> clean_stale_stages(folder), sorted(p.name for p in folder.iterdir())
+        (['.bigviz-save-0123456789ab'], ['.bigviz-save-mine'])
     """
     names = [e.name for e in os.scandir(folder) if _STAGE.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
     if not names or fcntl is None:

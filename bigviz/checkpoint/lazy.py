@@ -172,6 +172,19 @@ class LazyWeights(Mapping[str, torch.Tensor]):
 
         Raises:
             CheckpointError: naming each file truncated or rewritten in place since.
+
+        Example:
+            >>> import os, tempfile, torch, pathlib
+            >>> from bigviz.checkpoint.save import save_sharded
+            >>> folder = save_sharded({"w": torch.ones(4)}, pathlib.Path(tempfile.mkdtemp()) / "c",
+            ...                       progress=False)
+            >>> weights = LazyWeights(folder)
+            >>> weights.verify()  # unchanged: nothing to say
+            >>> os.truncate(folder / "model.safetensors", 8)
+            >>> weights.verify(["w"])  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            bigviz.checkpoint.errors.CheckpointError: checkpoint files changed under a model that reads them (1 problem):
+              - ...model.safetensors: changed since it was opened (size ... -> 8 bytes); ...
         """
         if self._closed:
             return

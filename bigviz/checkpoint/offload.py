@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bigviz.checkpoint.errors import CheckpointError
 from bigviz.checkpoint.lazy import LazyWeights
 from bigviz.checkpoint.save import write_checkpoint_files
 from bigviz.core.serialize import parse_json, write_json_atomic
@@ -51,8 +52,9 @@ _FIX = ("bigviz never replaces or deletes files it did not write: give an empty 
         "offload_folder, or move those files out yourself")
 
 
-class OffloadFolderError(ValueError):
-    """An offload folder bigviz will not write into (it holds files bigviz did not write)."""
+class OffloadFolderError(CheckpointError):
+    """An offload folder bigviz will not write into or read (files bigviz did not write, or a
+    record it cannot trust); a `CheckpointError`, so a ``ValueError``, listing ``problems``."""
 
 
 @dataclass(frozen=True)
@@ -99,10 +101,10 @@ def read_record(folder: str | Path) -> OffloadRecord | None:
     try:
         doc = parse_json(raw, path, "bigviz offload record")
     except ValueError as err:
-        raise OffloadFolderError(f"{err}; {_FIX}") from None
+        raise OffloadFolderError(f"{err}; {_FIX}", [str(err)]) from None
     record, problem = _parse_record(doc)
     if record is None:
-        raise OffloadFolderError(f"{path}: not a bigviz offload record ({problem}); {_FIX}")
+        raise OffloadFolderError(f"{path}: not a bigviz offload record ({problem}); {_FIX}", [problem])
     return record
 
 
@@ -194,7 +196,7 @@ def write_offload_folder(tensors: Mapping[str, torch.Tensor], folder: str | Path
     old = read_record(folder) or OffloadRecord()
     problems = _ownership_problems(folder, old)
     if problems:
-        raise OffloadFolderError("\n".join(problems))
+        raise OffloadFolderError("\n".join(problems), problems)
     stem = f"offload-{secrets.token_hex(6)}"
     _save_record(folder, OffloadRecord(old.index, old.files, (*old.pending, stem)))
     written = write_checkpoint_files(tensors, folder, max_shard_size=max_shard_size, stem=stem)

@@ -227,7 +227,12 @@ def _example_glob(tree: SizeTree) -> str:
 
 def check_no_split(tree: SizeTree, patterns: Collection[str]) -> None:
     """Raise `PlanError` listing every no-split entry that matches nothing (see
-    `no_split_problems`)."""
+    `no_split_problems`).
+
+    Example:
+        >>> from bigviz.core.tree import SizeTree, TensorSpec
+        >>> check_no_split(SizeTree.build([TensorSpec("h.0.w", 4, "float32")]), ["h.*"])  # matches
+    """
     problems = no_split_problems(tree, patterns)
     if problems:
         raise PlanError("cannot plan:\n  - " + "\n  - ".join(problems))
