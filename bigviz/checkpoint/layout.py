@@ -171,20 +171,24 @@ def _check_mapping(path: Path, mapping: object) -> list[str]:
         return [f"{path}: this is an accelerate offload index (tensors in .dat files), not a "
                 "checkpoint; load the original checkpoint instead"]
     problems = []
+    by_file: dict[str, list[str]] = {}
     for name, file in mapping.items():
         if not isinstance(file, str):
             problems.append(f"{path}: tensor {name!r} maps to {_short(file)}, not a file name")
         else:
-            problems += _entry_problems(path, name, file)
+            by_file.setdefault(file, []).append(name)
+    for file, names in by_file.items():  # each file checked once (thousands of tensors, few files)
+        who = f"tensor {names[0]!r}" + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
+        problems += _entry_problems(path, who, file)
     return problems
 
 
-def _entry_problems(path: Path, name: str, file: str) -> list[str]:
+def _entry_problems(path: Path, who: str, file: str) -> list[str]:
     """An index entry must name a file inside the index's folder: not absolute, no ``..``, and
     no directory on the way that leads outside (a symlinked directory). The file itself may
     be a symlink: the Hugging Face cache keeps every file of a snapshot as a symlink into its
     ``blobs`` folder."""
-    where = f"{path}: tensor {name!r} maps to {file!r}"
+    where = f"{path}: {who} maps to {file!r}"
     parts = PurePosixPath(file.replace("\\", "/"))
     if not file or parts.is_absolute() or PureWindowsPath(file).drive or PureWindowsPath(file).root:
         return [f"{where}, an absolute or empty path: index entries name files inside the checkpoint "
