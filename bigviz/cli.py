@@ -119,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return demo(args.out, quick=args.quick)
         return _plan(args)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:  # bad input, or a folder bigviz will not touch
         print(f"bigviz {args.command}: {err}", file=sys.stderr)
         return 2
 

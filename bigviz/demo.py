@@ -7,19 +7,26 @@
 5. Load and dispatch it with bigviz's engine, generate text, and check it against the model
    in memory; print each device's predicted and measured bytes.
 6. Write ``device_map.json`` and ``report.html`` (open it in a browser).
+
+The output folder must be new, empty, or an earlier demo's output (it holds the demo's
+``bigviz-demo.json`` marker). The demo never deletes anything: it overwrites its own files
+by name and replaces only its checkpoint's own files (``save_sharded(overwrite=True)``).
 """
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
 import torch
 
 import bigviz
+from bigviz.core.serialize import write_json_atomic
 from bigviz.core.units import device_label, format_size
 from bigviz.models import GPT, GPTConfig, Llama, LlamaConfig
 
+MARKER = "bigviz-demo.json"  # says "an earlier demo wrote this folder"
+OUTPUTS = ("gpt2-xl.device_map.json", "llama-70b.device_map.json", "checkpoint", "device_map.json",
+           "report.html")
 TEXT = "Big models break naive loading: build on meta, plan every block, stream offloaded blocks from disk. "
 PROMPT = "Big models "
 
@@ -123,12 +130,31 @@ def run_offloaded(out: Path, trained: GPT, tokens: int) -> bool:
     return same
 
 
+def prepare_output(out: Path) -> None:
+    """Make ``out`` ready for the demo's files, deleting nothing.
+
+    Raises:
+        FileExistsError: ``out`` is a file, or a non-empty folder the demo did not write
+            (no ``bigviz-demo.json`` in it).
+    """
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {str(out)!r} is a file: give a folder for the demo's files")
+    if out.is_dir():
+        held = sorted(p.name for p in out.iterdir())
+        if held and MARKER not in held:
+            shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
+            raise FileExistsError(
+                f"--out {str(out)!r} is not empty ({shown}) and is not an earlier bigviz demo output "
+                f"(it has no {MARKER}); the demo never deletes or overwrites files it did not write: "
+                "give a new or empty folder")
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic({"written_by": "bigviz demo", "outputs": list(OUTPUTS)}, out / MARKER)
+
+
 def main(out: str | Path = "bigviz-demo", *, quick: bool = False) -> int:
     """Run the demo, writing its files under ``out``. Returns a process exit code."""
     out = Path(out)
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    prepare_output(out)
     start = time.perf_counter()
     _say("bigviz demo: plan, save, load, offload and run models bigger than your devices")
     plan_big_models(out)

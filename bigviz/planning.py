@@ -29,7 +29,7 @@ from bigviz.core.names import is_prefix
 from bigviz.core.pipeline import PipelinePlan
 from bigviz.core.plan import DevicePlan, PlanOptions
 from bigviz.core.stages import make_pipeline_plan
-from bigviz.core.strategies import PlanError, is_no_split, make_plan
+from bigviz.core.strategies import PlanError, check_no_split, is_no_split, make_plan
 from bigviz.core.tree import SizeTree
 from bigviz.core.units import Device, device_label
 from bigviz.core.workload import RunSpec, Workload, longest_fit
@@ -104,7 +104,9 @@ def plan(model: ModelLike, max_memory: Mapping[object, object] | None = None, *,
             free memory. GPUs the machine does not have can be planned for.
         strategy: ``"auto"``, ``"balanced"``, ``"balanced_low_0"`` or ``"sequential"``.
         no_split_module_classes: classes (or name globs like ``"transformer.h.*"``) kept whole;
-            default: the model's ``_no_split_modules``.
+            default: the model's ``_no_split_modules``. Each entry must match a class of the
+            model or, for a glob, a module name: a typo raises ``PlanError`` listing the
+            model's classes.
         dtype: plan for this dtype (floating tensors only), e.g. ``torch.float16``.
         reserve: bytes per device kept free for activations and KV cache.
         overrides: ``{module: device}`` to honour; the rest is planned around them.
@@ -125,6 +127,9 @@ def plan(model: ModelLike, max_memory: Mapping[object, object] | None = None, *,
     """
     model = resolve_model(model)
     tree = as_tree(model, dtype, special_dtypes)
+    if no_split_module_classes is not None:  # yours: a typo would split every block silently
+        no_split_module_classes = _as_names(no_split_module_classes)
+        check_no_split(tree, no_split_module_classes)
     no_split = no_split_module_classes if no_split_module_classes is not None else default_no_split(model, tree)
     budgets = get_max_memory(max_memory)
     workload = Workload(batch_size, context_length or 0, None if kv_dtype is None else str(kv_dtype))
@@ -299,6 +304,11 @@ def _keep_direct_reads_resident(result: DevicePlan, model: nn.Module | None, tre
     placements = tuple(replace(p, reason=why[p.name], override=False) if p.name in why else p
                        for p in again.placements)
     return replace(again, placements=placements, _cache={})
+
+
+def _as_names(names: Collection[str] | str) -> list[str]:
+    """``"Block"`` alone means ``["Block"]`` (not the letters B, l, o, c, k)."""
+    return [names] if isinstance(names, str) else list(names)
 
 
 def infer_auto_device_map(model: ModelLike, max_memory: Mapping[object, object] | None = None,

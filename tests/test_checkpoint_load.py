@@ -1,6 +1,7 @@
 """load_checkpoint_in_model: checked before loading, real-world key quirks, dtypes, devices."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -243,13 +244,14 @@ def test_disk_map_on_bin_needs_offload_folder_and_writes_it_once(tmp_path: Path,
     assert _all_meta(model)
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "notes.txt").write_text("mine")
-    with pytest.raises(CheckpointError, match="holds other files"):
+    with pytest.raises(CheckpointError, match="holds files bigviz did not write.*notes.txt"):
         load_checkpoint_in_model(model, folder, device_map=device_map, offload_folder=tmp_path / "busy",
                                  dtype=torch.float16, progress=False)
     result = load_checkpoint_in_model(model, folder, device_map=device_map, offload_folder=tmp_path / "off",
                                       dtype=torch.float16, progress=False)
     assert result.offload_folder == tmp_path / "off"
-    assert (tmp_path / "off" / "model.safetensors").exists()
+    record = json.loads((tmp_path / "off" / "bigviz-offload.json").read_text())
+    assert sorted(p.name for p in (tmp_path / "off").iterdir()) == sorted([*record["files"], "bigviz-offload.json"])
     name = "transformer.h.0.mlp.c_fc.weight"
     assert model.get_parameter(name).is_meta and result.disk[name].dtype == torch.float16
     assert torch.equal(result.disk[name], tiny_gpt.get_parameter(name).half())

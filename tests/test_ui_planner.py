@@ -241,12 +241,12 @@ def test_a_real_kernel_displays_widget_html_and_text():
     pytest.importorskip("ipykernel")
     from jupyter_client.manager import start_new_kernel
 
-    km, kc = start_new_kernel(kernel_name="python3")
+    km, kc = start_new_kernel(kernel_name="python3", startup_timeout=600)  # a busy machine starts it slowly
     try:
         code = ("import torch.nn as nn\nfrom bigviz.ui.planner import Planner\n"
                 "Planner(nn.Sequential(*[nn.Linear(64, 64) for _ in range(3)]), {0: 40_000, 'cpu': 10**6})")
         outputs: list[dict] = []
-        reply = kc.execute_interactive(code, output_hook=outputs.append, timeout=120)
+        reply = kc.execute_interactive(code, output_hook=outputs.append, timeout=600)
         assert reply["content"]["status"] == "ok", reply["content"]
         results = [m["content"]["data"] for m in outputs if m["msg_type"] == "execute_result"]
         assert len(results) == 1

@@ -17,7 +17,9 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 from collections.abc import Iterable, Iterator, KeysView
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from bigviz.checkpoint.errors import CheckpointError, raise_problems
 from bigviz.checkpoint.layout import Layout, find_layout
-from bigviz.checkpoint.safetensors_io import check_header
+from bigviz.checkpoint.safetensors_io import check_header, file_stamp
 
 if TYPE_CHECKING:
     import torch
@@ -74,12 +76,14 @@ class CheckpointIndex:
     """
 
     def __init__(self, layout: Layout, entries: dict[str, TensorInfo],
-                 metadata: dict, torch_states: dict[Path, dict[str, torch.Tensor]]) -> None:
+                 metadata: dict, torch_states: dict[Path, dict[str, torch.Tensor]],
+                 stamps: dict[Path, tuple[int, ...]] | None = None) -> None:
         self.path: Path = layout.path
         self.format: str = layout.format
         self.files: list[Path] = list(layout.files)
         self.entries: dict[str, TensorInfo] = entries
         self.metadata: dict = metadata
+        self.stamps: dict[Path, tuple[int, ...]] = dict(stamps or {})  # each file as it was read
         self._torch_states = torch_states
 
     @classmethod
@@ -102,15 +106,16 @@ class CheckpointIndex:
         if isinstance(path, CheckpointIndex):
             return path
         layout = find_layout(path, prefer_safe=prefer_safe)
+        stamps: dict[Path, tuple[int, ...]] = {}
         if layout.format == "safetensors":
-            per_file, file_metadata = _read_safetensors(layout)
+            per_file, file_metadata = _read_safetensors(layout, stamps)
             metadata, states = dict(layout.metadata), {}
             if layout.weight_map is None:  # a single file: its header's __metadata__
                 metadata = file_metadata[layout.files[0]]
         else:
-            per_file, states = _read_torch(layout)
+            per_file, states = _read_torch(layout, stamps)
             metadata = dict(layout.metadata)
-        return cls(layout, _select(layout, per_file), metadata, states)
+        return cls(layout, _select(layout, per_file), metadata, states, stamps)
 
     @property
     def total_bytes(self) -> int:
@@ -165,7 +170,8 @@ class CheckpointIndex:
                 f"tensors={len(self)}, files={len(self.files)}, bytes={self.total_bytes})")
 
 
-def _read_safetensors(layout: Layout) -> tuple[dict[Path, dict[str, TensorInfo]], dict[Path, dict]]:
+def _read_safetensors(layout: Layout, stamps: dict[Path, tuple[int, ...]]
+                      ) -> tuple[dict[Path, dict[str, TensorInfo]], dict[Path, dict]]:
     problems: list[str] = []
     per_file: dict[Path, dict[str, TensorInfo]] = {}
     metadata: dict[Path, dict] = {}
@@ -173,6 +179,8 @@ def _read_safetensors(layout: Layout) -> tuple[dict[Path, dict[str, TensorInfo]]
         header, found = check_header(file)
         problems += found
         if header is not None:
+            if header.stamp is not None:
+                stamps[file] = header.stamp
             metadata[file] = dict(header.metadata)
             per_file[file] = {
                 name: TensorInfo(name, e.dtype, e.shape, e.end - e.begin, file, (e.begin, e.end))
@@ -183,13 +191,15 @@ def _read_safetensors(layout: Layout) -> tuple[dict[Path, dict[str, TensorInfo]]
     return per_file, metadata
 
 
-def _read_torch(layout: Layout) -> tuple[dict[Path, dict[str, TensorInfo]], dict]:
+def _read_torch(layout: Layout, stamps: dict[Path, tuple[int, ...]]) -> tuple[dict[Path, dict[str, TensorInfo]], dict]:
     from bigviz.checkpoint.torch_io import load_torch_file
 
     problems: list[str] = []
     per_file: dict[Path, dict[str, TensorInfo]] = {}
     states: dict[Path, dict[str, torch.Tensor]] = {}
     for file in layout.files:
+        with contextlib.suppress(OSError):  # a missing file is reported by the load below
+            stamps[file] = file_stamp(os.stat(file))  # before torch maps it
         try:
             states[file] = load_torch_file(file)
         except CheckpointError as err:

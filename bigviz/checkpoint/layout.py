@@ -21,12 +21,12 @@ Example:
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from bigviz.checkpoint.errors import CheckpointError, raise_problems
 from bigviz.checkpoint.torch_io import TORCH_SUFFIXES
+from bigviz.core.serialize import parse_json
 
 __all__ = ["Layout", "find_layout"]
 
@@ -126,7 +126,7 @@ def _format_name(suffix: str) -> str:
 
 def _index_format(path: Path) -> str | None:
     try:
-        doc = json.loads(path.read_text())
+        doc = parse_json(path.read_bytes(), path, "checkpoint index")
     except (OSError, ValueError):
         return None
     mapping = doc.get("weight_map", doc) if isinstance(doc, dict) else {}
@@ -140,13 +140,17 @@ def _index_format(path: Path) -> str | None:
 
 def _from_index_file(path: Path) -> Layout:
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path}: not a readable JSON index ({err}); re-download or re-save it") from err
+        doc = parse_json(path.read_bytes(), path, "checkpoint index")  # deep nesting: an error, not a crash
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read the index ({err.strerror or err})") from err
+    except ValueError as err:
+        raise CheckpointError(f"{err}; re-download or re-save it") from err
     if not isinstance(doc, dict):
-        raise CheckpointError(f"{path}: the index must be a JSON object")
-    mapping, metadata = (doc["weight_map"], doc.get("metadata") or {}) if "weight_map" in doc else (doc, {})
+        raise CheckpointError(f"{path}: the index must be a JSON object, not {type(doc).__name__}")
+    mapping, metadata = (doc["weight_map"], doc.get("metadata", {})) if "weight_map" in doc else (doc, {})
     problems = _check_mapping(path, mapping)
+    if not isinstance(metadata, dict):
+        problems.append(f"{path}: 'metadata' must be a JSON object, not {type(metadata).__name__}")
     raise_problems(problems, f"cannot read index '{path}'")
     files = sorted({path.parent / f for f in mapping.values()}, key=lambda p: p.name)
     formats = {_format_of(f) for f in files}
@@ -166,5 +170,43 @@ def _check_mapping(path: Path, mapping: object) -> list[str]:
     if values and all(isinstance(v, dict) and "dtype" in v for v in values):
         return [f"{path}: this is an accelerate offload index (tensors in .dat files), not a "
                 "checkpoint; load the original checkpoint instead"]
-    bad = [k for k, v in mapping.items() if not isinstance(v, str)]
-    return [f"{path}: tensor {k!r} maps to {mapping[k]!r}, not a file name" for k in bad]
+    problems = []
+    by_file: dict[str, list[str]] = {}
+    for name, file in mapping.items():
+        if not isinstance(file, str):
+            problems.append(f"{path}: tensor {name!r} maps to {_short(file)}, not a file name")
+        else:
+            by_file.setdefault(file, []).append(name)
+    for file, names in by_file.items():  # each file checked once (thousands of tensors, few files)
+        who = f"tensor {names[0]!r}" + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
+        problems += _entry_problems(path, who, file)
+    return problems
+
+
+def _entry_problems(path: Path, who: str, file: str) -> list[str]:
+    """An index entry must name a file inside the index's folder: not absolute, no ``..``, and
+    no directory on the way that leads outside (a symlinked directory). The file itself may
+    be a symlink: the Hugging Face cache keeps every file of a snapshot as a symlink into its
+    ``blobs`` folder."""
+    where = f"{path}: {who} maps to {file!r}"
+    parts = PurePosixPath(file.replace("\\", "/"))
+    if not file or parts.is_absolute() or PureWindowsPath(file).drive or PureWindowsPath(file).root:
+        return [f"{where}, an absolute or empty path: index entries name files inside the checkpoint "
+                "folder; this index may be crafted, do not use it"]
+    if ".." in parts.parts:
+        return [f"{where}, which leads out of the checkpoint folder ('..'); this index may be crafted, "
+                "do not use it"]
+    folder = path.parent.resolve()
+    directory = (path.parent / parts).parent.resolve()
+    if directory != folder and folder not in directory.parents:
+        return [f"{where}, inside a directory that leads out of the checkpoint folder (to {directory}); "
+                "this index may be crafted, do not use it"]
+    return []
+
+
+def _short(value: object) -> str:
+    try:
+        text = repr(value)
+    except RecursionError:
+        return "(a deeply nested value)"
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -9,6 +9,13 @@ memory. Torch pickles are mapped once by ``torch.load(mmap=True)`` when the inde
 The engine uses this for disk offload with no rewriting: a module's weights are looked up
 here at forward time, and `LazyWeights.prefetch` asks the kernel to read the next ones ahead.
 
+A mapped file truncated or rewritten in place would make reads of its pages crash the process
+(SIGBUS) or give other bytes. So each file stays open while mapped, and its stamp (size,
+mtime, inode: one ``fstat``) is compared with the stamp its header was read with before every
+read and in `LazyWeights.verify` (which the engine calls before handing a module its weights):
+a change is a `CheckpointError` naming the file. A file *replaced* by rename is harmless: the
+mapping keeps the file that was opened.
+
 Example:
     >>> import tempfile, torch, pathlib
     >>> from bigviz.checkpoint.save import save_sharded
@@ -21,6 +28,7 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import mmap
@@ -30,14 +38,19 @@ from pathlib import Path
 
 import torch
 
+from bigviz.checkpoint.errors import raise_problems
 from bigviz.checkpoint.index import CheckpointIndex, TensorInfo
 from bigviz.checkpoint.match import module_matches
+from bigviz.checkpoint.safetensors_io import file_stamp
 
 __all__ = ["LazyWeights", "WeightStores", "map_file"]
 
 
-def map_file(path: Path) -> torch.Tensor:
+def map_file(path: Path, fd: int | None = None) -> torch.Tensor:
     """A ``uint8`` CPU tensor over the whole file, memory-mapped privately (copy-on-write).
+
+    With ``fd`` (a descriptor open on ``path``) the very file that descriptor holds is mapped,
+    even if the path was replaced meanwhile (Linux: through ``/proc/self/fd``).
 
     Example:
         >>> import tempfile, pathlib
@@ -45,10 +58,11 @@ def map_file(path: Path) -> torch.Tensor:
         >>> map_file(p).tolist()
         [97, 98, 99]
     """
-    size = os.path.getsize(path)
+    size = os.fstat(fd).st_size if fd is not None else os.path.getsize(path)
     if size == 0:
         return torch.empty(0, dtype=torch.uint8)
-    storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
+    source = f"/proc/self/fd/{fd}" if fd is not None and os.path.isdir("/proc/self/fd") else str(path)
+    storage = torch.UntypedStorage.from_file(source, shared=False, nbytes=size)
     return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
@@ -66,10 +80,11 @@ class LazyWeights(Mapping[str, torch.Tensor]):
             ``dtype`` and ``keep_dtype``; a loader passes each tensor's planned dtype here).
 
     Safetensors tensors with no dtype change are zero-copy views of the mapped file. Every file
-    is mapped once, here in the constructor (mapping reads nothing), and stays mapped until
-    `close`; tensors already handed out keep their mapping alive by themselves. Mapping up
-    front also means a later rewrite or removal of the files (a replaced offload folder) cannot
-    change what this object reads. No file descriptors are held.
+    is opened and mapped once, here in the constructor (mapping reads nothing), and stays
+    mapped and open (one descriptor per file) until `close`; tensors already handed out keep
+    their mapping alive by themselves. A file replaced by rename or removed (a replaced
+    offload folder) does not change what this object reads; a file truncated or rewritten in
+    place is refused at the next read or `verify`, naming it.
     """
 
     def __init__(self, index: CheckpointIndex | str | Path, names: Mapping[str, str] | None = None,
@@ -83,16 +98,31 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         self.dtype = dtype
         self._keep = tuple(keep_dtype)
         self._dtypes = dict(dtypes or {})
-        files = {self.index.entries[k].file for k in self._names.values()
-                 if self.index.entries[k].data_offsets is not None}
-        self._maps: dict[Path, torch.Tensor] = {f: map_file(f) for f in sorted(files)}
         self._closed = False
+        self._fds: dict[Path, tuple[int, tuple[int, ...]]] = {}  # file -> (descriptor, stamp)
+        self._maps: dict[Path, torch.Tensor] = {}
+        infos = [self.index.entries[k] for k in self._names.values()]
+        mapped = {info.file for info in infos if info.data_offsets is not None}  # safetensors
+        try:
+            for file in sorted({info.file for info in infos}):
+                self._open(file, mapped=file in mapped)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, file: Path, *, mapped: bool) -> None:
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._fds[file] = (fd, self.index.stamps.get(file) or file_stamp(os.fstat(fd)))
+        self._check(file)  # unchanged since its header was read: the offsets still hold
+        if mapped:  # (torch pickles were mapped by torch when the index opened them)
+            self._maps[file] = map_file(file, fd)
 
     # Mapping protocol -------------------------------------------------------------------
     def __getitem__(self, name: str) -> torch.Tensor:
         if self._closed:
             raise ValueError("LazyWeights is closed: open a new one to read more tensors")
         info = self.index.entries[self._names[name]]
+        self._check(info.file)
         tensor = self._raw(info)
         if not tensor.is_floating_point():
             return tensor
@@ -142,10 +172,66 @@ class LazyWeights(Mapping[str, torch.Tensor]):
                 address = mapped.data_ptr() + info.data_offsets[0]
             _willneed(address, info.nbytes)
 
+    def verify(self, names: Iterable[str] | None = None) -> None:
+        """Check the files behind ``names`` (default: all) are as they were when opened: one
+        ``fstat`` per file. A closed object checks nothing.
+
+        Raises:
+            CheckpointError: naming each file truncated or rewritten in place since.
+
+        Example:
+            >>> import os, tempfile, torch, pathlib
+            >>> from bigviz.checkpoint.save import save_sharded
+            >>> folder = save_sharded({"w": torch.ones(4)}, pathlib.Path(tempfile.mkdtemp()) / "c",
+            ...                       progress=False)
+            >>> weights = LazyWeights(folder)
+            >>> weights.verify()  # unchanged: nothing to say
+            >>> os.truncate(folder / "model.safetensors", 8)
+            >>> weights.verify(["w"])  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            bigviz.checkpoint.errors.CheckpointError: checkpoint files changed under a model that reads them (1 problem):
+              - ...model.safetensors: changed since it was opened (size ... -> 8 bytes); ...
+        """
+        if self._closed:
+            return
+        if names is None:
+            files = set(self._fds)
+        else:
+            files = {self.index.entries[self._names[n]].file for n in names if n in self._names}
+        problems = [p for p in (self._change(f) for f in sorted(files)) if p]
+        raise_problems(problems, "checkpoint files changed under a model that reads them",
+                       fix="the model keeps its memory maps of them: load the checkpoint again")
+
+    def _check(self, file: Path) -> None:
+        problem = self._change(file)
+        if problem:
+            raise_problems([problem], "checkpoint files changed under a model that reads them",
+                           fix="the model keeps its memory maps of them: load the checkpoint again")
+
+    def _change(self, file: Path) -> str:
+        held = self._fds.get(file)
+        if held is None:
+            return ""
+        fd, stamp = held
+        now = file_stamp(os.fstat(fd))
+        if now == stamp:
+            return ""
+        what = (f"size {stamp[2]} -> {now[2]} bytes" if now[2] != stamp[2] else "rewritten in place")
+        return (f"{file}: changed since it was opened ({what}); reading it now could crash the "
+                "process (SIGBUS) or give other weights")
+
     def close(self) -> None:
-        """Drop the mappings (tensors already handed out stay valid)."""
+        """Drop the mappings and descriptors (tensors already handed out stay valid)."""
         self._closed = True
         self._maps.clear()
+        fds, self._fds = getattr(self, "_fds", {}), {}
+        for fd, _ in fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
 
     def __enter__(self) -> LazyWeights:
         return self

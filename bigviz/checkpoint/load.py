@@ -36,7 +36,8 @@ from bigviz.checkpoint.index import CheckpointIndex
 from bigviz.checkpoint.lazy import LazyWeights, WeightStores
 from bigviz.checkpoint.match import LoadOptions, LoadPlan, TensorLoad, check_plan, match_checkpoint, resolve_view
 from bigviz.checkpoint.model_tensors import ModelTensor, describe_model, tie_model
-from bigviz.checkpoint.offload import offload_problems, write_offload_tensors
+from bigviz.checkpoint.offload import offload_problems, write_offload_folder
+from bigviz.core.devicemap import check_keys
 
 __all__ = ["LoadResult", "load_checkpoint_in_model", "load_sharded_checkpoint", "check_checkpoint",
            "checkpoint_dtypes", "device_map_in_model_names"]
@@ -241,7 +242,9 @@ def load_sharded_checkpoint(model: torch.nn.Module, folder: str | Path, strict: 
 
     Values are copied into the model's existing tensors (their devices and dtypes are kept),
     one tensor at a time; meta tensors are filled on the CPU. Every key and shape is checked
-    first, so a mismatching checkpoint raises before anything is copied.
+    first, so a mismatching checkpoint raises before anything is copied. Should the load stop
+    midway (Ctrl-C, a read error), every value is put back: a CPU copy of each overwritten
+    tensor is kept until the load ends (peak memory: up to the model's size again).
 
     Args:
         model: the model to fill.
@@ -268,7 +271,10 @@ def load_sharded_checkpoint(model: torch.nn.Module, folder: str | Path, strict: 
 
 
 def _as_device_map(device_map: object) -> Mapping[str, int | str | torch.device] | None:
-    if device_map is None or isinstance(device_map, Mapping):
+    if device_map is None:
+        return None
+    if isinstance(device_map, Mapping):
+        check_keys(device_map)  # {0: "cpu"}: a ValueError quoting 0, not a TypeError midway
         return device_map
     inner = getattr(device_map, "device_map", None)  # a DevicePlan
     if isinstance(inner, Mapping):
@@ -459,10 +465,10 @@ def _disk_weights(index: CheckpointIndex, disk: list[TensorLoad], options: LoadO
         converted = ConvertedWeights([load.conversion for load in fused], weights.__getitem__,  # type: ignore[misc]
                                      dtypes={load.name: load.dtype for load in fused}, model=model)
         source = WeightStores([{load.name: weights[load.name] for load in plain}, converted])
-        write_offload_tensors(source, folder)
+        written_index = write_offload_folder(source, folder)
     names = {alias: load.name for load in written for alias in load.aliases}
     dtypes = {alias: load.dtype for load in written for alias in load.aliases}
-    stores.append(LazyWeights(CheckpointIndex.open(folder), names, dtypes=dtypes))
+    stores.append(LazyWeights(CheckpointIndex.open(written_index), names, dtypes=dtypes))
     return folder
 
 
@@ -533,9 +539,17 @@ def _one_store(stores: list[Mapping[str, torch.Tensor]]) -> Mapping[str, torch.T
 
 
 class _Slots:
-    """Where each model tensor lives (module dict + key), and what was there before."""
+    """Where each model tensor lives (module dict + key), and what was there before.
+
+    A load into a real tensor copies in place (optimizers and user references keep the same
+    objects), so the value it overwrites is saved first, on the CPU: `restore` puts back the
+    values as well as the objects. That costs up to the model's size in RAM until the load
+    ends; loading into new tensors and swapping at the end would cost the same (every new
+    tensor held at once) and would break the objects' identity.
+    """
 
     def __init__(self, model: torch.nn.Module, loads: Sequence[TensorLoad]) -> None:
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor overwritten, old value)
         self._slots: dict[str, tuple[dict, str, torch.Tensor]] = {}
         for load in loads:
             for alias in load.aliases:
@@ -555,6 +569,7 @@ class _Slots:
         nbytes = tensor.numel() * tensor.element_size()
         if inplace and not old.is_meta:
             with torch.no_grad():
+                self._saved.append((old, old.detach().to("cpu", copy=True)))
                 old.copy_(tensor)
             return nbytes
         if isinstance(old, torch.nn.Parameter):
@@ -566,5 +581,9 @@ class _Slots:
         return nbytes
 
     def restore(self) -> None:
+        with torch.no_grad():
+            for tensor, value in reversed(self._saved):  # values first, then the objects
+                tensor.copy_(value)
+        self._saved.clear()
         for store, leaf, old in self._slots.values():
             store[leaf] = old

@@ -20,18 +20,20 @@ Example:
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bigviz.checkpoint.errors import raise_problems
+from bigviz.core.serialize import parse_json
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DTYPES", "HeaderEntry", "Header", "read_header", "check_header", "write_safetensors"]
+__all__ = ["DTYPES", "HeaderEntry", "Header", "read_header", "check_header", "write_safetensors", "file_stamp"]
 
 # safetensors dtype code -> (torch dtype name, bytes per element)
 DTYPES: dict[str, tuple[str, int]] = {
@@ -64,6 +66,20 @@ class Header:
     tensors: dict[str, HeaderEntry]
     metadata: dict[str, str]
     size: int  # file size in bytes
+    stamp: tuple[int, ...] | None = None  # the file as it was read (see `file_stamp`)
+
+
+def file_stamp(st: os.stat_result) -> tuple[int, ...]:
+    """What identifies a file's content cheaply: device, inode, size, modification time.
+
+    A file truncated or rewritten in place keeps its inode but changes size or mtime: reading
+    a memory map of it then could give wrong bytes or a SIGBUS, so readers compare stamps first.
+
+    Example:
+        >>> len(file_stamp(os.stat(__file__)))
+        4
+    """
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def read_header(path: Path) -> Header:
@@ -87,6 +103,7 @@ def check_header(path: Path) -> tuple[Header | None, list[str]]:
     """Parse ``path``'s header and return it with every problem found (header None if fatal)."""
     try:
         with open(path, "rb") as f:
+            stamp = file_stamp(os.fstat(f.fileno()))
             size = f.seek(0, 2)
             f.seek(0)
             prefix = f.read(8)
@@ -99,15 +116,16 @@ def check_header(path: Path) -> tuple[Header | None, list[str]]:
     except OSError as err:
         return None, [f"{path}: cannot open ({err.strerror or err})"]
     try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        return None, [f"{path}: header is not valid JSON ({err})"]
+        doc = parse_json(raw, f"{path}: header", "safetensors")  # deep nesting too: no RecursionError
+    except ValueError as err:
+        return None, [str(err)]
     if not isinstance(doc, dict):
         return None, [f"{path}: header is JSON but not an object"]
-    return _parse_doc(path, doc, data_start=8 + length, size=size)
+    header, problems = _parse_doc(path, doc, data_start=8 + length, size=size)
+    return replace(header, stamp=stamp), problems
 
 
-def _parse_doc(path: Path, doc: dict, *, data_start: int, size: int) -> tuple[Header | None, list[str]]:
+def _parse_doc(path: Path, doc: dict, *, data_start: int, size: int) -> tuple[Header, list[str]]:
     problems: list[str] = []
     metadata = doc.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
@@ -133,15 +151,13 @@ def _parse_entry(raw: object, data_start: int) -> HeaderEntry | str:
     if not isinstance(raw, dict):
         return "has no dtype/shape/data_offsets record"
     code, shape, offsets = raw.get("dtype"), raw.get("shape"), raw.get("data_offsets")
-    if code not in DTYPES:
-        return f"has unknown dtype {code!r}"
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        return f"has invalid shape {shape!r}"
-    if (
-        not isinstance(offsets, list) or len(offsets) != 2
-        or not all(isinstance(o, int) for o in offsets) or not 0 <= offsets[0] <= offsets[1]
-    ):
-        return f"has invalid data_offsets {offsets!r}"
+    if not isinstance(code, str) or code not in DTYPES:
+        return f"has unknown dtype {_short(code)}"
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        return f"has invalid shape {_short(shape)}"
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets) \
+            or not offsets[0] <= offsets[1]:
+        return f"has invalid data_offsets {_short(offsets)}"
     name, itemsize = DTYPES[code]
     numel = 1
     for d in shape:
@@ -151,6 +167,19 @@ def _parse_entry(raw: object, data_start: int) -> HeaderEntry | str:
             f"holds {offsets[1] - offsets[0]} bytes but {code}{shape} needs {numel * itemsize}"
         )
     return HeaderEntry(name, tuple(shape), data_start + offsets[0], data_start + offsets[1])
+
+
+def _is_count(value: object) -> bool:
+    """A JSON integer >= 0; ``true`` is not one, though Python's ``bool`` is an ``int``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _short(value: object) -> str:
+    try:
+        text = repr(value)
+    except RecursionError:  # JSON nested just below the parser's limit
+        return "(a deeply nested value)"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _overlaps(path: Path, tensors: Mapping[str, HeaderEntry]) -> list[str]:

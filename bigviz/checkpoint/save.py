@@ -7,8 +7,10 @@ with sorted keys; a single shard is a plain ``model.safetensors`` with no index;
 ``safe_serialization=False``, ``pytorch_model-0000k-of-0000N.bin`` and
 ``pytorch_model.bin.index.json``.
 
-Everything is written into a temporary sibling folder that is renamed into place at the
-end, so an interrupted save never leaves a half-written checkpoint where a loader looks.
+Everything is written into a hidden, locked stage inside the folder, then committed (see
+`bigviz.checkpoint.commit`): a loader finds a complete checkpoint, the old one or the new one,
+at every instant and after a kill at any step; ``overwrite=True`` replaces only the
+checkpoint's own files, and ``config.json``, tokenizer files and everything else stay.
 
 Example:
     >>> import tempfile, torch, pathlib
@@ -20,14 +22,14 @@ Example:
 from __future__ import annotations
 
 import json
-import shutil
-import uuid
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bigviz.checkpoint.commit import Stage, clean_stale_stages, commit, folder_checkpoint
 from bigviz.checkpoint.safetensors_io import write_safetensors
 from bigviz.checkpoint.sharding import parse_size, plan_shards, unique_tensors
 
@@ -51,13 +53,19 @@ def save_sharded(
     ``max_shard_size`` gets a shard of its own. Tensors that are the same storage view (tied
     weights such as ``lm_head.weight`` / ``wte.weight``) are saved once, under the first name.
 
+    The folder may hold other files (``config.json``, tokenizer files, ...): they are kept.
+    With ``overwrite=True`` the folder's checkpoint is replaced: every weights and index file
+    in transformers' naming, both formats and every variant (``model*.safetensors``,
+    ``model.safetensors.index*.json``, ``pytorch_model*.bin``, ``pytorch_model.bin.index*.json``),
+    so no stale shard or other-format file can shadow the new checkpoint.
+
     Args:
         model_or_state_dict: an ``nn.Module`` (its ``state_dict()``) or ``{name: tensor}``.
-        folder: the output folder; created, or replaced when ``overwrite=True``.
+        folder: the output folder; created if needed.
         max_shard_size: the largest shard, in bytes or as a string (``"10GB"`` = 10e9,
             ``"500MiB"`` = 500 * 2**20).
         safe_serialization: write safetensors (default) or torch ``.bin`` pickles.
-        overwrite: replace an existing non-empty ``folder``.
+        overwrite: replace the checkpoint ``folder`` holds.
         metadata: extra string pairs for every safetensors shard header (next to
             ``{"format": "pt"}``).
         progress: show a tqdm progress bar over bytes.
@@ -69,8 +77,11 @@ def save_sharded(
         The folder, as a ``Path``.
 
     Raises:
-        FileExistsError: ``folder`` exists and is not empty, and ``overwrite`` is False.
+        FileExistsError: ``folder`` holds a checkpoint (or one appeared while saving) and
+            ``overwrite`` is False, or ``folder`` is a file.
         ValueError: some tensors are on the meta device (they have no data to save).
+        OSError: a full disk, a read-only folder...: named, with the folder holding a complete
+            checkpoint (the one it had) and all its other files.
 
     Example:
         >>> import tempfile, torch, pathlib
@@ -80,20 +91,29 @@ def save_sharded(
         ['model.safetensors']
     """
     folder = Path(folder)
-    _check_target(folder, overwrite)
     state = _state_dict(model_or_state_dict)
     tensors, _dropped = unique_tensors(state)
     limit = parse_size(max_shard_size)
-    tmp = folder.parent / f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
+    created = _prepare_folder(folder, overwrite)
     try:
-        write_checkpoint_files(tensors, tmp, max_shard_size=limit, safe_serialization=safe_serialization,
-                               metadata=metadata, progress=progress)
-        if config is not None:  # inside the temporary folder: weights and config appear together
-            (tmp / "config.json").write_text(json.dumps(_config_data(config), indent=2, sort_keys=True) + "\n")
-        _move_into_place(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _tidy(folder)  # what a killed save left (never a live save's stage)
+        config_text = _config_text(folder, config, overwrite=overwrite)
+        with Stage.create(folder) as stage:
+            written = write_checkpoint_files(tensors, stage.path, max_shard_size=limit,
+                                             safe_serialization=safe_serialization, metadata=metadata,
+                                             progress=progress)
+            names = [p.name for p in written]
+            index = names[-1] if names[-1].endswith(".json") else None
+            if config_text is not None:  # staged with the shards, committed right after them
+                (stage.path / "config.json").write_text(config_text)
+            commit(stage, names, index, overwrite=overwrite)
+            if config_text is not None:
+                os.replace(stage.path / "config.json", folder / "config.json")
+        _tidy(folder)
+    except BaseException as err:
+        _remove_created(created)
+        if isinstance(err, OSError) and err.errno is not None:
+            raise _named(err, folder) from None
         raise
     return folder
 
@@ -107,19 +127,21 @@ def write_checkpoint_files(
     metadata: Mapping[str, str] | None = None,
     progress: bool = False,
     align: int = 64,
+    stem: str | None = None,
 ) -> list[Path]:
     """Write shards (and an index when there are several) into an existing ``folder``.
 
-    The building block of `save_sharded` (which adds the atomic folder swap); also used to
-    write disk-offloaded weights once. Tensors start 64-byte aligned where their sizes allow
-    (see `write_safetensors`): a memory-mapped tensor then computes exactly as one in fresh
-    memory, even in kernels that take another path on unaligned data. Returns the files
-    written, index last.
+    The building block of `save_sharded` (which adds the atomic commit); also used to write
+    disk-offloaded weights once (with a ``stem`` of their own instead of ``model``). Tensors
+    start 64-byte aligned where their sizes allow (see `write_safetensors`): a memory-mapped
+    tensor then computes exactly as one in fresh memory, even in kernels that take another
+    path on unaligned data. Returns the files written, index last.
     """
     from tqdm.auto import tqdm
 
     shards = plan_shards(tensors, max_shard_size)
-    stem, ext = ("model", "safetensors") if safe_serialization else ("pytorch_model", "bin")
+    ext = "safetensors" if safe_serialization else "bin"
+    stem = stem or ("model" if safe_serialization else "pytorch_model")
     names = _shard_names(stem, ext, len(shards))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     written: list[Path] = []
@@ -136,6 +158,23 @@ def write_checkpoint_files(
     if len(shards) > 1:
         written.append(_write_index(folder, f"{stem}.{ext}.index.json", tensors, shards, names))
     return written
+
+
+def _config_text(folder: Path, config: Any, *, overwrite: bool) -> str | None:
+    """The ``config.json`` text to write with the shards (None without a config).
+
+    Raises:
+        FileExistsError: the folder's ``config.json`` says something else and ``overwrite``
+            is False (bigviz does not replace a file it was not asked to replace).
+    """
+    if config is None:
+        return None
+    text = json.dumps(_config_data(config), indent=2, sort_keys=True) + "\n"
+    existing = folder / "config.json"
+    if not overwrite and existing.is_file() and existing.read_text(errors="replace") != text:
+        raise FileExistsError(f"{existing} exists and differs from the config given; pass "
+                              "overwrite=True to replace it, or leave config= out to keep it")
+    return text
 
 
 def _config_data(config: Any) -> dict[str, Any]:
@@ -193,30 +232,54 @@ def _state_dict(obj: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, 
     return state
 
 
-def _check_target(folder: Path, overwrite: bool) -> None:
+def _tidy(folder: Path) -> None:
+    try:
+        clean_stale_stages(folder)
+    except OSError:
+        pass  # tidying is a courtesy: a folder we cannot list is reported by the save itself
+
+
+def _prepare_folder(folder: Path, overwrite: bool) -> list[Path]:
+    """Check ``folder`` can take the checkpoint and create it (and missing parents).
+
+    Returns the folders created here, outermost first (removed again if the save fails,
+    when still empty: never a folder another process created or filled meanwhile).
+    """
     if folder.exists() and not folder.is_dir():
         raise FileExistsError(f"{folder} exists and is a file; choose a folder path")
-    if folder.is_dir() and any(folder.iterdir()) and not overwrite:
-        raise FileExistsError(
-            f"{folder} exists and is not empty; pass overwrite=True to replace it, or choose another folder"
-        )
+    if not overwrite and folder.is_dir():
+        found = folder_checkpoint(folder)
+        if found:
+            shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
+            raise FileExistsError(
+                f"{folder} already holds a checkpoint ({shown}); pass overwrite=True to replace it "
+                "(config.json and your other files are kept), or choose another folder")
+    missing = [p for p in (folder, *folder.parents) if not p.exists()][::-1]
+    created = []
+    for path in missing:
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue  # made meanwhile by someone else: theirs, never removed
+        except OSError as err:
+            _remove_created(created)
+            raise _named(err, folder) from None
+        created.append(path)
+    return created
 
 
-def _move_into_place(tmp: Path, folder: Path) -> None:
-    """Rename ``tmp`` to ``folder``; an old ``folder`` is moved aside first, then deleted.
+def _remove_created(created: list[Path]) -> None:
+    for path in reversed(created):
+        try:
+            path.rmdir()  # only if empty: what another process put there stays
+        except OSError:
+            return
 
-    Replacing by rename (never truncating files) also keeps memory-mapped tensors of the old
-    checkpoint valid: their inodes live on until unmapped.
-    """
-    old = None
-    if folder.exists():
-        old = folder.parent / f".{folder.name}.old-{uuid.uuid4().hex[:8]}"
-        folder.rename(old)
-    try:
-        tmp.rename(folder)
-    except BaseException:
-        if old is not None:
-            old.rename(folder)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+
+def _named(err: OSError, folder: Path) -> OSError:
+    """The same kind of error, saying which save failed and what the folder holds now."""
+    where = f" ({err.filename})" if err.filename else ""
+    message = (f"save_sharded could not write {folder}: {err.strerror or err}{where}; the folder still "
+               "holds a complete checkpoint (the old one unless the error came after the new one "
+               "was in place) and all its other files")
+    return type(err)(err.errno, message)

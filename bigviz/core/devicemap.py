@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from bigviz.core.tree import SizeTree
 
 __all__ = ["device_of", "clean_device_map", "complete_tied", "complete_computed", "device_map_problems",
-           "validate_device_map"]
+           "validate_device_map", "key_problems", "check_keys"]
 
 
 def device_of(name: str, device_map: Mapping[str, Device]) -> Device | None:
@@ -108,12 +108,38 @@ def _clean_with_tree(device_map: Mapping[str, Device], tree: SizeTree) -> dict[s
     return out
 
 
+def key_problems(device_map: Mapping[object, object]) -> list[str]:
+    """Keys that are not module names (strings), quoted: ``{0: "cpu"}`` is a slip for
+    ``{"0": "cpu"}`` or ``{"": 0}``, and nothing downstream can look an int up.
+
+    Example:
+        >>> key_problems({"h.0": 0, 1: "cpu"})
+        ["key 1 (an int) is not a module name: device-map keys are module names as strings ('h.0', '1'; '' for the whole model)"]
+    """
+    return [f"key {key!r} (a{'n' if type(key).__name__[0] in 'aeiou' else ''} {type(key).__name__}) is not "
+            "a module name: device-map keys are module names as strings ('h.0', '1'; '' for the whole model)"
+            for key in device_map if not isinstance(key, str)]
+
+
+def check_keys(device_map: Mapping[object, object]) -> None:
+    """Raise ``ValueError`` quoting every key of ``device_map`` that is not a string.
+
+    Example:
+        >>> check_keys({"": "cpu"})
+    """
+    problems = key_problems(device_map)
+    if problems:
+        raise ValueError("invalid device_map:\n  - " + "\n  - ".join(problems))
+
+
 def device_map_problems(tree: SizeTree, device_map: Mapping[str, object],
                         devices: Collection[Device] | None = None) -> list[str]:
-    """Every problem with a device map, as sentences: unknown keys, unknown or unavailable
-    devices, and the modules and tensors left without a device."""
-    problems = []
+    """Every problem with a device map, as sentences: keys that are not strings, unknown keys,
+    unknown or unavailable devices, and the modules and tensors left without a device."""
+    problems = key_problems(device_map)
     for key, value in device_map.items():
+        if not isinstance(key, str):
+            continue  # reported above; difflib cannot compare it with module names
         if key and key not in tree.nodes and key not in tree.tensors:
             close = difflib.get_close_matches(key, list(tree.nodes) + list(tree.tensors), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""

@@ -16,45 +16,88 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from bigviz.core.devicemap import check_keys
 from bigviz.core.units import Device, normalize_device, parse_max_memory
 
-__all__ = ["save_device_map", "load_device_map", "save_max_memory", "load_max_memory", "write_json_atomic"]
+__all__ = ["save_device_map", "load_device_map", "save_max_memory", "load_max_memory", "write_json_atomic",
+           "write_text_atomic", "parse_json"]
 
 
-def write_json_atomic(data: Any, path: str | os.PathLike[str]) -> None:
-    """Write JSON to a temporary file beside ``path`` and rename it into place, so a crash
-    never leaves a half-written file."""
+def write_text_atomic(text: str, path: str | os.PathLike[str]) -> None:
+    """Write ``text`` to a temporary file beside ``path`` and rename it into place, so a crash
+    never leaves a half-written file.
+
+    The file gets the usual permissions (``0o666`` less the umask, e.g. ``0o644``), or keeps
+    those of the file it replaces; ``tempfile.mkstemp`` would leave it ``0o600``.
+
+    Example:
+        >>> import tempfile, os, stat
+        >>> path = os.path.join(tempfile.mkdtemp(), "a.txt")
+        >>> write_text_atomic("hi", path)
+        >>> mask = os.umask(0); _ = os.umask(mask)
+        >>> stat.S_IMODE(os.stat(path).st_mode) == 0o666 & ~mask
+        True
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    tmp = path.parent / f".{path.name}.tmp-{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        try:
+            os.chmod(tmp, os.stat(path).st_mode & 0o7777)  # replacing a file: keep its mode
+        except FileNotFoundError:
+            pass
         os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
         raise
 
 
-def _read_json(path: str | os.PathLike[str], what: str) -> Any:
+def write_json_atomic(data: Any, path: str | os.PathLike[str]) -> None:
+    """Write JSON (indented) atomically, with the usual permissions (see `write_text_atomic`)."""
+    write_text_atomic(json.dumps(data, indent=2) + "\n", path)
+
+
+def parse_json(text: str | bytes, where: object, what: str) -> Any:
+    """Parse JSON, or raise ``ValueError`` naming ``where`` it came from: bad syntax, bad
+    UTF-8, or nesting so deep that Python's parser would raise ``RecursionError``.
+
+    Example:
+        >>> parse_json("[" * 100_000, "x.json", "device map")
+        Traceback (most recent call last):
+        ...
+        ValueError: x.json: JSON nested too deeply (Python's parser gives up); this is not a device map file
+    """
     try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err}); is this a {what} file?") from err
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{where}: JSON nested too deeply (Python's parser gives up); "
+                         f"this is not a {what} file") from None
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{where}: not valid JSON ({err}); is this a {what} file?") from err
+
+
+def _read_json(path: str | os.PathLike[str], what: str) -> Any:
+    with open(path, "rb") as f:
+        return parse_json(f.read(), path, what)
 
 
 def save_device_map(device_map: Mapping[str, object], path: str | os.PathLike[str]) -> None:
     """Write a device map as JSON (``{"module": 0 | "cpu" | "disk" | "mps"}``).
 
     Devices are written in canonical form (``"cuda:1"`` becomes ``1``).
+
+    Raises:
+        ValueError: a key is not a string (quoted), or a value is not a device.
     """
+    check_keys(device_map)
     write_json_atomic({str(k): normalize_device(v) for k, v in device_map.items()}, path)
 
 
@@ -101,5 +144,8 @@ def load_max_memory(path: str | os.PathLike[str]) -> dict[Device, object]:
     data = _read_json(path, "max_memory")
     if not isinstance(data, dict):
         raise ValueError(f"{path}: max_memory is a JSON object {{device: size}}")
-    parse_max_memory(data)  # validates keys and values, naming each problem
+    try:
+        parse_max_memory(data)  # validates keys and values, naming each problem
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
     return {normalize_device(k): v for k, v in data.items()}

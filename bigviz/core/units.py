@@ -60,6 +60,8 @@ def parse_size(value: int | float | str) -> int:
     if not match:
         raise ValueError(f"cannot parse size {value!r}: write a number and a unit, e.g. '10GiB', '500MB'")
     number, unit = float(match.group(1)), match.group(2)
+    if not math.isfinite(number):  # "1e400": float() gives inf, and int(inf) would overflow
+        raise ValueError(f"size {value!r} is too large: write a finite number of bytes, e.g. '10GiB'")
     if len(unit) >= 2 and unit.endswith("b") and unit[-2] not in "iI" and unit.lower() in _UNITS:
         raise ValueError(
             f"size {value!r} is ambiguous: a lowercase 'b' means bits to accelerate "
@@ -69,6 +71,8 @@ def parse_size(value: int | float | str) -> int:
     factor = _UNITS.get(unit.lower())
     if factor is None:
         raise ValueError(f"unknown unit {unit!r} in size {value!r}: use B, KB, MB, GB, TB or KiB, MiB, GiB, TiB")
+    if not math.isfinite(number * factor):
+        raise ValueError(f"size {value!r} is too large: write a finite number of bytes, e.g. '10GiB'")
     return int(round(number * factor))
 
 
@@ -149,16 +153,25 @@ def device_sort_key(device: Device) -> tuple[int, int]:
 def parse_max_memory(max_memory: Mapping[object, object]) -> dict[Device, int]:
     """Normalise a ``max_memory`` mapping: canonical device keys, byte values, fill order.
 
-    Every bad key and value is reported in one error.
+    Every bad key and value is reported in one error; two keys naming one device (``0`` and
+    ``"cuda:0"``) are an error too, rather than one silently winning.
 
     Raises:
-        ValueError: listing each unknown key and unparseable value, quoted.
+        ValueError: listing each unknown key, duplicate device and unparseable value, quoted.
 
     Example:
         >>> parse_max_memory({"cpu": "1GB", 1: "2GiB", "cuda:0": 10})
         {0: 10, 1: 2147483648, 'cpu': 1000000000}
+        >>> parse_max_memory("10GiB")
+        Traceback (most recent call last):
+        ...
+        ValueError: max_memory must be a dict {device: size}, got '10GiB' (a str); e.g. {0: '10GiB', 'cpu': '30GiB'}
     """
+    if not isinstance(max_memory, Mapping):
+        raise ValueError(f"max_memory must be a dict {{device: size}}, got {max_memory!r} "
+                         f"(a {type(max_memory).__name__}); e.g. {{0: '10GiB', 'cpu': '30GiB'}}")
     out: dict[Device, int] = {}
+    keys: dict[Device, object] = {}
     problems: list[str] = []
     for key, value in max_memory.items():
         try:
@@ -166,6 +179,11 @@ def parse_max_memory(max_memory: Mapping[object, object]) -> dict[Device, int]:
         except ValueError as err:
             problems.append(f"key {key!r}: {err}")
             continue
+        if device in keys:
+            problems.append(f"keys {keys[device]!r} and {key!r} both name {device_label(device)}: "
+                            "give each device one budget")
+            continue
+        keys[device] = key
         try:
             out[device] = parse_size(value)  # type: ignore[arg-type]
         except ValueError as err:

@@ -38,11 +38,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from bigviz.checkpoint.offload import offload_problems
+from bigviz.core.devicemap import check_keys
 from bigviz.core.units import normalize_device
 from bigviz.engine.devices import check_devices_exist, torch_device
 from bigviz.planning import check_device_map
 from bigviz.engine.hooks import GUARDED_METHODS, add_hook_to_module, remove_hook_from_module
-from bigviz.engine.offload import AlignDevicesHook, OffloadHook
+from bigviz.engine.offload import AlignDevicesHook, ForwardLock, OffloadHook
 from bigviz.engine.prefetch import CpuFetcher, CudaFetcher, Fetcher, Scheduler
 from bigviz.engine.units import Layout, Unit, called_modules, layout_model
 from bigviz.engine.weights import TensorGroup, as_slot_value, open_offload_folder, pin, set_slot, write_offload_folder
@@ -75,6 +77,7 @@ class DispatchState:
         units: Offload units, definition order.
         scheduler: The prefetch scheduler (``scheduler.order``: recorded execution order).
         owned: Stores opened by the dispatch (closed by ``remove_hooks``).
+        lock: Held by a forward of the model (threads calling it take turns).
     """
 
     device_map: dict[str, int | str]
@@ -82,6 +85,7 @@ class DispatchState:
     units: list[Unit] = field(default_factory=list)
     scheduler: Scheduler | None = None
     owned: list[Any] = field(default_factory=list)
+    lock: ForwardLock = field(default_factory=ForwardLock)  # one forward at a time, whatever the thread
 
     def close(self) -> None:
         """Detach remaining unit hooks, stop prefetching and close the files opened."""
@@ -105,6 +109,22 @@ class _RootHook(AlignDevicesHook):
             state.options.main_device, io_same_device=True, skip_keys=skip_keys, scheduler=state.scheduler
         )
         self.state = state
+
+    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        self.state.lock.acquire(self)  # first: another thread's forward finishes before this one starts
+        return super().pre_forward(module, *args, **kwargs)
+
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        try:
+            return super().post_forward(module, output)
+        finally:
+            self.state.lock.release(self)
+
+    def on_forward_error(self, module: nn.Module) -> None:
+        try:
+            super().on_forward_error(module)
+        finally:
+            self.state.lock.release(self)
 
     def detach_hook(self, module: nn.Module) -> nn.Module:
         self.state.close()
@@ -193,6 +213,7 @@ def dispatch_model(
     """
     if getattr(model, "_bigviz_dispatch", None) is not None:
         raise ValueError("dispatch_model: this model is already dispatched; call bigviz.remove_hooks(model) first")
+    check_keys(device_map)  # {0: "cpu"}: a ValueError quoting 0
     cleaned = {name: normalize_device(device) for name, device in device_map.items()}
     check_devices_exist(cleaned, main_device=main_device)  # before anything is read or moved
     cleaned = check_device_map(model, cleaned)  # every tensor covered (ties join their leader), keys real
@@ -261,6 +282,8 @@ def _checked_layout(
         ties=find_tied_parameters(model),
     )
     problems = list(layout.problems)
+    if layout.to_write and options.offload_folder is not None:
+        problems += offload_problems(options.offload_folder)  # files bigviz did not write: refused
     if layout.to_write and options.offload_folder is None:
         units = sorted({u.name for u in layout.units if u.storage == "disk" and u.materialised})
         problems.append(
@@ -324,7 +347,7 @@ def _attach(model: nn.Module, layout: Layout, state: DispatchState) -> None:
         _attach_align_hooks(model, layout.units, state)
     restored: dict[tuple[int, str], Tensor] = {}
     for unit in layout.units:
-        hook = OffloadHook(unit, state.scheduler, skip_keys=options.skip_keys, restored=restored)
+        hook = OffloadHook(unit, state.scheduler, skip_keys=options.skip_keys, restored=restored, lock=state.lock)
         add_hook_to_module(unit.module, hook, append=True)
     model._bigviz_dispatch = state
     if layout.units or several:

@@ -21,6 +21,7 @@ Example:
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -33,11 +34,48 @@ from bigviz.engine.prefetch import Scheduler
 from bigviz.engine.units import Unit
 from bigviz.engine.weights import as_slot_value, set_slot
 
-__all__ = ["AlignDevicesHook", "OffloadHook", "CpuOffload", "UserCpuOffloadHook", "OffloadedTrainingError"]
+__all__ = ["AlignDevicesHook", "OffloadHook", "CpuOffload", "UserCpuOffloadHook", "OffloadedTrainingError",
+           "ForwardLock"]
 
 
 class OffloadedTrainingError(RuntimeError):
     """Backward reached a module whose weights are offloaded (inference only)."""
+
+
+class ForwardLock:
+    """One dispatched model's lock: a hooked forward holds it from ``pre_forward`` to
+    ``post_forward`` (or its error), so two threads calling the model take turns.
+
+    Offload hooks swap weights into shared modules and back to ``meta``; two forwards at once
+    would see each other's half-set modules. The lock is re-entrant (a forward calls nested
+    hooked modules), and each hook releases only what it acquired in its own thread (an
+    earlier hook failing before this one's ``pre_forward`` ran releases nothing).
+
+    Example:
+        >>> lock, hook = ForwardLock(), object()
+        >>> lock.acquire(hook); lock.release(hook); lock.release(hook)  # the 2nd: nothing held
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._held = threading.local()
+
+    def acquire(self, hook: object) -> None:
+        self._lock.acquire()
+        counts = self._counts()
+        counts[id(hook)] = counts.get(id(hook), 0) + 1
+
+    def release(self, hook: object) -> None:
+        counts = self._counts()
+        if counts.get(id(hook), 0):
+            counts[id(hook)] -= 1
+            self._lock.release()
+
+    def _counts(self) -> dict[int, int]:
+        counts = getattr(self._held, "counts", None)
+        if counts is None:
+            counts = self._held.counts = {}
+        return counts
 
 
 class AlignDevicesHook(ModelHook):
@@ -157,10 +195,12 @@ class OffloadHook(ModelHook):
         *,
         skip_keys: Iterable[str] = (),
         restored: dict[tuple[int, str], Tensor] | None = None,
+        lock: ForwardLock | None = None,
     ) -> None:
         self.unit = unit
         self.scheduler = scheduler
         self.skip_keys = frozenset(skip_keys)
+        self.lock = lock if lock is not None else ForwardLock()  # the dispatch's: one forward at a time
         # shared by the hooks of one dispatch: a tensor two units use is restored as one object
         self.restored = restored if restored is not None else {}
         self._guards: list[bool] = []
@@ -173,6 +213,7 @@ class OffloadHook(ModelHook):
         return module
 
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        self.lock.acquire(self)
         self._guards.append(self._needs_guard(args, kwargs))
         tensors = self.scheduler.acquire(self.unit)
         for key, slots in self.unit.slots.items():
@@ -192,15 +233,21 @@ class OffloadHook(ModelHook):
         return any_tensor((args, kwargs), lambda t: t.requires_grad, skip_keys=self.skip_keys)
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
-        self.unit.reset()
-        if self._guards.pop():
-            output = _guard(output, self.unit.name)
-        return output
+        try:
+            self.unit.reset()
+            if self._guards.pop():
+                output = _guard(output, self.unit.name)
+            return output
+        finally:
+            self.lock.release(self)
 
     def on_forward_error(self, module: nn.Module) -> None:
-        self.unit.reset()
-        if self._guards:
-            self._guards.pop()
+        try:
+            self.unit.reset()
+            if self._guards:
+                self._guards.pop()
+        finally:
+            self.lock.release(self)
 
     def detach_hook(self, module: nn.Module) -> nn.Module:
         """Put back in memory (on the CPU) the weights that were in memory before dispatch."""

@@ -69,6 +69,7 @@ class Handle:
         """
         try:
             result = self._result.result()
+            _verify(self.unit)  # read ahead, maybe before a file changed: check it is unchanged now
         except Exception as exc:
             raise FetchError(
                 f"fetching the weights of {self.unit.name!r} (offloaded to {self.unit.storage}) "
@@ -99,6 +100,15 @@ def _run_now(fn: Any, *args: Any, **kwargs: Any) -> Future:
     except Exception as exc:
         future.set_exception(exc)
     return future
+
+
+def _verify(unit: Unit) -> None:
+    """Check the files behind the unit's tensors are unchanged (one ``fstat`` per file), so a
+    shard truncated between forwards is an error here, not a SIGBUS in the compute thread."""
+    for store, keys in unit.keys_by_source():
+        verify = getattr(store, "verify", None)
+        if verify is not None:
+            verify(keys)
 
 
 def _read(store: Mapping[str, Tensor], key: str) -> Tensor:

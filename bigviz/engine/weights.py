@@ -214,12 +214,12 @@ def find_source(
 
 
 def write_offload_folder(tensors: Mapping[str, Tensor], folder: str | Path) -> None:
-    """Write ``tensors`` once as sharded safetensors with an index (replacing what is there).
+    """Write ``tensors`` once into an offload folder, as safetensors shards with an index.
 
-    Always written, never reused by name: a folder left by another model with the same
-    shapes would otherwise be read silently. The folder's content is replaced (by rename, so
-    files mapped by an earlier dispatch stay valid); a folder holding anything other than
-    safetensors shards and their index is refused rather than emptied.
+    Always written, never reused by name: a folder left by another model with the same shapes
+    would otherwise be read silently. The one writer is
+    :func:`bigviz.checkpoint.offload.write_offload_folder`: only files bigviz's record in the
+    folder lists are ever replaced; a folder holding anything else is refused, untouched.
 
     Example:
         >>> import torch, tempfile
@@ -228,26 +228,14 @@ def write_offload_folder(tensors: Mapping[str, Tensor], folder: str | Path) -> N
         ...     open_offload_folder(d)["w"].tolist()
         [1.0, 1.0]
     """
-    from bigviz.checkpoint.save import save_sharded
+    from bigviz.checkpoint.offload import write_offload_folder as write
 
-    folder = Path(folder)
-    foreign = [p.name for p in folder.iterdir() if not _is_checkpoint_file(p)] if folder.is_dir() else []
-    if foreign:
-        raise ValueError(
-            f"offload folder {str(folder)!r} holds files that are not safetensors shards "
-            f"({', '.join(sorted(foreign)[:5])}); bigviz replaces the folder's content, so give it "
-            "an empty or new folder"
-        )
-    state = {k: v.detach().cpu() for k, v in tensors.items()}
-    save_sharded(state, folder, max_shard_size="1GB", overwrite=True, progress=False)
-
-
-def _is_checkpoint_file(path: Path) -> bool:
-    return path.is_file() and (path.name.endswith(".safetensors") or path.name.endswith(".safetensors.index.json"))
+    write(tensors, folder)
 
 
 def open_offload_folder(folder: str | Path) -> Mapping[str, Tensor]:
-    """A :class:`~bigviz.checkpoint.lazy.LazyWeights` over a folder of safetensors (kept open).
+    """A :class:`~bigviz.checkpoint.lazy.LazyWeights` over what bigviz wrote in ``folder`` (kept
+    open), or over the checkpoint it holds when bigviz did not write it.
 
     Example:
         >>> import torch, tempfile
@@ -256,7 +244,6 @@ def open_offload_folder(folder: str | Path) -> Mapping[str, Tensor]:
         ...     len(open_offload_folder(d))
         1
     """
-    from bigviz.checkpoint.index import CheckpointIndex
-    from bigviz.checkpoint.lazy import LazyWeights
+    from bigviz.checkpoint.offload import open_offload_folder as open_folder
 
-    return LazyWeights(CheckpointIndex.open(folder))
+    return open_folder(folder)

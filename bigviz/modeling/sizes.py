@@ -114,13 +114,34 @@ def module_tree(model: nn.Module, dtype: torch.dtype | str | None = None,
 
 
 def _merge(groups: list[list[str]]) -> list[list[str]]:
-    """Union overlapping groups (a declared tie may extend an identity tie)."""
-    merged: list[set[str]] = []
+    """Union overlapping groups (a declared tie may extend an identity tie), in linear time
+    (union-find: rescanning every merged group per group was quadratic in the ties).
+
+    Groups come out in the order of the last group that touched them, names in the order of
+    the last group naming them.
+
+    Example:
+        >>> _merge([["a", "b"], ["c", "d"], ["b", "e"]])
+        [['c', 'd'], ['a', 'b', 'e']]
+    """
+    parent: dict[str, str] = {}
+
+    def root(name: str) -> str:
+        while parent[name] != name:
+            parent[name] = parent[parent[name]]  # path halving
+            name = parent[name]
+        return name
+
     for group in groups:
-        hits = [m for m in merged if m & set(group)]
-        new = set(group).union(*hits)
-        merged = [m for m in merged if not (m & set(group))] + [new]
+        for name in group:
+            parent.setdefault(name, name)
+        for name in group[1:]:
+            parent[root(name)] = root(group[0])
     order = {n: i for i, g in enumerate(groups) for n in g}
+    members: dict[str, list[str]] = {}
+    for name in parent:
+        members.setdefault(root(name), []).append(name)
+    merged = sorted(members.values(), key=lambda m: max(order[n] for n in m))
     return [sorted(m, key=lambda n: (order[n], n)) for m in merged]
 
 

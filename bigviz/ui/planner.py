@@ -36,7 +36,7 @@ from bigviz.core.pipeline import PipelinePlan
 from bigviz.core.plan import DevicePlan
 from bigviz.core.serialize import save_device_map
 from bigviz.core.stages import make_pipeline_plan, pipeline_units
-from bigviz.core.strategies import PlanError
+from bigviz.core.strategies import PlanError, check_no_split
 from bigviz.core.tree import canonical_dtype
 from bigviz.core.units import Device, format_size
 from bigviz.core.workload import Workload
@@ -497,7 +497,9 @@ class Planner:
 
     @_guarded
     def _on_no_split(self, change: Mapping[str, Any]) -> None:
-        self.state.no_split = tuple(s.strip() for s in change["new"].split(",") if s.strip())
+        names = tuple(s.strip() for s in change["new"].split(",") if s.strip())
+        check_no_split(self.state.base_tree, names)  # a typo is shown, not silently ignored
+        self.state.no_split = names
         self.refresh()
 
     @_guarded

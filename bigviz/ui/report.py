@@ -17,12 +17,11 @@ from __future__ import annotations
 import html
 import json
 import os
-import tempfile
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from bigviz.core.plan import DevicePlan, DeviceUsage
+from bigviz.core.serialize import write_text_atomic
 from bigviz.core.units import UNLIMITED, device_label, format_size
 from bigviz.ui.palette import chip, device_color, legend_html
 from bigviz.ui.presets import cost_html, plan_cost
@@ -197,14 +196,5 @@ def save_html(plan_or_planner: Any, path: str | os.PathLike[str], *, title: str 
         True
     """
     page = render_report(plan_or_planner, title=title, depth=depth)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(page)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_text_atomic(page, path)  # usual permissions (0o644 with the usual umask), never half written
     return str(path)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bigviz.core.plan import STRATEGIES, DevicePlan, PlanOptions
-from bigviz.core.strategies import PlanError, make_plan
+from bigviz.core.strategies import PlanError, check_no_split, make_plan
 from bigviz.core.tree import SizeTree, canonical_dtype, itemsize
 from bigviz.core.units import UNLIMITED, Device, device_label, normalize_device, parse_max_memory, parse_size
 from bigviz.core.workload import RunSpec, Workload, longest_fit
@@ -72,6 +72,8 @@ class PlannerState:
 
         model = resolve_model(model)
         tree = as_tree(model)
+        if no_split_module_classes is not None:
+            check_no_split(tree, no_split_module_classes)  # a typo would split every block silently
         no_split = no_split_module_classes if no_split_module_classes is not None else default_no_split(model, tree)
         state = cls(tree, dict(get_max_memory(max_memory)), strategy=strategy, no_split=tuple(no_split))
         if not isinstance(model, SizeTree):  # a module, or a checkpoint whose config.json tells its layout

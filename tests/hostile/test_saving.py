@@ -1,0 +1,348 @@
+"""Promise: ``save_sharded`` never loses a checkpoint or a file next to it.
+
+* ``overwrite=True`` replaces the checkpoint's own files (shards, index, stale shards of an
+  earlier save) and keeps ``config.json``, tokenizer files and everything else;
+* at every instant, and after a kill at any step, the folder holds a complete checkpoint, the
+  old one or the new one (checked by killing a save at every file-system step, in a subprocess);
+* ``overwrite=False`` never removes what another process put in the folder meanwhile;
+* a full disk or a read-only folder is an ``OSError`` naming the folder, with nothing changed;
+* temporaries of a killed save are cleaned by the next save, and only those.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+import bigviz
+from bigviz.checkpoint import save as save_module
+from bigviz.checkpoint.index import CheckpointIndex
+from bigviz.checkpoint.lazy import LazyWeights
+
+from tests.hostile.conftest import remount_read_only
+from tests.hostile.helpers import snapshot
+
+EXTRAS = {"config.json": '{"model_type": "test"}', "tokenizer.json": '{"vocab": {}}', "README.md": "# mine"}
+
+
+def _state(seed: int, n: int = 6, width: int = 16) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.weight": torch.randn(width, width, generator=g) for i in range(n)}  # 1 KiB each
+
+
+def _with_extras(folder: Path) -> None:
+    for name, text in EXTRAS.items():
+        (folder / name).write_text(text)
+    (folder / "sub").mkdir(exist_ok=True)
+    (folder / "sub" / "mine.safetensors").write_bytes(b"not bigviz's")
+
+
+def _bigviz_view(folder: Path) -> dict[str, torch.Tensor]:
+    with LazyWeights(CheckpointIndex.open(folder)) as weights:
+        return {k: weights[k].clone() for k in weights}
+
+
+def _transformers_view(folder: Path, stem: str = "model", ext: str = "safetensors") -> dict[str, torch.Tensor]:
+    """What transformers' from_pretrained reads: the single file first, else the index."""
+    def read(path: Path) -> dict[str, torch.Tensor]:
+        if ext == "safetensors":
+            return safetensors.torch.load_file(path)
+        return torch.load(path, weights_only=True)
+
+    if (folder / f"{stem}.{ext}").is_file():
+        return read(folder / f"{stem}.{ext}")
+    index = json.loads((folder / f"{stem}.{ext}.index.json").read_text())
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(set(index["weight_map"].values())):
+        out.update(read(folder / file))
+    return {k: out[k] for k in index["weight_map"]}
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_overwrite_keeps_config_tokenizer_and_other_files(tmp_path: Path):
+    folder = bigviz.save_sharded(_state(1), tmp_path / "c", max_shard_size=2500, progress=False)
+    _with_extras(folder)
+    kept = {k: v for k, v in snapshot(folder).items() if not k.startswith("model")}
+    bigviz.save_sharded(_state(2), folder, max_shard_size=4500, overwrite=True, progress=False)
+    assert {k: v for k, v in snapshot(folder).items() if not k.startswith("model")} == kept
+    names = sorted(p.name for p in folder.iterdir() if p.name.startswith("model"))
+    assert names == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                     "model.safetensors.index.json"]  # the 3 shards of the first save are gone
+    assert _equal(_bigviz_view(folder), _state(2)) and _equal(_transformers_view(folder), _state(2))
+
+
+def test_overwrite_replaces_the_checkpoint_in_every_format_and_variant(tmp_path: Path):
+    """A stale file of another format or variant would shadow the new checkpoint (transformers
+    reads model.safetensors before any .bin; bigviz reads an fp16 index before model.safetensors)."""
+    folder = tmp_path / "c"
+    folder.mkdir()
+    _with_extras(folder)
+    old = {"model.safetensors": b"old single", "model.fp16-00001-of-00002.safetensors": b"x",
+           "model.fp16-00002-of-00002.safetensors": b"x", "model.safetensors.index.fp16.json": b"{}",
+           "model-00001-of-00009.safetensors": b"stale", "pytorch_model.bin": b"old other format"}
+    kept = {"model.safetensors.bak": b"kept", "my-model.safetensors": b"kept", "training_args.bin": b"kept",
+            "adapter_model.safetensors": b"kept", "index.json": b"{}"}
+    for name, data in {**old, **kept}.items():
+        (folder / name).write_bytes(data)
+    bigviz.save_sharded(_state(2), folder, max_shard_size=2500, overwrite=True, progress=False)
+    names = {p.name for p in folder.iterdir()}
+    assert not set(old) & names
+    assert all((folder / name).read_bytes() == data for name, data in kept.items())
+    assert all((folder / name).read_text() == text for name, text in EXTRAS.items())
+    assert _equal(_bigviz_view(folder), _state(2)) and _equal(_transformers_view(folder), _state(2))
+    bigviz.save_sharded(_state(3), folder, safe_serialization=False, max_shard_size=2500, overwrite=True,
+                        progress=False)
+    names = {p.name for p in folder.iterdir()}
+    assert not any(n.startswith("model") and n.endswith((".safetensors", ".json")) for n in names - set(kept))
+    assert _equal(_transformers_view(folder, "pytorch_model", "bin"), _state(3))
+    assert _equal(_bigviz_view(folder / "pytorch_model.bin.index.json"), _state(3))
+    assert all((folder / name).read_bytes() == data for name, data in kept.items())
+
+
+def test_without_overwrite_a_folder_holding_a_checkpoint_is_refused(tmp_path: Path):
+    folder = bigviz.save_sharded(_state(1), tmp_path / "c", progress=False)
+    files = snapshot(folder)
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        bigviz.save_sharded(_state(2), folder, progress=False)
+    assert snapshot(folder) == files
+    config_only = tmp_path / "d"
+    config_only.mkdir()
+    (config_only / "config.json").write_text("{}")
+    bigviz.save_sharded(_state(2), config_only, progress=False)  # weights next to a config: fine
+    assert (config_only / "config.json").read_text() == "{}" and _equal(_bigviz_view(config_only), _state(2))
+
+
+def test_without_overwrite_what_another_process_wrote_meanwhile_is_kept(tmp_path: Path, monkeypatch):
+    folder = tmp_path / "c"
+    write = save_module.write_safetensors
+
+    def racing(path: Path, tensors, **kwargs):  # another process saves into the folder mid-way
+        folder.mkdir(exist_ok=True)
+        if not (folder / "model.safetensors").exists():
+            (folder / "model.safetensors").write_bytes(b"theirs")
+            (folder / "notes.txt").write_text("theirs")
+        return write(path, tensors, **kwargs)
+
+    monkeypatch.setattr(save_module, "write_safetensors", racing)
+    with pytest.raises(FileExistsError, match=str(folder)):
+        bigviz.save_sharded(_state(1), folder, max_shard_size=2500, progress=False)
+    assert snapshot(folder) == {"model.safetensors": b"theirs", "notes.txt": b"theirs"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+
+
+def test_a_failed_save_into_a_new_folder_leaves_nothing(tmp_path: Path, monkeypatch):
+    _fail_writes_after(monkeypatch, 1, errno.ENOSPC)
+    with pytest.raises(OSError) as info:
+        bigviz.save_sharded(_state(1), tmp_path / "new", max_shard_size=2500, progress=False)
+    assert info.value.errno == errno.ENOSPC and str(tmp_path / "new") in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _fail_writes_after(monkeypatch: pytest.MonkeyPatch, good: int, code: int) -> None:
+    """The shard writer fails (after writing half a shard) once ``good`` shards were written."""
+    write = save_module.write_safetensors
+    done = [0]
+
+    def faulty(path: Path, tensors, **kwargs):
+        if done[0] >= good:
+            path.write_bytes(b"\0" * 512)
+            raise OSError(code, os.strerror(code))
+        done[0] += 1
+        return write(path, tensors, **kwargs)
+
+    monkeypatch.setattr(save_module, "write_safetensors", faulty)
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS, errno.EIO])
+def test_a_write_error_mid_save_changes_nothing(tmp_path: Path, monkeypatch, code: int):
+    folder = bigviz.save_sharded(_state(1), tmp_path / "c", max_shard_size=2500, progress=False)
+    _with_extras(folder)
+    files = snapshot(folder)
+    _fail_writes_after(monkeypatch, 2, code)
+    with pytest.raises(OSError) as info:
+        bigviz.save_sharded(_state(2), folder, max_shard_size=2500, overwrite=True, progress=False)
+    assert info.value.errno == code and str(folder) in str(info.value)
+    assert snapshot(folder) == files and sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+
+
+def test_a_full_disk_changes_nothing(small_fs: Path):
+    folder = bigviz.save_sharded(_state(1, n=4, width=128), small_fs / "c", max_shard_size="70KB", progress=False)
+    _with_extras(folder)
+    files = snapshot(folder)
+    with pytest.raises(OSError) as info:  # 1.5 MiB of new weights on a 1 MiB disk
+        bigviz.save_sharded(_state(2, n=24, width=128), folder, max_shard_size="70KB", overwrite=True,
+                            progress=False)
+    assert info.value.errno == errno.ENOSPC and str(folder) in str(info.value)
+    assert snapshot(folder) == files and sorted(p.name for p in small_fs.iterdir()) == ["c"]
+    bigviz.save_sharded(_state(3, n=4, width=128), folder, max_shard_size="70KB", overwrite=True, progress=False)
+    assert _equal(_bigviz_view(folder), _state(3, n=4, width=128))  # the space came back
+
+
+def test_a_read_only_folder_changes_nothing(small_fs: Path):
+    folder = bigviz.save_sharded(_state(1), small_fs / "c", max_shard_size=2500, progress=False)
+    _with_extras(folder)
+    files = snapshot(folder)
+    remount_read_only(small_fs)
+    for overwrite in (True, False):
+        with pytest.raises(OSError) as info:
+            bigviz.save_sharded(_state(2), folder, max_shard_size=2500, overwrite=True, progress=False)
+        assert info.value.errno == errno.EROFS and str(folder) in str(info.value)
+    assert snapshot(folder) == files
+
+
+def test_temporaries_of_others_and_of_a_live_save_are_kept(tmp_path: Path):
+    folder = bigviz.save_sharded(_state(1), tmp_path / "c", max_shard_size=2500, progress=False)
+    (folder / ".cache").mkdir()
+    (folder / ".cache" / "x").write_text("keep")
+    (folder / ".tmp-mine").mkdir()
+    live = folder / ".bigviz-save-0123456789ab"  # another save in progress holds its lock
+    live.mkdir()
+    (live / "model.safetensors").write_bytes(b"in progress")
+    fd = os.open(live, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        bigviz.save_sharded(_state(2), folder, overwrite=True, progress=False)
+        assert (live / "model.safetensors").read_bytes() == b"in progress"
+    finally:
+        os.close(fd)
+    assert (folder / ".cache" / "x").read_text() == "keep" and (folder / ".tmp-mine").is_dir()
+    bigviz.save_sharded(_state(3), folder, overwrite=True, progress=False)
+    assert not live.exists()  # its save died (lock released): a stale temporary, cleaned
+
+
+KILL_SCRIPT = textwrap.dedent('''
+    import builtins, json, os, shutil, signal, sys
+    from pathlib import Path
+    import torch
+    torch.set_num_threads(1)
+    import bigviz
+
+    MUTATORS = ("rename", "replace", "link", "unlink", "rmdir", "remove", "symlink", "mkdir", "truncate")
+    EXTRAS = json.loads(sys.argv[3])
+
+
+    def state(seed, n):
+        g = torch.Generator().manual_seed(seed)
+        return {f"layers.{i}.weight": torch.randn(16, 16, generator=g) for i in range(n)}
+
+
+    def save(cfg, seed, folder, overwrite):
+        bigviz.save_sharded(state(seed, cfg["n"]), folder, max_shard_size=cfg["shard"],
+                            safe_serialization=cfg["safe"], overwrite=overwrite, progress=False)
+
+
+    def killed_at(k, new, folder):
+        """In a fork: run the save, SIGKILLed just before its k-th file-system change."""
+        count = [0]
+
+        def step():
+            count[0] += 1
+            if count[0] == k:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def wrap(fn):
+            def wrapped(*args, **kwargs):
+                step()
+                return fn(*args, **kwargs)
+            return wrapped
+
+        for name in MUTATORS:
+            setattr(os, name, wrap(getattr(os, name)))
+        real_open = builtins.open
+
+        def opening(file, mode="r", *args, **kwargs):
+            if any(c in mode for c in "wax+"):
+                step()
+            return real_open(file, mode, *args, **kwargs)
+
+        builtins.open = opening
+        save(new, 2, folder, True)
+
+
+    def scenario(work, old, new):
+        run = work / "run"
+        save(old, 1, run / "ckpt", False)
+        for name, text in EXTRAS.items():
+            (run / "ckpt" / name).write_text(text)
+        shutil.copytree(run, work / "initial", symlinks=True)
+        kills = 0
+        for k in range(1, 400):
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    killed_at(k, new, run / "ckpt")
+                except BaseException:
+                    os._exit(3)
+                os._exit(0)
+            _, status = os.waitpid(pid, 0)
+            if not os.WIFSIGNALED(status):
+                return {"kills": kills, "exit": os.WEXITSTATUS(status)}
+            kills += 1
+            shutil.copytree(run, work / f"killed-{k}", symlinks=True)  # what is left after the kill
+            shutil.rmtree(run)
+            shutil.copytree(work / "initial", run, symlinks=True)
+
+
+    root, scenarios = Path(sys.argv[1]), json.loads(sys.argv[2])
+    print(json.dumps({name: scenario(root / name, old, new) for name, (old, new) in scenarios.items()}))
+''')
+
+SCENARIOS = {  # (old save, new save): same shard names, single <-> sharded, fewer shards, .bin
+    "same-names": ({"n": 6, "shard": 2500, "safe": True}, {"n": 6, "shard": 2500, "safe": True}),
+    "single-to-sharded": ({"n": 6, "shard": 10**9, "safe": True}, {"n": 6, "shard": 2500, "safe": True}),
+    "sharded-to-single": ({"n": 6, "shard": 2500, "safe": True}, {"n": 5, "shard": 10**9, "safe": True}),
+    "fewer-shards": ({"n": 6, "shard": 2500, "safe": True}, {"n": 6, "shard": 4500, "safe": True}),
+    "bin": ({"n": 6, "shard": 2500, "safe": False}, {"n": 6, "shard": 2500, "safe": False}),
+}
+
+
+@pytest.fixture(scope="module")
+def killed_saves(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """Every scenario's save killed before each of its file-system steps in turn, in forks of
+    one subprocess (one torch import); what each kill left is copied for the checks."""
+    root = tmp_path_factory.mktemp("killed")
+    done = subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(root), json.dumps(SCENARIOS), json.dumps(EXTRAS)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root, json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _state16(seed: int, n: int) -> dict[str, torch.Tensor]:
+    return _state(seed, n=n, width=16)
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_a_save_killed_at_any_step_leaves_a_complete_checkpoint(killed_saves: tuple[Path, dict], scenario: str):
+    root, results = killed_saves
+    result = results[scenario]
+    assert result["exit"] == 0 and result["kills"] >= 4, result
+    old_cfg, new_cfg = SCENARIOS[scenario]
+    old, new = _state16(1, old_cfg["n"]), _state16(2, new_cfg["n"])
+    stem, ext = ("model", "safetensors") if new_cfg["safe"] else ("pytorch_model", "bin")
+    for k in range(1, result["kills"] + 1):
+        run = root / scenario / f"killed-{k}"
+        folder = run / "ckpt"
+        for view in (_bigviz_view(folder), _transformers_view(folder, stem, ext)):
+            assert _equal(view, old) or _equal(view, new), f"killed before step {k}: neither old nor new"
+        for name, text in EXTRAS.items():
+            assert (folder / name).read_text() == text, (k, name)
+        newer = _state16(3, 4)  # the next save finishes the job and cleans what the kill left
+        bigviz.save_sharded(newer, folder, max_shard_size=new_cfg["shard"], safe_serialization=new_cfg["safe"],
+                            overwrite=True, progress=False)
+        assert [p.name for p in run.iterdir()] == ["ckpt"], (k, list(run.iterdir()))
+        left = sorted(p.name for p in folder.iterdir() if p.name not in EXTRAS)
+        assert all(n.startswith(stem) for n in left), (k, left)
+        assert all((folder / name).read_text() == text for name, text in EXTRAS.items()), k
+        assert _equal(_bigviz_view(folder), newer) and _equal(_transformers_view(folder, stem, ext), newer)
