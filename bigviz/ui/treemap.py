@@ -175,6 +175,10 @@ def treemap(plan_or_planner: Any, *, depth: int | None = None, height: int = 560
             title: str | None = None) -> go.Figure:
     """A plotly treemap of where every module goes.
 
+    The figure is a :class:`~bigviz.ui.treefigure.TreemapFigure`: in a notebook it shows
+    plotly's interactive figure and, for readers without plotly's JavaScript (GitHub,
+    nbviewer, offline), the same treemap as SVG (``fig.to_svg()``).
+
     Args:
         plan_or_planner: a :class:`DevicePlan` (from ``bigviz.plan``) or a ``Planner``.
         depth: module levels drawn below the model (``None``: all; a Planner's own depth
@@ -190,6 +194,8 @@ def treemap(plan_or_planner: Any, *, depth: int | None = None, height: int = 560
     """
     import plotly.graph_objects as go
 
+    from bigviz.ui.treefigure import TreemapFigure
+
     plan = plan_of(plan_or_planner)
     if depth is None and not isinstance(plan_or_planner, DevicePlan):
         depth = getattr(plan_or_planner, "depth", None)
@@ -204,7 +210,7 @@ def treemap(plan_or_planner: Any, *, depth: int | None = None, height: int = 560
         customdata=[list(c) for c in style.customdata], hovertemplate=HOVER,
         texttemplate="%{label}<br>%{customdata[1]}", maxdepth=maxdepth_for(depth),
         pathbar=dict(visible=True), root=dict(color=style.colors[0]))
-    fig = go.Figure(trace)
+    fig = TreemapFigure(trace)
     fig.update_layout(height=height, margin=dict(t=40, l=6, r=6, b=6),
                       title=dict(text=title if title is not None else figure_title(plan), font=dict(size=15)),
                       uniformtext=dict(minsize=9, mode="hide"))
