@@ -41,7 +41,8 @@ from bigviz.ui.presets import DTYPE_CHOICES, cost_html, plan_cost, preset_budget
 from bigviz.ui.report import report_fragment, save_html, table_html, usage_html
 from bigviz.ui.run import describe_error, run_plan
 from bigviz.ui.state import PlannerState
-from bigviz.ui.treemap import TreemapLayout, layout_of
+from bigviz.ui.svg import figure_svg
+from bigviz.ui.treemap import TreemapLayout, layout_of, treemap
 
 __all__ = ["Planner"]
 
@@ -102,7 +103,7 @@ class Planner:
         self.budget_sliders: dict[Device, Any] = self._rows.sliders  # the same dicts, kept in sync
         self.reserve_inputs: dict[Device, Any] = self._rows.reserves
         self._sync_device_rows()
-        self.widget = ctl.assemble(self.controls, self.view.widget)
+        self.widget = ctl.assemble(self.controls, self.view.box)
         self._wire()
         self._show(self._plan)
         if not self.view.live:
@@ -218,7 +219,7 @@ class Planner:
         for widget in [*self.budget_sliders.values(), *self.reserve_inputs.values(), *self._rows.rows.values()]:
             widget.close()
         self.controls.close()
-        self.view.widget.close()
+        self.view.close()
         self.widget.close()
 
     def refresh(self) -> None:
@@ -241,11 +242,15 @@ class Planner:
 
     # ---- display -------------------------------------------------------------------
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None, **kwargs: Any) -> dict[str, Any]:
-        """The live widget where a frontend runs widgets; a static treemap and table in
-        ``text/html`` for GitHub, nbviewer and nbconvert; the plan summary as text."""
+        """The live widget where a frontend runs widgets; for every other reader (GitHub,
+        nbviewer, nbconvert, an untrusted or offline notebook) the treemap as SVG
+        (``image/svg+xml``) and the report with that SVG and the table (``text/html``),
+        neither with any script; the plan summary as text."""
         bundle = dict(self.widget._repr_mimebundle_(**kwargs) or {})
-        bundle["text/html"] = report_fragment(self._plan, include_plotlyjs="cdn", max_rows=200,
-                                              cost=self._cost_or_none(), depth=self.depth)
+        fig = treemap(self._plan, depth=self.depth)
+        bundle["image/svg+xml"] = figure_svg(fig)
+        bundle["text/html"] = report_fragment(self._plan, max_rows=200, cost=self._cost_or_none(),
+                                              depth=self.depth, figure=fig)
         bundle["text/plain"] = self._plan.summary()
         return bundle
 
@@ -322,6 +327,7 @@ class Planner:
         c.save_json.on_click(self._on_save_json)
         c.save_html.on_click(self._on_save_html)
         c.run.on_click(self._on_run)
+        self.view.on_pick(self._on_pick)
 
     @_guarded
     def _on_budget(self, device: Device, change: Mapping[str, Any]) -> None:
@@ -370,6 +376,11 @@ class Planner:
     def _on_depth(self, change: Mapping[str, Any]) -> None:
         self.depth = change["new"]
         self.view.set_depth(self.depth)
+
+    @_guarded
+    def _on_pick(self, module: str) -> None:
+        """A treemap tile was clicked: its module goes into the search box, ready to assign."""
+        self.controls.module.value = module
 
     @_guarded
     def _on_assign(self, _button: Any) -> None:
