@@ -44,7 +44,7 @@ def test_fragment_draws_svg_without_script_and_the_page_inlines_plotly():
     fragment = report_fragment(plan)
     assert fragment.startswith("<div") and "<script" not in fragment and "cdn.plot.ly" not in fragment
     (data,) = re.findall(r"src='data:image/svg\+xml;base64,([^']+)'", fragment)
-    assert base64.b64decode(data).decode() == figure_svg(bigviz.treemap(plan))
+    assert base64.b64decode(data).decode() == figure_svg(bigviz.treemap(plan), width=640)
     assert 'src="https://cdn.plot.ly' in report_fragment(plan, include_plotlyjs="cdn")
     page = render_report(plan, title="A <test>")
     assert page.startswith("<!DOCTYPE html>") and "<title>A &lt;test&gt;</title>" in page

@@ -41,6 +41,10 @@ body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:18px;
 """
 
 
+FRAGMENT_SVG_WIDTH = 640
+"""Width of the treemap picture in a report fragment: about the room beside its 430 px side
+panel in a notebook, so its text shows at full size instead of scaled down."""
+
 # Inline, not only in _CSS: notebook outputs and the widget carry no stylesheet, and a size
 # must never wrap ("58.6" over "MiB").
 _NUM = "class='num' style='text-align:right;white-space:nowrap'"
@@ -143,7 +147,8 @@ def report_fragment(plan_or_planner: Any, *, include_plotlyjs: bool | str | None
     fig = figure if figure is not None else treemap(plan_or_planner, depth=depth)
     if include_plotlyjs is None:
         alt = f"treemap: {fig.layout.title.text or 'the plan'}"
-        figure_html = f"<div id='bigviz-treemap' class='bigviz-treemap'>{svg_img(figure_svg(fig), alt=alt)}</div>"
+        picture = figure_svg(fig, width=FRAGMENT_SVG_WIDTH)
+        figure_html = f"<div id='bigviz-treemap' class='bigviz-treemap'>{svg_img(picture, alt=alt)}</div>"
     else:
         figure_html = fig.to_html(full_html=False, include_plotlyjs=include_plotlyjs, div_id="bigviz-treemap",
                                   config={"displaylogo": False, "responsive": True})

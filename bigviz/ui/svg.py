@@ -166,19 +166,20 @@ def _tile(i: int, rect: Rect, style: _Style, *, header: bool) -> str:
     x, y, w, h = rect
     color = style.colors[i]
     width = style.line_widths[i]
-    border = "" if (style.line_colors[i], width) == ("#FFFFFF", 1.0) else \
-        f" stroke='{style.line_colors[i]}' stroke-width='{_n(width)}'"  # the default is set once, on <g>
+    border = "" if (style.line_colors[i], width) == (style.line_colors[0], style.line_widths[0]) else \
+        f" stroke='{style.line_colors[i]}' stroke-width='{_n(width)}'"  # the root's border is set once, on <g>
     parts = [f"<g><title>{html.escape(style.tips[i])}</title>"
              f"<rect class='tile' x='{_n(x)}' y='{_n(y)}' width='{_n(w)}' height='{_n(h)}' fill='{color}'{border}/>"]
     ink = _ink(color)
     label = _fit(style.labels[i], w - 6)
     if label and h >= FONT_SIZE + 4:
         weight = " font-weight='600'" if header else ""
-        parts.append(f"<text x='{_n(x + 3)}' y='{_n(y + FONT_SIZE + 1)}' fill='{ink}'{weight}>"
+        # stroke='none': text must not take the tile border set on the enclosing <g>
+        parts.append(f"<text x='{_n(x + 3)}' y='{_n(y + FONT_SIZE + 1)}' fill='{ink}' stroke='none'{weight}>"
                      f"{html.escape(label)}</text>")
         size = style.sizes[i] if not header else ""
         if size and _fit(size, w - 6) == size and h >= 2 * FONT_SIZE + 8:  # a number is never cut
-            parts.append(f"<text x='{_n(x + 3)}' y='{_n(y + 2 * FONT_SIZE + 4)}' fill='{ink}' "
+            parts.append(f"<text x='{_n(x + 3)}' y='{_n(y + 2 * FONT_SIZE + 4)}' fill='{ink}' stroke='none' "
                          f"fill-opacity='0.85'>{html.escape(size)}</text>")
     parts.append("</g>")
     return "".join(parts)
@@ -245,7 +246,7 @@ def treemap_svg(ids: Sequence[str], parents: Sequence[str], values: Sequence[flo
     Example:
         >>> svg = treemap_svg(["r", "a"], ["", "r"], [1, 1], ["root", "a"], ["#E8E8E8", "#000000"],
         ...                   title="A & B", width=200, height=100)
-        >>> "A &amp; B" in svg and "fill='#FFFFFF'>a</text>" in svg  # white text on black
+        >>> "A &amp; B" in svg and "fill='#FFFFFF' stroke='none'>a</text>" in svg  # white text on black
         True
     """
     n = len(ids)
@@ -263,7 +264,8 @@ def treemap_svg(ids: Sequence[str], parents: Sequence[str], values: Sequence[flo
             f"viewBox='0 0 {width} {height}' font-family=\"{FONT}\" font-size='{_n(FONT_SIZE)}' "
             f"role='img' aria-label='{html.escape(title or 'treemap')}' style='max-width:100%;height:auto'>"
             f"<rect width='{width}' height='{height}' fill='#FFFFFF'/>{''.join(head)}{''.join(chips)}"
-            f"<g stroke='#FFFFFF' stroke-width='1'>{''.join(body)}</g></svg>")
+            f"<g stroke='{style.line_colors[0] if n else '#FFFFFF'}' "
+            f"stroke-width='{_n(style.line_widths[0]) if n else 1}'>{''.join(body)}</g></svg>")
 
 
 def _column(customdata: Sequence[Sequence[Any]] | None, k: int, n: int) -> list[str]:
@@ -294,8 +296,12 @@ def figure_svg(fig: Any, *, width: int = SVG_WIDTH) -> str:
     tips = [f"{name or ids[i]}: {size} ({share}), {device}" if size else (name or ids[i])
             for i, (name, size, share, device) in enumerate(zip(names, sizes, shares, devices))]
     line = trace.marker.line
-    widths = line.width if isinstance(line.width, (list, tuple)) else None
-    line_colors = line.color if isinstance(line.color, (list, tuple)) else None
+    line_colors = list(line.color) if isinstance(line.color, (list, tuple)) else [line.color or "#FFFFFF"] * n
+    if isinstance(line.width, (list, tuple)):
+        widths = list(line.width)
+    else:  # one width for all: a border in another colour than white (an override) drawn thicker
+        base = float(line.width if line.width is not None else 1.0)
+        widths = [base if c.upper() == "#FFFFFF" else max(3.0, base) for c in line_colors]
     keyed = [(d, c) for d, c in zip(devices, colors) if d]
     legend = legend_of([d for d, _ in keyed], [c for _, c in keyed])
     height = int(fig.layout.height or 560)
