@@ -70,7 +70,7 @@ def test_overrides_stick_through_replans_and_are_marked():
     assert planner.plan.device_of("5") == 0
     trace = planner.view.figure.data[0]
     k = list(trace.ids).index("/5")
-    assert trace.labels[k] == OVERRIDE_MARK + "5" and trace.marker.line.width[k] == 4.0
+    assert trace.labels[k] == OVERRIDE_MARK + "5" and trace.marker.line.color[k] == "#000000"
     assert OVERRIDE_MARK in planner.controls.table.value and "<code>5</code>" in planner.controls.overrides.value
     planner.unassign("5")
     assert planner.overrides == {} and not planner.view.figure.data[0].labels[k].startswith(OVERRIDE_MARK)
@@ -84,6 +84,19 @@ def test_dtype_dropdown_resizes_the_treemap():
     assert planner.plan.tree.total("") * 2 == values32[0]
     planner.controls.dtype.value = "int8 (weights)"
     assert planner.view.figure.data[0].values[0] * 4 == values32[0]
+
+
+def test_a_click_on_a_tile_picks_its_module():
+    planner = _planner()
+    helper = planner.view.helper  # what the browser side sends on a click (tests/browser checks it live)
+    helper._received(helper, {"event": "click", "id": "/4"}, [])
+    assert planner.controls.module.value == "4"
+    for ignored in ({"event": "click", "id": "/"}, {"event": "click", "id": "/no.such"}, {"event": "other"}):
+        helper._received(helper, ignored, [])  # the model's own tile, a stale id, another message
+        assert planner.controls.module.value == "4"
+    planner.controls.target.value = 0
+    planner.controls.assign.click()
+    assert planner.overrides == {"4": 0}
 
 
 def test_gpu_buttons_and_presets_change_the_devices():

@@ -48,15 +48,17 @@ class FigureView:
         try:
             if not live:
                 raise RuntimeError("a static figure was asked for (live=False)")
-            from bigviz.ui.livefigure import FitColumn, LiveFigure
+            from bigviz.ui.livefigure import FigureHelper, LiveFigure
 
             self.figure: Any = LiveFigure(static)
             self.figure._config = {"responsive": True, "displaylogo": False}  # width follows its box
             self.widget: Any = self.figure
             self.live = True
-            parts = [self.figure, FitColumn(column_class=COLUMN_CLASS)]
+            self.helper: Any = FigureHelper(column_class=COLUMN_CLASS)
+            parts = [self.figure, self.helper]
         except Exception as err:  # ImportError without anywidget; anything a frontend lacks
             self.fallback_reason = f"{type(err).__name__}: {err}"
+            self.helper = None
             self.figure = static
             self.widget = widgets.Output()
             self.live = False
@@ -102,12 +104,12 @@ class FigureView:
         if not self.live:
             return
 
-        def clicked(_trace: Any, points: Any, _state: Any) -> None:
-            for index in points.point_inds:
-                if 0 <= index < len(self.layout.names) and self.layout.names[index]:
-                    callback(self.layout.names[index])
-                    return
-        self.figure.data[0].on_click(clicked)
+        def clicked(tile_id: str) -> None:
+            ids = self.layout.ids
+            name = self.layout.names[ids.index(tile_id)] if tile_id in ids else ""
+            if name:
+                callback(name)
+        self.helper.on_click(clicked)
 
     def set_depth(self, depth: int | None) -> None:
         self.depth = depth

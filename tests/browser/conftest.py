@@ -163,8 +163,9 @@ def browser_page(*, width: int = 1280, height: int = 800) -> Iterator[Any]:
     """A headless Chromium page (playwright driving Debian's chromium), closed at the end."""
     if not CHROMIUM.exists():
         pytest.skip("needs Debian's chromium at /usr/bin/chromium (apt-get install -y chromium)")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="needs the playwright package (the test extra)")
-    with sync_api.sync_playwright() as p:
+    from playwright.sync_api import sync_playwright  # the test extra installs it: missing is an error
+
+    with sync_playwright() as p:
         # playwright adds --headless; the network stays off except for this machine's server
         flags = [f for f in FLAGS if f != "--headless" and not f.startswith("--host-resolver-rules")]
         flags.append("--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1")
