@@ -86,6 +86,20 @@ def test_dtype_dropdown_resizes_the_treemap():
     assert planner.view.figure.data[0].values[0] * 4 == values32[0]
 
 
+def test_a_reconnecting_page_gets_the_current_figure():
+    """What a reloaded page asks the kernel for (the widget's full state) is the figure now,
+    not the one first drawn; tests/browser checks the reload itself."""
+    planner = _planner()
+    before = planner.view.figure.get_state()["_widget_data"][0]["marker"]["colors"]
+    planner.budget_sliders[0].value = 10 * LAYER / GiB
+    planner.controls.dtype.value = "float16"
+    state = planner.view.figure.get_state()
+    trace = state["_widget_data"][0]
+    assert list(trace["marker"]["colors"]) == list(planner.view.colors) != list(before)
+    assert list(trace["values"]) == list(planner.view.figure.data[0].values)
+    assert state["_widget_layout"]["title"]["text"] == planner.view.figure.layout.title.text
+
+
 def test_a_click_on_a_tile_picks_its_module():
     planner = _planner()
     helper = planner.view.helper  # what the browser side sends on a click (tests/browser checks it live)
