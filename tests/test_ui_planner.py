@@ -70,7 +70,7 @@ def test_overrides_stick_through_replans_and_are_marked():
     assert planner.plan.device_of("5") == 0
     trace = planner.view.figure.data[0]
     k = list(trace.ids).index("/5")
-    assert trace.labels[k] == OVERRIDE_MARK + "5" and trace.marker.line.width[k] == 4.0
+    assert trace.labels[k] == OVERRIDE_MARK + "5" and trace.marker.line.color[k] == "#000000"
     assert OVERRIDE_MARK in planner.controls.table.value and "<code>5</code>" in planner.controls.overrides.value
     planner.unassign("5")
     assert planner.overrides == {} and not planner.view.figure.data[0].labels[k].startswith(OVERRIDE_MARK)
@@ -84,6 +84,33 @@ def test_dtype_dropdown_resizes_the_treemap():
     assert planner.plan.tree.total("") * 2 == values32[0]
     planner.controls.dtype.value = "int8 (weights)"
     assert planner.view.figure.data[0].values[0] * 4 == values32[0]
+
+
+def test_a_reconnecting_page_gets_the_current_figure():
+    """What a reloaded page asks the kernel for (the widget's full state) is the figure now,
+    not the one first drawn; tests/browser checks the reload itself."""
+    planner = _planner()
+    before = planner.view.figure.get_state()["_widget_data"][0]["marker"]["colors"]
+    planner.budget_sliders[0].value = 10 * LAYER / GiB
+    planner.controls.dtype.value = "float16"
+    state = planner.view.figure.get_state()
+    trace = state["_widget_data"][0]
+    assert list(trace["marker"]["colors"]) == list(planner.view.colors) != list(before)
+    assert list(trace["values"]) == list(planner.view.figure.data[0].values)
+    assert state["_widget_layout"]["title"]["text"] == planner.view.figure.layout.title.text
+
+
+def test_a_click_on_a_tile_picks_its_module():
+    planner = _planner()
+    helper = planner.view.helper  # what the browser side sends on a click (tests/browser checks it live)
+    helper._received(helper, {"event": "click", "id": "/4"}, [])
+    assert planner.controls.module.value == "4"
+    for ignored in ({"event": "click", "id": "/"}, {"event": "click", "id": "/no.such"}, {"event": "other"}):
+        helper._received(helper, ignored, [])  # the model's own tile, a stale id, another message
+        assert planner.controls.module.value == "4"
+    planner.controls.target.value = 0
+    planner.controls.assign.click()
+    assert planner.overrides == {"4": 0}
 
 
 def test_gpu_buttons_and_presets_change_the_devices():
@@ -185,16 +212,15 @@ def test_depth_control_and_treemap_of_a_planner(tiny_gpt):
 
 
 def test_static_fallback_when_figurewidget_is_unavailable(monkeypatch):
-    import plotly.graph_objects as go
+    import sys
 
-    def broken(*args, **kwargs):
-        raise ImportError("anywidget is not installed")
-
-    monkeypatch.setattr(go, "FigureWidget", broken)
+    monkeypatch.setitem(sys.modules, "anywidget", None)  # as if it were not installed
+    monkeypatch.delitem(sys.modules, "bigviz.ui.livefigure", raising=False)
     planner = _planner()
     assert not planner.view.live and "anywidget" in planner.view.fallback_reason
     first = planner.view.widget.outputs[0]["data"]
-    assert "application/vnd.plotly.v1+json" in first and "text/html" in first
+    assert {"application/vnd.plotly.v1+json", "image/svg+xml", "text/html"} <= set(first)
+    assert planner.view.box.children == (planner.view.widget,)
     planner.budget_sliders[0].value = 10 * LAYER / GiB
     assert planner.view.widget.outputs[0]["data"] != first
     assert set(planner.view.colors) == {device_color(0)}
@@ -236,22 +262,27 @@ def test_run_button_reports_a_bad_checkpoint(tmp_path):
         tree_planner.load_and_dispatch(tmp_path)
 
 
-def test_a_real_kernel_displays_widget_html_and_text():
-    """IPython's display machinery (not only our method) gives all three mime types."""
+def test_a_real_kernel_displays_widget_svg_html_and_text():
+    """IPython's display machinery (not only our method) gives every mime type: the planner's
+    widget, SVG, HTML and text; a treemap figure's plotly JSON and SVG."""
     pytest.importorskip("ipykernel")
     from jupyter_client.manager import start_new_kernel
 
     km, kc = start_new_kernel(kernel_name="python3", startup_timeout=600)  # a busy machine starts it slowly
     try:
-        code = ("import torch.nn as nn\nfrom bigviz.ui.planner import Planner\n"
-                "Planner(nn.Sequential(*[nn.Linear(64, 64) for _ in range(3)]), {0: 40_000, 'cpu': 10**6})")
+        code = ("import torch.nn as nn, bigviz\nfrom bigviz.ui.planner import Planner\n"
+                "p = Planner(nn.Sequential(*[nn.Linear(64, 64) for _ in range(3)]), {0: 40_000, 'cpu': 10**6})\n"
+                "display(bigviz.treemap(p))\np")
         outputs: list[dict] = []
         reply = kc.execute_interactive(code, output_hook=outputs.append, timeout=600)
         assert reply["content"]["status"] == "ok", reply["content"]
+        shown = [m["content"]["data"] for m in outputs if m["msg_type"] == "display_data"]
         results = [m["content"]["data"] for m in outputs if m["msg_type"] == "execute_result"]
-        assert len(results) == 1
-        assert {"application/vnd.jupyter.widget-view+json", "text/html", "text/plain"} <= set(results[0])
-        assert "DevicePlan" in results[0]["text/plain"]
+        assert len(results) == 1 and len(shown) == 1
+        assert {"application/vnd.jupyter.widget-view+json", "image/svg+xml", "text/html", "text/plain"} <= set(results[0])
+        assert "DevicePlan" in results[0]["text/plain"] and "<script" not in results[0]["text/html"]
+        assert {"application/vnd.plotly.v1+json", "image/svg+xml"} <= set(shown[0])
+        assert shown[0]["image/svg+xml"] == results[0]["image/svg+xml"]  # same plan, same depth
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)

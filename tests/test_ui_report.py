@@ -1,7 +1,9 @@
 """The static HTML report: bars, table, fragment, full page, atomic save."""
 from __future__ import annotations
 
+import base64
 import os
+import re
 
 import pytest
 from torch import nn
@@ -9,6 +11,7 @@ from torch import nn
 import bigviz
 from bigviz.core.plan import DeviceUsage
 from bigviz.ui.report import _usage_row, render_report, report_fragment, save_html, table_html, usage_html
+from bigviz.ui.svg import figure_svg
 
 LAYER = 16_640
 
@@ -36,10 +39,13 @@ def test_table_lists_every_unit_or_says_how_many_are_left_out():
     assert short.count("<tr>") == 4 and "and 4 more units" in short
 
 
-def test_fragment_uses_the_cdn_and_the_page_inlines_plotly():
+def test_fragment_draws_svg_without_script_and_the_page_inlines_plotly():
     plan = _plan()
     fragment = report_fragment(plan)
-    assert 'src="https://cdn.plot.ly' in fragment and fragment.startswith("<div")
+    assert fragment.startswith("<div") and "<script" not in fragment and "cdn.plot.ly" not in fragment
+    (data,) = re.findall(r"src='data:image/svg\+xml;base64,([^']+)'", fragment)
+    assert base64.b64decode(data).decode() == figure_svg(bigviz.treemap(plan), width=640)
+    assert 'src="https://cdn.plot.ly' in report_fragment(plan, include_plotlyjs="cdn")
     page = render_report(plan, title="A <test>")
     assert page.startswith("<!DOCTYPE html>") and "<title>A &lt;test&gt;</title>" in page
     assert 'src="https://cdn.plot.ly' not in page and len(page) > 1_000_000

@@ -14,7 +14,7 @@ from bigviz.core.strategies import make_plan
 from bigviz.core.plan import PlanOptions
 from bigviz.models import GPT, GPTConfig, Llama, LlamaConfig
 from bigviz.ui.palette import GPU_COLORS, OKABE_ITO, SPLIT_COLOR, device_color, legend_html
-from bigviz.ui.treemap import OVERRIDE_MARK, ROOT_ID, layout_of, style_of, treemap
+from bigviz.ui.treemap import BORDER_WIDTH, OVERRIDE_MARK, ROOT_ID, layout_of, style_of, treemap
 
 GiB = 2**30
 
@@ -109,9 +109,12 @@ def test_overrides_are_marked_with_label_and_border(tiny_llama):
     trace = treemap(plan).data[0]
     k = list(trace.ids).index("/" + block)
     assert trace.labels[k].startswith(OVERRIDE_MARK)
-    assert trace.marker.line.width[k] == 4.0 and trace.marker.colors[k] == device_color("cpu")
+    assert trace.marker.line.color[k] == "#000000" and trace.marker.colors[k] == device_color("cpu")
     others = [lab for i, lab in enumerate(trace.labels) if i != k]
     assert not any(lab.startswith(OVERRIDE_MARK) for lab in others)
+    assert set(c for i, c in enumerate(trace.marker.line.color) if i != k) == {"#FFFFFF"}
+    # one width for all tiles: per-tile widths make plotly draw its path bar with NaNs
+    assert trace.marker.line.width == BORDER_WIDTH
     assert "override" in trace.customdata[k][4]
 
 

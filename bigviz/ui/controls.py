@@ -170,7 +170,7 @@ def budget_row(device: Device, budget: int, reserve: int,
     top, step, fmt = slider_spec(budget, model_bytes)
     slider = widgets.FloatSlider(value=budget / GiB, min=0.0, max=top, step=step, readout_format=fmt,
                                  continuous_update=False, description="GiB",
-                                 style={"description_width": "28px"}, layout=widgets.Layout(width="290px"))
+                                 style={"description_width": "28px"}, layout=widgets.Layout(width="250px"))
     reserve_box = widgets.BoundedFloatText(value=reserve / GiB, min=0.0, max=top, step=step * 10,
                                            description="reserve", style={"description_width": "50px"},
                                            tooltip="GiB kept free for activations and KV cache",
@@ -215,14 +215,22 @@ class DeviceRows:
 
 
 def assemble(c: Controls, figure: Any) -> widgets.VBox:
-    """Lay the controls out: settings on the left, treemap on the right, tabs below."""
+    """Lay the controls out: settings on the left, treemap on the right, tabs below.
+
+    The treemap's column takes the width left by the settings (it never pushes past the
+    output area: the figure fits it, see ``bigviz.ui.livefigure``); below 300 px it wraps
+    under the settings at full width. The status line keeps its height when empty, so a
+    re-plan message does not shift the app.
+    """
     left = widgets.VBox([
         c.preset, c.devices, widgets.HBox([c.add_gpu, c.remove_gpu]), c.strategy, c.dtype, c.no_split,
         widgets.HTML("<b>Run</b> (KV cache and prefill activations)"), widgets.HBox([c.batch, c.context]),
         widgets.HBox([c.kv_dtype, c.find_context]), c.fit,
         widgets.HTML("<b>Memory</b>"), c.usage, widgets.HTML("<b>Cost</b>"), c.link, c.disk, c.cost,
-    ], layout=widgets.Layout(width="500px", min_width="500px"))
-    right = widgets.VBox([c.legend, figure, c.depth], layout=widgets.Layout(flex="1 1 auto", min_width="420px"))
+    ], layout=widgets.Layout(width="460px", min_width="460px"))
+    right = widgets.VBox([c.legend, figure, c.depth],
+                         layout=widgets.Layout(flex="1 1 300px", min_width="300px", overflow="hidden"))
+    c.status.layout = widgets.Layout(min_height="28px")  # one line of widget text
     overrides = widgets.VBox([widgets.HBox([c.module, c.target]), widgets.HBox([c.assign, c.unassign]), c.overrides])
     export = widgets.VBox([widgets.HBox([c.json_path, c.save_json]), widgets.HBox([c.html_path, c.save_html]),
                            c.json_view])
@@ -230,7 +238,8 @@ def assemble(c: Controls, figure: Any) -> widgets.VBox:
     table = widgets.Box([c.table], layout=widgets.Layout(max_height="420px", overflow="auto"))
     tabs = widgets.Tab(children=[table, overrides, export, run],
                        titles=("Placements", "Overrides", "Export", "Run"))
-    return widgets.VBox([c.title, c.status, c.log, widgets.HBox([left, right]), tabs])
+    body = widgets.HBox([left, right], layout=widgets.Layout(flex_flow="row wrap", width="100%"))
+    return widgets.VBox([c.title, c.status, c.log, body, tabs])
 
 
 def device_options(devices: list[Device]) -> list[tuple[str, Device]]:

@@ -2,19 +2,27 @@
 cannot run, the same figure re-drawn into an ``Output`` widget.
 
 plotly >= 6 builds ``FigureWidget`` on anywidget; without it (or in a frontend that does
-not load it) the static figure still shows through plotly's own notebook renderer.
+not load it) the static figure still shows through plotly's own notebook renderer, with an
+SVG copy for frontends without plotly. The live figure fits the width of its column and
+follows it (:mod:`bigviz.ui.livefigure`), a page reloaded while the kernel runs draws the
+current plan, and a click on a tile picks its module.
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from bigviz.core.pipeline import PipelinePlan
 from bigviz.core.plan import DevicePlan
+from bigviz.ui.svg import figure_svg
 from bigviz.ui.treemap import (TreemapLayout, TreemapStyle, apply_layout, apply_style, figure_title,
                                layout_of, maxdepth_for, style_for, style_of, treemap)
 
-__all__ = ["FigureView"]
+__all__ = ["FigureView", "COLUMN_CLASS"]
+
+COLUMN_CLASS = "bigviz-figure-column"
+"""CSS class of the box whose width the live figure follows."""
 
 
 class FigureView:
@@ -35,22 +43,31 @@ class FigureView:
         self.style: TreemapStyle = style_of(self.layout, plan)
         self.fallback_reason = ""
         static = treemap(plan, depth=depth, height=height)
-        try:
-            import plotly.graph_objects as go
+        import ipywidgets as widgets
 
+        parts: list[Any] = []
+        try:
             if not live:
                 raise RuntimeError("a static figure was asked for (live=False)")
-            self.figure: Any = go.FigureWidget(static)
+            from bigviz.ui.livefigure import FigureHelper, LiveFigure
+
+            self.figure: Any = LiveFigure(static)
+            self.figure._config = {"responsive": True, "displaylogo": False}  # width follows its box
             self.widget: Any = self.figure
             self.live = True
+            self.helper: Any = FigureHelper(column_class=COLUMN_CLASS)
+            parts = [self.figure, self.helper]
         except Exception as err:  # ImportError without anywidget; anything a frontend lacks
-            import ipywidgets as widgets
-
             self.fallback_reason = f"{type(err).__name__}: {err}"
+            self.helper = None
             self.figure = static
             self.widget = widgets.Output()
             self.live = False
             self._show_static()
+            parts = [self.widget]
+        self.box = widgets.VBox(parts, layout=widgets.Layout(width="100%", min_width="0"))
+        """The figure and its helper, to place in a layout (the figure fits this box's width)."""
+        self.box.add_class(COLUMN_CLASS)
 
     @property
     def colors(self) -> tuple[str, ...]:
@@ -78,6 +95,25 @@ class FigureView:
                 self.figure.layout.title.text = title
         self.layout, self.style = new_layout, style
 
+    def close(self) -> None:
+        """Close the figure's widgets."""
+        for child in self.box.children:
+            child.close()
+        self.box.close()
+
+    def on_pick(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(module_name)`` when a tile of the live figure is clicked (the
+        click also zooms into the tile, as plotly does). The model's own tile is ignored."""
+        if not self.live:
+            return
+
+        def clicked(tile_id: str) -> None:
+            ids = self.layout.ids
+            name = self.layout.names[ids.index(tile_id)] if tile_id in ids else ""
+            if name:
+                callback(name)
+        self.helper.on_click(clicked)
+
     def set_depth(self, depth: int | None) -> None:
         self.depth = depth
         self.figure.data[0].maxdepth = maxdepth_for(depth)
@@ -86,10 +122,11 @@ class FigureView:
 
     def _show_static(self) -> None:
         """Put the figure into the Output widget as plotly's notebook mime type, with an
-        HTML copy for frontends without plotly's renderer."""
+        SVG and an HTML copy for frontends without plotly's renderer."""
         data = {
             "application/vnd.plotly.v1+json": {**json.loads(self.figure.to_json()),
                                                "config": {"displaylogo": False}},
+            "image/svg+xml": figure_svg(self.figure),
             "text/html": self.figure.to_html(full_html=False, include_plotlyjs="cdn"),
             "text/plain": "treemap (static: FigureWidget unavailable)",
         }

@@ -48,7 +48,8 @@ from bigviz.ui.report import report_fragment, save_html, table_html, usage_html
 from bigviz.ui.run import describe_error, run_plan
 from bigviz.ui.stages import StageControls, stage_legend_html
 from bigviz.ui.state import PlannerState
-from bigviz.ui.treemap import TreemapLayout, layout_of
+from bigviz.ui.svg import figure_svg
+from bigviz.ui.treemap import TreemapLayout, layout_of, treemap
 
 __all__ = ["Planner"]
 
@@ -123,7 +124,9 @@ class Planner:
         self._sync_device_rows()
         import ipywidgets as widgets
 
-        self.widget = ctl.assemble(self.controls, widgets.VBox([self.view.widget, self.stage_controls.widget]))
+        column = widgets.VBox([self.view.box, self.stage_controls.widget],
+                              layout=widgets.Layout(width="100%", min_width="0"))
+        self.widget = ctl.assemble(self.controls, column)
         self._wire()
         if w.active:
             self.find_longest_context()
@@ -311,7 +314,7 @@ class Planner:
             widget.close()
         self.controls.close()
         self.stage_controls.close()
-        self.view.widget.close()
+        self.view.close()
         self.widget.close()
 
     def refresh(self) -> None:
@@ -344,11 +347,15 @@ class Planner:
 
     # ---- display -------------------------------------------------------------------
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None, **kwargs: Any) -> dict[str, Any]:
-        """The live widget where a frontend runs widgets; a static treemap and table in
-        ``text/html`` for GitHub, nbviewer and nbconvert; the plan summary as text."""
+        """The live widget where a frontend runs widgets; for every other reader (GitHub,
+        nbviewer, nbconvert, an untrusted or offline notebook) the treemap as SVG
+        (``image/svg+xml``) and the report with that SVG and the table (``text/html``),
+        neither with any script; the plan summary as text."""
         bundle = dict(self.widget._repr_mimebundle_(**kwargs) or {})
-        bundle["text/html"] = report_fragment(self._plan, include_plotlyjs="cdn", max_rows=200,
-                                              cost=self._cost_or_none(), depth=self.depth)
+        fig = treemap(self._plan, depth=self.depth)
+        bundle["image/svg+xml"] = figure_svg(fig)
+        bundle["text/html"] = report_fragment(self._plan, max_rows=200, cost=self._cost_or_none(),
+                                              depth=self.depth, figure=fig)
         bundle["text/plain"] = self._plan.summary()
         return bundle
 
@@ -460,6 +467,7 @@ class Planner:
         c.context.observe(self._on_workload, names="value")
         c.kv_dtype.observe(self._on_workload, names="value")
         c.find_context.on_click(self._on_find_context)
+        self.view.on_pick(self._on_pick)
 
     @_guarded
     def _on_budget(self, device: Device, change: Mapping[str, Any]) -> None:
@@ -514,6 +522,10 @@ class Planner:
     @_guarded
     def _on_stages(self, _change: Mapping[str, Any]) -> None:
         self.refresh()
+
+    def _on_pick(self, module: str) -> None:
+        """A treemap tile was clicked: its module goes into the search box, ready to assign."""
+        self.controls.module.value = module
 
     @_guarded
     def _on_assign(self, _button: Any) -> None:

@@ -1,8 +1,9 @@
 """A plan as HTML: usage bars, the placements table, and a standalone report file.
 
-:func:`render_report` makes a full page that works offline (plotly.js inlined);
-:func:`report_fragment` makes the same content as a ``<div>`` for a notebook's static
-``text/html`` output (plotly.js from its CDN, so saved notebooks stay small).
+:func:`render_report` makes a full page that works offline (plotly.js inlined, an
+interactive treemap); :func:`report_fragment` makes the same content as a ``<div>`` for a
+notebook's static ``text/html`` output, with the treemap drawn as SVG: no script and no
+network, so it shows on GitHub, nbviewer, in an untrusted notebook and offline.
 
 Example:
     >>> import os, tempfile, torch.nn as nn, bigviz
@@ -25,6 +26,7 @@ from bigviz.core.serialize import write_text_atomic
 from bigviz.core.units import UNLIMITED, device_label, format_size
 from bigviz.ui.palette import chip, device_color, legend_html
 from bigviz.ui.presets import cost_html, plan_cost
+from bigviz.ui.svg import figure_svg, svg_img
 from bigviz.ui.treemap import OVERRIDE_MARK, plan_of, treemap
 
 __all__ = ["usage_html", "table_html", "report_fragment", "render_report", "save_html"]
@@ -42,6 +44,14 @@ KV_FILL = "repeating-linear-gradient(90deg,#1a1a1a 0 2px,#8c8c8c 2px 4px)"
 """Budget-bar fill of the KV cache: dark stripes, beside the weights' device colour."""
 ACTIVATION_FILL = "repeating-linear-gradient(0deg,#CC79A7 0 2px,#f3d6e6 2px 4px)"
 """Budget-bar fill of the activations: reddish-purple stripes (Okabe-Ito)."""
+
+FRAGMENT_SVG_WIDTH = 640
+"""Width of the treemap picture in a report fragment: about the room beside its 430 px side
+panel in a notebook, so its text shows at full size instead of scaled down."""
+
+# Inline, not only in _CSS: notebook outputs and the widget carry no stylesheet, and a size
+# must never wrap ("58.6" over "MiB").
+_NUM = "class='num' style='text-align:right;white-space:nowrap'"
 
 
 def usage_html(plan: DevicePlan) -> str:
@@ -110,8 +120,8 @@ def table_html(plan: DevicePlan, *, max_rows: int | None = None) -> str:
     shown = plan.placements if max_rows is None else plan.placements[:max_rows]
     rows = [
         f"<tr><td><code>{html.escape(p.name or '<model>')}</code></td><td>{html.escape(p.class_name)}</td>"
-        f"<td>{chip(p.device)}</td><td class='num'>{format_size(p.nbytes)}</td>"
-        f"<td class='num'>{p.nbytes / total:.1%}</td>"
+        f"<td>{chip(p.device)}</td><td {_NUM}>{format_size(p.nbytes)}</td>"
+        f"<td {_NUM}>{p.nbytes / total:.1%}</td>"
         f"<td>{OVERRIDE_MARK if p.override else ''}{html.escape(p.reason)}</td></tr>"
         for p in shown]
     more = len(plan.placements) - len(shown)
@@ -125,29 +135,51 @@ def table_html(plan: DevicePlan, *, max_rows: int | None = None) -> str:
 def _budgets_html(plan: DevicePlan) -> str:
     run = any(u.kv_cache or u.activations for u in plan.usage)
     rows = "".join(
-        f"<tr><td>{chip(u.device)}</td><td class='num'>{format_size(u.budget)}</td>"
-        f"<td class='num'>{format_size(u.reserve)}</td><td class='num'>{format_size(u.offload_reserve)}</td>"
-        f"<td class='num'>{format_size(u.used)}</td>"
-        + (f"<td class='num'>{format_size(u.kv_cache)}</td><td class='num'>{format_size(u.activations)}</td>"
+        f"<tr><td>{chip(u.device)}</td><td {_NUM}>{format_size(u.budget)}</td>"
+        f"<td {_NUM}>{format_size(u.reserve)}</td><td {_NUM}>{format_size(u.offload_reserve)}</td>"
+        f"<td {_NUM}>{format_size(u.used)}</td>"
+        + (f"<td {_NUM}>{format_size(u.kv_cache)}</td><td {_NUM}>{format_size(u.activations)}</td>"
            if run else "")
-        + f"<td class='num'>{format_size(u.free) if u.budget < UNLIMITED else 'unlimited'}</td></tr>"
+        + f"<td {_NUM}>{format_size(u.free) if u.budget < UNLIMITED else 'unlimited'}</td></tr>"
         for u in plan.usage)
     head = ("<tr><th>device</th><th>budget</th><th>reserve</th><th>offload room</th><th>weights</th>"
             + ("<th>KV cache</th><th>activations</th>" if run else "") + "<th>free</th></tr>")
     return f"<table class='bigviz-table'>{head}{rows}</table>"
 
 
-def report_fragment(plan_or_planner: Any, *, include_plotlyjs: bool | str = "cdn",
+def report_fragment(plan_or_planner: Any, *, include_plotlyjs: bool | str | None = None,
                     max_rows: int | None = None, cost: Mapping[str, Any] | None = None,
-                    depth: int | None = None) -> str:
-    """The report's body as one ``<div>``: legend, budgets, cost, treemap, table, device map."""
+                    depth: int | None = None, figure: Any = None) -> str:
+    """The report's body as one ``<div>``: legend, budgets, cost, treemap, table, device map.
+
+    Args:
+        plan_or_planner: a ``DevicePlan`` or a ``Planner``.
+        include_plotlyjs: ``None`` (the default) draws the treemap as an SVG image (a
+            ``data:`` URI, which HTML sanitizers keep), with no script at all; otherwise plotly's interactive figure, with plotly.js inlined
+            (``True``) or loaded from its CDN (``"cdn"``).
+        max_rows: rows of the placements table (``None``: all).
+        cost: a ``plan_cost`` result (default: the planner's, or PCIe 4 and NVMe).
+        depth: module levels drawn in the treemap.
+        figure: the ``bigviz.treemap`` figure of this plan, when already made.
+
+    Example:
+        >>> import torch.nn as nn, bigviz
+        >>> div = report_fragment(bigviz.plan(nn.Linear(4, 4), {"cpu": "1MB"}))
+        >>> "data:image/svg+xml;base64," in div and "<script" not in div
+        True
+    """
     plan = plan_of(plan_or_planner)
     if cost is None:
         cost = getattr(plan_or_planner, "cost", lambda: plan_cost(plan.offloaded_bytes(),
                                                                    main_device=plan.main_device))()
-    fig = treemap(plan_or_planner, depth=depth)
-    figure = fig.to_html(full_html=False, include_plotlyjs=include_plotlyjs, div_id="bigviz-treemap",
-                         config={"displaylogo": False, "responsive": True})
+    fig = figure if figure is not None else treemap(plan_or_planner, depth=depth)
+    if include_plotlyjs is None:
+        alt = f"treemap: {fig.layout.title.text or 'the plan'}"
+        picture = figure_svg(fig, width=FRAGMENT_SVG_WIDTH)
+        figure_html = f"<div id='bigviz-treemap' class='bigviz-treemap'>{svg_img(picture, alt=alt)}</div>"
+    else:
+        figure_html = fig.to_html(full_html=False, include_plotlyjs=include_plotlyjs, div_id="bigviz-treemap",
+                                  config={"displaylogo": False, "responsive": True})
     captions = {u.device: format_size(u.used) for u in plan.usage}
     notes = "".join(f"<li>{html.escape(n)}</li>" for n in plan.notes)
     device_map = html.escape(json.dumps(plan.device_map, indent=1))
@@ -159,7 +191,7 @@ def report_fragment(plan_or_planner: Any, *, include_plotlyjs: bool | str = "cdn
             + f"<h2>Cost</h2><div style='font-size:13px'>{cost_html(cost)}</div>")
     return (f"<div class='bigviz-report'><div style='display:flex;gap:18px;align-items:flex-start'>"
             f"<div style='flex:0 0 430px;max-width:430px'>{side}</div>"
-            f"<div style='flex:1 1 auto;min-width:0'>{figure}</div></div>"
+            f"<div style='flex:1 1 auto;min-width:0'>{figure_html}</div></div>"
             f"<h2>Placements ({len(plan.placements)} units)</h2>{table_html(plan, max_rows=max_rows)}"
             f"<h2>Device map</h2><details><summary>JSON ({len(plan.device_map)} keys)</summary>"
             f"<pre style='font-size:12px'>{device_map}</pre></details></div>")

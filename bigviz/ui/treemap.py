@@ -35,7 +35,7 @@ from bigviz.ui.palette import device_color
 if TYPE_CHECKING:
     import plotly.graph_objects as go
 
-__all__ = ["ROOT_ID", "OVERRIDE_MARK", "TreemapLayout", "TreemapStyle", "layout_of", "style_of",
+__all__ = ["ROOT_ID", "OVERRIDE_MARK", "BORDER_WIDTH", "TreemapLayout", "TreemapStyle", "layout_of", "style_of",
            "treemap", "apply_style", "apply_layout", "plan_of", "maxdepth_for", "figure_title",
            "figure_of", "style_for"]
 
@@ -43,6 +43,9 @@ ROOT_ID = "/"
 """The root's id. Every other id is ``"/" + name`` with a non-empty name, so no module
 (not even one called ``model`` or ``/``) can collide with it."""
 OVERRIDE_MARK = "\u270e "  # a pencil: "you placed this by hand"
+BORDER_WIDTH = 2.0
+"""One border width for every tile (white; black around an override). plotly draws the path
+bar with NaN coordinates, so a zoomed-in view has no way back, when widths vary per tile."""
 HOVER = ("<b>%{customdata[0]}</b><br>%{customdata[1]} (%{customdata[2]} of the model)"
          "<br>device: %{customdata[3]}<br>%{customdata[4]}<extra></extra>")
 
@@ -73,8 +76,7 @@ class TreemapStyle:
 
     colors: tuple[str, ...]
     labels: tuple[str, ...]
-    line_widths: tuple[float, ...]
-    line_colors: tuple[str, ...]
+    line_colors: tuple[str, ...]  # black marks an override (all tiles share BORDER_WIDTH)
     customdata: tuple[tuple[str, ...], ...]
 
 
@@ -118,19 +120,18 @@ def style_of(layout: TreemapLayout, plan: DevicePlan) -> TreemapStyle:
     by_name = {p.name: p for p in plan.placements}
     split = _split_bytes(plan, set(layout.names))
     total = layout.total or 1
-    colors, labels, widths, lines, data = [], [], [], [], []
+    colors, labels, lines, data = [], [], [], []
     for name, value, label in zip(layout.names, layout.values, layout.labels):
         key = owner(name, units)
         device = units[key] if key is not None else _only_device(split.get(name, {}))
         override = key == name and by_name[name].override
         colors.append(device_color(device))
         labels.append(OVERRIDE_MARK + label if override else label)
-        widths.append(4.0 if override else 1.0)
         lines.append("#000000" if override else "#FFFFFF")
         where = device_label(device) if device is not None else "split"
         data.append((name or "<model>", format_size(value), f"{value / total:.1%}", where,
                      _reason(name, key, by_name, split)))
-    return TreemapStyle(tuple(colors), tuple(labels), tuple(widths), tuple(lines), tuple(data))
+    return TreemapStyle(tuple(colors), tuple(labels), tuple(lines), tuple(data))
 
 
 def _split_bytes(plan: DevicePlan, names: set[str]) -> dict[str, dict[Device, int]]:
@@ -177,6 +178,10 @@ def treemap(plan_or_planner: Any, *, depth: int | None = None, height: int = 560
             title: str | None = None) -> go.Figure:
     """A plotly treemap of where every module goes.
 
+    The figure is a :class:`~bigviz.ui.treefigure.TreemapFigure`: in a notebook it shows
+    plotly's interactive figure and, for readers without plotly's JavaScript (GitHub,
+    nbviewer, offline), the same treemap as SVG (``fig.to_svg()``).
+
     Args:
         plan_or_planner: a :class:`DevicePlan` (from ``bigviz.plan``) or a ``Planner``,
             coloured by device; or a ``PipelinePlan`` (from ``bigviz.plan_pipeline``),
@@ -216,13 +221,14 @@ def figure_of(layout: TreemapLayout, style: TreemapStyle, *, depth: int | None, 
     trace = go.Treemap(
         ids=list(layout.ids), parents=list(layout.parents), values=list(layout.values),
         labels=list(style.labels), branchvalues="total", sort=False,
-        marker=dict(colors=list(style.colors), line=dict(width=list(style.line_widths),
-                                                         color=list(style.line_colors))),
+        marker=dict(colors=list(style.colors), line=dict(width=BORDER_WIDTH, color=list(style.line_colors))),
         customdata=[list(c) for c in style.customdata], hovertemplate=HOVER,
         texttemplate="%{label}<br>%{customdata[1]}", maxdepth=maxdepth_for(depth),
         pathbar=dict(visible=True), root=dict(color=style.colors[0]))
-    fig = go.Figure(trace)
-    fig.update_layout(height=height, margin=dict(t=40, l=6, r=6, b=6),
+    from bigviz.ui.treefigure import TreemapFigure
+
+    fig = TreemapFigure(trace)
+    fig.update_layout(height=height, margin=dict(t=66, l=6, r=6, b=6),  # title above, path bar below it
                       title=dict(text=title, font=dict(size=15)), uniformtext=dict(minsize=9, mode="hide"))
     return fig
 
@@ -262,8 +268,7 @@ def apply_style(trace: Any, style: TreemapStyle, previous: TreemapStyle | None =
         trace.root.color = style.colors[0]
     if previous is None or style.labels != previous.labels:
         trace.labels = style.labels
-    if previous is None or style.line_widths != previous.line_widths:
-        trace.marker.line.width = style.line_widths
+    if previous is None or style.line_colors != previous.line_colors:
         trace.marker.line.color = style.line_colors
     if previous is None or style.customdata != previous.customdata:
         trace.customdata = style.customdata

@@ -1,0 +1,119 @@
+"""The live treemap's two widgets: a ``FigureWidget`` whose synced state is always the
+current figure, and an invisible helper that fits it to its column and reports clicks.
+
+plotly's ``FigureWidget`` (an anywidget) sends each change to the browser as a one-off
+message and keeps its synced state (``_widget_data``, ``_widget_layout``) at the figure it
+was built with. A page that reconnects to a running kernel (a reload) asks the kernel for
+every widget's state and so drew the first figure again. :class:`LiveFigure` answers that
+request with the figure as it is now; the messages of ordinary updates are unchanged.
+
+plotly draws a widget before it is in the page, when its width is unknown, so it used a
+fixed 700 px and overflowed narrower columns; it never listens for its container's size.
+:class:`FigureHelper` watches the column that holds the figure (a ``ResizeObserver``) and
+asks plotly to resize the figure to it (plotly's own ``responsive`` resize handler), after
+the first draw and whenever the column changes size. It also listens for clicks on the
+figure's tiles and sends the clicked tile's id to Python: the ``FigureWidget``'s own click
+events do not reach Python for a tile that plotly zooms into (checked in JupyterLab 4.6).
+
+Example:
+    >>> import plotly.graph_objects as go
+    >>> fig = LiveFigure(go.Figure(go.Treemap(ids=["a"], parents=[""], values=[1])))
+    >>> with fig.batch_update():
+    ...     fig.data[0].values = [2]
+    >>> fig.get_state()["_widget_data"][0]["values"]  # a reconnecting page draws this
+    [2]
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import anywidget
+import plotly.graph_objects as go
+import traitlets
+
+__all__ = ["LiveFigure", "FigureHelper"]
+
+_HELPER_ESM = """
+function render({ model, el }) {
+  el.style.display = "none";  // nothing to see: it watches the column and its figures
+  const selector = "." + model.get("column_class");
+  const wired = new WeakSet();
+  let column = null, observer = null, frame = 0, tries = 0;
+  const figures = () => column ? [...column.querySelectorAll(".js-plotly-plot")] : [];
+  const fit = () => {
+    for (const gd of figures()) {
+      // plotly's resize for `responsive: true` figures: fills gd's width, skips hidden ones
+      if (typeof gd._responsiveChartHandler === "function") gd._responsiveChartHandler();
+      if (!wired.has(gd) && typeof gd.on === "function") {  // once per drawn figure
+        wired.add(gd);
+        gd.on("plotly_click", (event) => {
+          const point = event && event.points && event.points[0];
+          if (point && typeof point.id === "string") model.send({ event: "click", id: point.id });
+        });
+      }
+    }
+  };
+  const schedule = () => { cancelAnimationFrame(frame); frame = requestAnimationFrame(fit); };
+  const attach = () => {
+    column = el.closest(selector);
+    if (!column) {  // not in the page yet: look again on the next frames (a few seconds at most)
+      if (tries++ < 600) frame = requestAnimationFrame(attach);
+      return;
+    }
+    observer = new ResizeObserver(schedule);
+    observer.observe(column);
+    schedule();
+  };
+  const drawn = (event) => {  // plotly's event after each first draw of a figure view
+    if (column && event.detail && column.contains(event.detail.element)) schedule();
+  };
+  document.addEventListener("plotlywidget-after-render", drawn);
+  attach();
+  return () => {
+    cancelAnimationFrame(frame);
+    if (observer) observer.disconnect();
+    document.removeEventListener("plotlywidget-after-render", drawn);
+  };
+}
+export default { render };
+"""
+
+
+class FigureHelper(anywidget.AnyWidget):
+    """An invisible widget for the plotly figures in the box of CSS class ``column_class``
+    that holds it: they follow the box's width, and a click on a tile calls the functions
+    given to :meth:`on_click` with the tile's id."""
+
+    _esm = _HELPER_ESM
+    column_class = traitlets.Unicode("bigviz-figure-column").tag(sync=True)
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._click_handlers: list[Callable[[str], None]] = []
+        self.on_msg(self._received)
+
+    def on_click(self, handler: Callable[[str], None]) -> None:
+        self._click_handlers.append(handler)
+
+    def _received(self, _widget: Any, content: Any, _buffers: Any) -> None:
+        if isinstance(content, dict) and content.get("event") == "click" and isinstance(content.get("id"), str):
+            for handler in self._click_handlers:
+                handler(content["id"])
+
+
+class LiveFigure(go.FigureWidget):
+    """A ``FigureWidget`` whose state, as a reconnecting page reads it, is the current figure."""
+
+    def get_state(self, key: Any = None, drop_defaults: bool = False) -> dict[str, Any]:
+        state = super().get_state(key, drop_defaults)
+        if getattr(self, "_layout_obj", None) is None:  # asked while the widget opens, before plotly's init
+            return state
+        current = {"_widget_data": self._data, "_widget_layout": self._layout_obj._props}
+        for name, value in current.items():
+            if name in state:  # the full-state reply (a reconnect), not an update message
+                to_json = self.trait_metadata(name, "to_json")
+                value = copy.deepcopy(value)
+                state[name] = to_json(value, self) if to_json else value
+        return state
