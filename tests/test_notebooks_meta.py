@@ -17,7 +17,8 @@ import pytest
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 EXPECTED = [
     "01_quickstart", "02_why_big_models_break", "03_sharded_checkpoints",
-    "04_device_maps", "05_offload_and_run", "06_transformers", "07_will_it_fit", "08_pipeline",
+    "04_device_maps", "05_room_to_run", "06_offload_and_run", "07_transformers", "08_will_it_fit",
+    "09_pipeline",
 ]
 MAX_OUTPUT_BYTES = 150_000  # one stored output (a planner's static HTML is ~120 KB)
 MAX_NOTEBOOK_BYTES = 1_000_000  # the whole .ipynb file
