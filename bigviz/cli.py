@@ -35,13 +35,14 @@ def parse_max_memory_arg(text: str) -> dict[str, str]:
 
 DESCRIPTION = "Plan, see and run PyTorch models bigger than one device's memory."
 EPILOG = """examples:
-  bigviz demo                                    the whole story on this machine, in about a minute
+  bigviz demo                                    the whole story on this machine, in under half a minute
   bigviz plan llama-70b --dtype float16 --max-memory 0=24GiB,cpu=64GiB --html report.html
   bigviz plan path/to/checkpoint --max-memory cpu=8GiB,0=16GiB --out device_map.json
   bigviz plan llama-3.1-70b --batch 4 --context 8192 --max-memory 0=80GiB,1=80GiB
 
-Notebooks that explain each step: the notebooks/ folder of the bigviz repository."""
-DEMO_HELP = "plan, save, load with disk offload and run a small trained GPT (about a minute)"
+Notebooks that explain each step: notebooks/01_quickstart.ipynb to 09_pipeline.ipynb in the bigviz
+repository (pip install -e ".[notebooks]")."""
+DEMO_HELP = "plan, save, load with disk offload and run a small trained GPT (under half a minute)"
 DEMO_DESCRIPTION = (
     "Plans gpt2-xl and a 70B Llama on the meta device, then saves bigviz's tiny trained GPT as a "
     "sharded checkpoint, plans it from the checkpoint's headers under a budget that puts part of it "

@@ -182,9 +182,9 @@ def _cost_lines(plan: bigviz.DevicePlan, prefill: int, held: dict[str, int], run
             ("prompt's prefill activations", prefill, run.prefill_activations,  # type: ignore[attr-defined]
              f"the plan keeps {format_size(plan.activations['cpu'])} for the largest step it allows")]
     lines = ["\n== the cost of a generated token: predicted by the plan, measured here",
-             f"   {'':27}{'predicted':>11}{'measured':>11}"]
-    lines += [f"   {name:27}{format_size(p):>11}{format_size(m):>11}  {note}".rstrip() for name, p, m, note in rows]
-    lines.append(f"   {'time per token':27}{(memory_s + warm) * 1e3:>8.2f} ms{offload_s * 1e3:>8.2f} ms  "
+             f"   {'':29}{'predicted':>11}{'measured':>11}"]
+    lines += [f"   {name:29}{format_size(p):>11}{format_size(m):>11}  {note}".rstrip() for name, p, m, note in rows]
+    lines.append(f"   {'time per token':29}{(memory_s + warm) * 1e3:>8.2f} ms{offload_s * 1e3:>8.2f} ms  "
                  f"predicted: {memory_s * 1e3:.2f} ms in memory (measured) + {format_size(streamed['disk'])} "
                  f"from the page cache")
     lines.append(f"   from a cold disk (NVMe, about 3 GB/s) each token would wait {cold * 1e3:.2f} ms more for its "
