@@ -1,7 +1,7 @@
 """The README's examples run as written, and its printed outputs are the code's own.
 
 - "Ten lines" runs as written in a fresh interpreter that sees no GPU, in an empty folder.
-- The reasons printed under it are what the planner says today (``tools/readme_examples.py``
+- The reasons printed in it are what the planner says today (``tools/readme_examples.py``
   makes them; this test fails when they go stale).
 - The README names the notebooks that are in ``notebooks/``, and only those.
 """
@@ -63,10 +63,11 @@ def test_ten_lines_run_as_written_without_a_gpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_reason_example_is_what_the_planner_says_today() -> None:
+@pytest.mark.parametrize("name", ["reasons", "workload"])
+def test_printed_examples_are_what_the_planner_says_today(name: str) -> None:
     tool = _tool()
-    shown = tool.readme_block("reasons", README.read_text(encoding="utf-8"))
-    assert shown == tool.reason_example(), "README's reasons are stale: run python tools/readme_examples.py"
+    shown = tool.readme_block(name, README.read_text(encoding="utf-8"))
+    assert shown == tool.EXAMPLES[name](), f"README's {name!r} block is stale: run python tools/readme_examples.py"
 
 
 def test_readme_example_blocks_are_found_and_replaced() -> None:

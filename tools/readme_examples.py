@@ -38,16 +38,34 @@ def reason_example() -> str:
     rows = [blocks[blocks["device"] == "GPU 0"].iloc[-1]]
     rows += [blocks[blocks["device"] == device].iloc[0] for device in ("CPU", "disk")]
     rows += [frame[frame["module"] == "lm_head"].iloc[0]]
-    width = max(len(row["module"]) for row in rows) + 2
+    return _reason_lines([(row["module"], row["reason"]) for row in rows])
+
+
+def workload_example() -> str:
+    """The reasons of "Will it fit?": Llama 3.1 70B with a 32k context on two 80 GiB GPUs.
+
+    The first layer (which also holds the prefill's activations), the second, and the head.
+    """
+    import bigviz
+
+    plan = bigviz.plan(bigviz.config_path("llama-3.1-70b"), {0: "80GiB", 1: "80GiB", "cpu": "340GiB"},
+                       batch_size=1, context_length=32768)
+    reasons = plan.to_frame().set_index("module")["reason"]
+    return _reason_lines([(name, reasons[name]) for name in ("model.layers.0", "model.layers.1", "lm_head")])
+
+
+def _reason_lines(rows: list[tuple[str, str]]) -> str:
+    """``module  reason`` lines, reasons wrapped under themselves at the README's width."""
+    width = max(len(module) for module, _ in rows) + 2
     lines = []
-    for row in rows:
-        wrapped = textwrap.wrap(row["reason"], WIDTH - width)
-        lines.append(row["module"].ljust(width) + wrapped[0])
+    for module, reason in rows:
+        wrapped = textwrap.wrap(reason, WIDTH - width)
+        lines.append(module.ljust(width) + wrapped[0])
         lines += [" " * width + more for more in wrapped[1:]]
     return "\n".join(lines)
 
 
-EXAMPLES: dict[str, Callable[[], str]] = {"reasons": reason_example}
+EXAMPLES: dict[str, Callable[[], str]] = {"reasons": reason_example, "workload": workload_example}
 
 
 def block_pattern(name: str) -> re.Pattern[str]:
