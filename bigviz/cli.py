@@ -33,18 +33,44 @@ def parse_max_memory_arg(text: str) -> dict[str, str]:
     return out
 
 
+DESCRIPTION = "Plan, see and run PyTorch models bigger than one device's memory."
+EPILOG = """examples:
+  bigviz demo                                    the whole story on this machine, in under half a minute
+  bigviz plan llama-70b --dtype float16 --max-memory 0=24GiB,cpu=64GiB --html report.html
+  bigviz plan path/to/checkpoint --max-memory cpu=8GiB,0=16GiB --out device_map.json
+  bigviz plan llama-3.1-70b --batch 4 --context 8192 --max-memory 0=80GiB,1=80GiB
+
+Notebooks that explain each step: notebooks/01_quickstart.ipynb to 09_pipeline.ipynb in the bigviz
+repository (pip install -e ".[notebooks]")."""
+DEMO_HELP = "plan, save, load with disk offload and run a small trained GPT (under half a minute)"
+DEMO_DESCRIPTION = (
+    "Plans gpt2-xl and a 70B Llama on the meta device, then saves bigviz's tiny trained GPT as a "
+    "sharded checkpoint, plans it from the checkpoint's headers under a budget that puts part of it "
+    "on disk, loads it, generates text, and compares predicted with measured memory and time per "
+    "token. Writes device_map.json and report.html into --out, which must be new, empty or an "
+    "earlier demo's folder: the demo never deletes or overwrites files it did not write.")
+PLAN_DESCRIPTION = (
+    "Plans a device map (module -> GPU, cpu or disk) with a reason per placement, prints the "
+    "summary and writes the map as JSON, which bigviz and transformers' from_pretrained(device_map=...) "
+    "read. With --context it also plans the run: the KV cache and prefill activations per device.")
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bigviz", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="plan, save, load with offload and run a model (about a minute)")
-    demo.add_argument("--out", default="bigviz-demo", help="folder for device_map.json, report.html, ...")
-    demo.add_argument("--quick", action="store_true", help="shorter training and generation")
-    plan = sub.add_parser("plan", help="plan a device map for a checkpoint or a reference model preset")
+    parser = argparse.ArgumentParser(prog="bigviz", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,plan}")
+    demo = sub.add_parser("demo", help=DEMO_HELP, description=DEMO_DESCRIPTION)
+    demo.add_argument("--out", default="bigviz-demo", help="folder for device_map.json, report.html, ... "
+                                                           "(default: bigviz-demo)")
+    demo.add_argument("--quick", action="store_true", help="generate fewer tokens (for tests)")
+    plan = sub.add_parser("plan", help="plan a device map for a checkpoint, a config or a model preset",
+                          description=PLAN_DESCRIPTION)
     plan.add_argument("model", help="checkpoint file or folder, a config.json (or a folder holding only one), "
                                     "a shipped config such as llama-3.1-70b, or a preset such as llama-70b")
     plan.add_argument("--max-memory", type=parse_max_memory_arg, default=None,
                       help="budgets, e.g. cpu=8GiB,0=16GiB (default: this machine's free memory)")
-    plan.add_argument("--strategy", default="auto", choices=["auto", "balanced", "balanced_low_0", "sequential"])
+    plan.add_argument("--strategy", default="auto", choices=["auto", "balanced", "balanced_low_0", "sequential"],
+                      help="how to spread over GPUs (default: auto, the same as balanced)")
     plan.add_argument("--no-split", action="append", default=None, metavar="PATTERN",
                       help="class name or module-name glob kept whole (repeatable), e.g. 'transformer.h.*'")
     plan.add_argument("--dtype", default=None, help="plan for this dtype, e.g. float16")

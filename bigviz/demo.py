@@ -1,12 +1,15 @@
-"""``bigviz demo``: the whole story in one run, on a CPU, in under two minutes.
+"""``bigviz demo``: the whole story in one run, on a CPU, in well under two minutes.
 
 1. Plan two models too big for this machine (gpt2-xl, a 70B Llama) on the ``meta`` device.
-2. Train a tiny character-level GPT for a few seconds, so its generated text means something.
-3. Save it as a sharded safetensors checkpoint.
-4. Plan it from the checkpoint's headers alone, under a budget that forces disk offload.
-5. Load and dispatch it with bigviz's engine, generate text, and check it against the model
-   in memory; print each device's predicted and measured bytes.
-6. Write ``device_map.json`` and ``report.html`` (open it in a browser).
+2. Take bigviz's tiny trained byte-level GPT (shipped, so its text is readable) and save it
+   as a sharded safetensors checkpoint with its config.
+3. Plan it from the checkpoint's headers alone, with its run (KV cache and activations),
+   under a CPU budget that puts about half of its blocks on disk.
+4. Load and dispatch it with bigviz's engine, generate text, check it against the model in
+   memory.
+5. The cost of a generated token: memory per device and time per token, predicted by the
+   plan and measured here.
+6. Write ``device_map.json`` and ``report.html``, and say where to look next.
 
 The output folder must be new, empty, or an earlier demo's output (it holds the demo's
 ``bigviz-demo.json`` marker). The demo never deletes anything: it overwrites its own files
@@ -14,6 +17,7 @@ by name and replaces only its checkpoint's own files (``save_sharded(overwrite=T
 """
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 
@@ -22,17 +26,37 @@ import torch
 import bigviz
 from bigviz.core.serialize import write_json_atomic
 from bigviz.core.units import device_label, format_size
-from bigviz.models import GPT, GPTConfig, Llama, LlamaConfig
+from bigviz.models import GPT, GPTConfig, Llama, LlamaConfig, decode_bytes, encode_bytes, tiny_gpt
 
 MARKER = "bigviz-demo.json"  # says "an earlier demo wrote this folder"
 OUTPUTS = ("gpt2-xl.device_map.json", "llama-70b.device_map.json", "checkpoint", "device_map.json",
            "report.html")
-TEXT = "Big models break naive loading: build on meta, plan every block, stream offloaded blocks from disk. "
 PROMPT = "Big models "
+DISK_SPEED = "NVMe ("  # the cost model's disk for a cold read (plan_cost's default)
+WARM_SPEED = "page cache"  # pages just written are in the page cache
 
 
-def _say(text: str) -> None:
+def _say(text: str = "") -> None:
     print(text, flush=True)
+
+
+def _count(n: int) -> str:
+    """``1557611200`` -> ``"1.56B"``: parameter counts as people say them."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def _size_lines(model: torch.nn.Module, dtype: torch.dtype | None) -> str:
+    """The top of the size table, with friendly sizes instead of byte counts."""
+    table = bigviz.size_table(model, dtype=dtype, max_depth=1)
+    rows = [(r.module, r._2, _count(r.parameters), format_size(r.bytes), f"{r.share:.1%}",
+             f"tied to {r.tied_to}" if r.tied_to else "") for r in table.itertuples()]
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    return "\n".join("  " + "  ".join(c.rjust(w) if i >= 2 else c.ljust(w) for i, (c, w) in
+                                      enumerate(zip(row[:5], widths))) + (f"  {row[5]}" if row[5] else "")
+                     for row in rows)
 
 
 def plan_big_models(out: Path) -> None:
@@ -46,38 +70,22 @@ def plan_big_models(out: Path) -> None:
             model = build()
         plan = bigviz.plan(model, budget, dtype=dtype)
         took = time.perf_counter() - start
-        table = bigviz.size_table(model, dtype=dtype, max_depth=1)
-        _say(f"\n== {name}: {table['parameters'].iloc[0] / 1e9:.2f}B parameters, "
-             f"{format_size(plan.tree.total(''))}"
-             f"{' in fp16' if dtype else ''}; built on meta and planned in {took:.2f} s")
-        _say(table.to_string(index=False, formatters={"share": "{:.1%}".format}))
+        params = sum(p.numel() for p in model.parameters())
+        _say(f"\n== {name}: {_count(params)} parameters, {format_size(plan.tree.total(''))} in "
+             f"{'float16' if dtype else 'float32'}; built on meta and planned in {took:.2f} s "
+             f"(budgets {', '.join(f'{device_label(k)} {v}' for k, v in budget.items())})")
+        _say(_size_lines(model, dtype))
         _say(plan.summary())
         bigviz.save_device_map(plan.device_map, out / f"{name}.device_map.json")
 
 
-def train_tiny(steps: int) -> GPT:
-    """Step 2: a byte-level GPT that memorises ``TEXT`` (a few seconds on two cores)."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=96, vocab_size=256, block_size=64))
-    data = torch.tensor(list(TEXT.encode()), dtype=torch.long)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
-    for step in range(steps):
-        # windows as long as the context, so every position the demo generates at is trained
-        starts = torch.randint(0, len(data) - 65, (32,))
-        x = torch.stack([data[s:s + 64] for s in starts])
-        y = torch.stack([data[s + 1:s + 65] for s in starts])
-        _, loss = model(x, y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if step % 100 == 0 or step == steps - 1:
-            _say(f"  step {step:4d}  loss {loss.item():.3f}")
-    return model.eval()
-
-
-def _generate(model: torch.nn.Module, tokens: int) -> list[int]:
-    idx = torch.tensor([list(PROMPT.encode())], dtype=torch.long)
-    return model.generate(idx, tokens)[0].tolist()
+def load_tiny() -> GPT:
+    """Step 2: bigviz's shipped byte-level GPT, trained (``bigviz.models.tiny_gpt``)."""
+    model = tiny_gpt()
+    _say(f"\n== bigviz's tiny trained GPT: {_count(sum(p.numel() for p in model.parameters()))} parameters, "
+         f"{format_size(bigviz.compute_module_sizes(model)[''])}; it reads and writes bytes, and learned "
+         "a few paragraphs about loading big models")
+    return model
 
 
 def measured_bytes(model: torch.nn.Module) -> dict[str, int]:
@@ -94,40 +102,94 @@ def measured_bytes(model: torch.nn.Module) -> dict[str, int]:
     return out
 
 
+def _seconds_per_token(model: torch.nn.Module, tokens: int) -> tuple[list[int], float]:
+    """Greedy tokens after ``PROMPT``, and the median seconds per new token over 3 runs."""
+    idx = encode_bytes(PROMPT)
+    times, out = [], []
+    for _ in range(4):  # the first run warms up (first page faults, kernels)
+        start = time.perf_counter()
+        out = model.generate(idx, tokens)[0].tolist()
+        times.append((time.perf_counter() - start) / tokens)
+    return out, statistics.median(times[1:])
+
+
+def _plan_from_headers(ckpt: Path, trained: GPT, context: int) -> bigviz.DevicePlan:
+    """Step 3: half of the weights in CPU RAM, plus room for the run; the rest on disk."""
+    weights = bigviz.compute_module_sizes(trained)[""]
+    run = bigviz.plan(ckpt, {"cpu": 2 * weights}, batch_size=1, context_length=context)
+    run_bytes = run.kv_cache["cpu"] + run.activations["cpu"]
+    budget = {"cpu": weights // 2 + run_bytes}
+    plan = bigviz.plan(ckpt, budget, batch_size=1, context_length=context)  # headers + config.json
+    _say(f"\n== planned from the checkpoint's headers alone, for a run of {context} tokens, under "
+         f"cpu={format_size(budget['cpu'])}\n   (half the weights, {format_size(weights // 2)}, plus "
+         f"{format_size(run_bytes)} for the run's KV cache and activations):")
+    _say(plan.summary())
+    shown = {p.device: p for p in plan.placements if p.name.startswith("transformer.h.")}
+    for placement in shown.values():  # one block kept in RAM, one streamed from disk: the reasons
+        _say(f"  {placement.name}: {placement.reason}")
+    return plan
+
+
 def run_offloaded(out: Path, trained: GPT, tokens: int) -> bool:
-    """Steps 3 to 6. Returns whether the offloaded model generated exactly the same text."""
+    """Steps 2 to 6. Returns whether the offloaded model generated exactly the same text."""
     ckpt = out / "checkpoint"
-    bigviz.save_sharded(trained, ckpt, max_shard_size="400KB", overwrite=True)
-    files = sorted(p.name for p in ckpt.iterdir())
-    _say(f"\n== saved {len(files) - 1} shards + index to {ckpt}: {', '.join(files[:3])} ...")
-    total = bigviz.compute_module_sizes(trained)[""]
-    budget = {"cpu": int(total * 0.8), "disk": "1GiB"}
-    plan = bigviz.plan(str(ckpt), budget)  # from tensor names and header sizes alone
-    _say(f"== planned from headers under cpu={format_size(budget['cpu'])}:\n{plan.summary()}")
+    bigviz.save_sharded(trained, ckpt, max_shard_size="200KB", config=trained.config, overwrite=True,
+                        progress=False)
+    shards = sorted(p.name for p in ckpt.glob("*.safetensors"))
+    _say(f"   saved as {len(shards)} shards + index + config.json to {ckpt}")
+    context = len(PROMPT.encode()) + tokens - 1  # generate never caches its last token
+    plan = _plan_from_headers(ckpt, trained, context)
     bigviz.save_device_map(plan.device_map, out / "device_map.json")
     bigviz.save_html(plan, out / "report.html")
     with bigviz.init_empty_weights():
         model = GPT(trained.config)
     start = time.perf_counter()
-    model = bigviz.load_checkpoint_and_dispatch(model, ckpt, device_map=plan.device_map,
-                                                offload_folder=out / "offload")
-    _say(f"== loaded and dispatched in {time.perf_counter() - start:.2f} s; placements:")
-    measured = measured_bytes(model)
-    for usage in plan.usage:
-        key = str(usage.device)
-        _say(f"  {device_label(usage.device):>5}: predicted {format_size(usage.used):>10}, "
-             f"measured {format_size(measured.get(key, 0)):>10}")
-    start = time.perf_counter()
-    got = _generate(model, tokens)
-    took = time.perf_counter() - start
-    want = _generate(trained, tokens)
-    on_disk = measured.get("disk", 0) / max(sum(measured.values()), 1)
-    _say(f"== generated {tokens} tokens in {took:.2f} s with {on_disk:.0%} of the weights on disk:\n"
-         f"  {bytes(got).decode(errors='replace')!r}")
-    same = got == want
-    _say(f"  identical to the model in memory: {same}")
-    bigviz.remove_hooks(model)
+    model = bigviz.load_checkpoint_and_dispatch(model, ckpt, device_map=plan.device_map)
+    loaded_s = time.perf_counter() - start
+    try:
+        want, memory_s = _seconds_per_token(trained, tokens)
+        got, offload_s = _seconds_per_token(model, tokens)
+        same = got == want
+        held = measured_bytes(model)
+        _say(f"\n== loaded and dispatched in {loaded_s:.2f} s; generated {tokens} tokens with "
+             f"{held.get('disk', 0) / max(sum(held.values()), 1):.0%} of the weights on disk:\n"
+             f"   {decode_bytes(got)!r}\n   identical to the model in memory: {same}")
+        run = bigviz.measure_generate(model, encode_bytes(PROMPT), tokens)
+        prompt_only = bigviz.plan(ckpt, {"cpu": 2 * bigviz.compute_module_sizes(trained)[""]},
+                                  batch_size=1, context_length=len(PROMPT.encode()))
+        _say(_cost_lines(plan, prompt_only.activations["cpu"], held, run, memory_s, offload_s))
+    finally:
+        bigviz.remove_hooks(model)
     return same
+
+
+def _cost_lines(plan: bigviz.DevicePlan, prefill: int, held: dict[str, int], run: object, memory_s: float,
+                offload_s: float) -> str:
+    """Step 5: memory and time of a generated token, the plan's prediction against this run.
+
+    ``prefill`` is the predicted activations of the prompt's prefill (the plan itself keeps
+    room for the largest step it could run: a prefill of its whole context)."""
+    from bigviz.ui.presets import plan_cost
+
+    streamed = plan.offloaded_bytes()
+    warm = plan_cost(streamed, main_device=plan.main_device, disk=WARM_SPEED)["seconds_per_forward"]
+    cold = plan_cost(streamed, main_device=plan.main_device, disk=DISK_SPEED)["seconds_per_forward"]
+    rows = [("weights in CPU RAM", plan.usage_of("cpu").used, held.get("cpu", 0), ""),
+            ("weights on disk", plan.usage_of("disk").used, held.get("disk", 0),
+             "on meta between forwards, read from the shards for every token"),
+            ("KV cache (CPU)", plan.kv_cache["cpu"], run.cache_bytes.get("cpu", 0),  # type: ignore[attr-defined]
+             f"{run.cache_tokens} tokens"),  # type: ignore[attr-defined]
+            ("prompt's prefill activations", prefill, run.prefill_activations,  # type: ignore[attr-defined]
+             f"the plan keeps {format_size(plan.activations['cpu'])} for the largest step it allows")]
+    lines = ["\n== the cost of a generated token: predicted by the plan, measured here",
+             f"   {'':29}{'predicted':>11}{'measured':>11}"]
+    lines += [f"   {name:29}{format_size(p):>11}{format_size(m):>11}  {note}".rstrip() for name, p, m, note in rows]
+    lines.append(f"   {'time per token':29}{(memory_s + warm) * 1e3:>8.2f} ms{offload_s * 1e3:>8.2f} ms  "
+                 f"predicted: {memory_s * 1e3:.2f} ms in memory (measured) + {format_size(streamed['disk'])} "
+                 f"from the page cache")
+    lines.append(f"   from a cold disk (NVMe, about 3 GB/s) each token would wait {cold * 1e3:.2f} ms more for its "
+                 "weights; prefetch reads the next block while this one computes (notebook 06 measures it)")
+    return "\n".join(lines)
 
 
 def prepare_output(out: Path) -> None:
@@ -151,6 +213,19 @@ def prepare_output(out: Path) -> None:
     write_json_atomic({"written_by": "bigviz demo", "outputs": list(OUTPUTS)}, out / MARKER)
 
 
+def _next_steps(out: Path) -> str:
+    return "\n".join([
+        "\n== where to look next",
+        f"   {out / 'report.html'}: open it in a browser (works offline): the treemap of this plan, "
+        "the budgets and every placement's reason",
+        f"   {out / 'device_map.json'}: the map, for bigviz.load_checkpoint_and_dispatch or transformers' "
+        "from_pretrained(device_map=...)",
+        "   the notebooks explain each step, measured: in a clone of the bigviz repository, "
+        "pip install -e \".[notebooks]\" && jupyter lab notebooks/01_quickstart.ipynb",
+        "   your own model: bigviz plan CHECKPOINT_OR_CONFIG --max-memory 0=24GiB,cpu=64GiB (bigviz plan --help)",
+    ])
+
+
 def main(out: str | Path = "bigviz-demo", *, quick: bool = False) -> int:
     """Run the demo, writing its files under ``out``. Returns a process exit code."""
     out = Path(out)
@@ -158,9 +233,8 @@ def main(out: str | Path = "bigviz-demo", *, quick: bool = False) -> int:
     start = time.perf_counter()
     _say("bigviz demo: plan, save, load, offload and run models bigger than your devices")
     plan_big_models(out)
-    _say("\n== training a tiny byte-level GPT (so its text is readable)")
-    trained = train_tiny(60 if quick else 800)
-    same = run_offloaded(out, trained, 20 if quick else 50)
-    _say(f"\nwrote {out / 'device_map.json'} and {out / 'report.html'} "
-         f"(open the report in a browser); total {time.perf_counter() - start:.1f} s")
+    trained = load_tiny()
+    same = run_offloaded(out, trained, 24 if quick else 64)
+    _say(_next_steps(out))
+    _say(f"\ntotal {time.perf_counter() - start:.1f} s")
     return 0 if same else 1

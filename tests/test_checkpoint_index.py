@@ -149,6 +149,24 @@ def test_every_corrupt_shard_reported_at_once(tmp_path: Path) -> None:
     assert len(err.value.problems) == 2
 
 
+@pytest.mark.parametrize("safe", [True, False])
+def test_missing_and_corrupt_shards_in_one_error(tmp_path: Path, safe: bool) -> None:
+    """A folder with a missing shard and a damaged one: both named in one error, each fix said."""
+    folder = _sharded(tmp_path / "c", safe=safe)
+    shards = sorted(p for p in folder.iterdir() if not p.name.endswith(".json"))
+    assert len(shards) == 3
+    shards[0].unlink()
+    shards[2].write_bytes(shards[2].read_bytes()[:-4])  # truncated
+    with pytest.raises(CheckpointError) as err:
+        CheckpointIndex.open(folder)
+    problems = err.value.problems
+    assert len(problems) == 2, problems
+    gone = "shard named by the index is missing"
+    assert any(shards[0].name in p and gone in p for p in problems)
+    assert any(shards[2].name in p and gone not in p for p in problems)
+    assert "copy the missing shards" in str(err.value)
+
+
 def test_index_naming_a_tensor_the_shard_lacks(tmp_path: Path) -> None:
     folder = _sharded(tmp_path / "c")
     doc = json.loads((folder / "model.safetensors.index.json").read_text())

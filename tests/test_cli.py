@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -17,6 +18,18 @@ def test_max_memory_argument():
     assert parse_max_memory_arg("cpu=8GiB,0=16GiB") == {"cpu": "8GiB", "0": "16GiB"}
     with pytest.raises(Exception, match="DEVICE=SIZE"):
         parse_max_memory_arg("cpu8GiB")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["plan", "--help"]])
+def test_help_is_plain_text(argv, capsys):
+    """argparse prints descriptions as they are: no reST markup from docstrings."""
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert "``" not in text and ":func:" not in text and len(text) > 200
+    if argv[0] == "--help":
+        assert "bigviz demo" in text and "examples:" in text
 
 
 def test_plan_preset_writes_map_and_report(tmp_path, capsys):
@@ -62,7 +75,14 @@ def test_demo_runs_end_to_end(tmp_path):
     result = subprocess.run([sys.executable, "-m", "bigviz.cli", "demo", "--quick", "--out", str(tmp_path / "d")],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "identical to the model in memory: True" in result.stdout
+    out = result.stdout
+    assert "identical to the model in memory: True" in out
+    assert not re.search(r"\d{7,}", out), "sizes are printed friendly (KiB, GiB), not as raw byte counts"
+    # the cost of a token: the plan's prediction next to the measurement, for memory and time
+    kv = re.search(r"KV cache \(CPU\)\s+(\S+ \S+)\s+(\S+ \S+)", out)
+    assert kv and kv.group(1) == kv.group(2), out  # the cache is predicted exactly
+    assert re.search(r"time per token\s+[\d.]+ ms\s+[\d.]+ ms", out)
+    assert "report.html: open it in a browser" in out and "notebooks" in out  # where to look next
     device_map = bigviz.load_device_map(tmp_path / "d" / "device_map.json")
     assert "disk" in device_map.values()
     assert (tmp_path / "d" / "report.html").stat().st_size > 10_000

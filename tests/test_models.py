@@ -359,6 +359,50 @@ def test_bfloat16_llama_stays_close_to_float32(tiny_llama: Llama) -> None:
     torch.testing.assert_close(got.float(), expected, rtol=0.05, atol=0.05)
 
 
+# --- the shipped trained GPT ---------------------------------------------------------------
+
+
+def test_the_shipped_tiny_gpt_writes_the_text_it_learned() -> None:
+    """bigviz.models.tiny_gpt knows its corpus by heart: from the start of each paragraph,
+    greedy decoding writes the paragraph's next 24 bytes (readable text, not one token)."""
+    from bigviz.models import decode_bytes, encode_bytes, tiny_corpus, tiny_gpt
+
+    model = tiny_gpt()
+    assert not model.training and model.lm_head.weight is model.transformer.wte.weight
+    paragraphs = [p for p in tiny_corpus().split("\n\n") if p.strip()]
+    assert len(paragraphs) >= 15
+    recalled = 0
+    for paragraph in paragraphs:
+        prompt = paragraph[:16]
+        text = decode_bytes(model.generate(encode_bytes(prompt), 24)[0])
+        recalled += text == paragraph[:40]
+    assert recalled >= len(paragraphs) - 1, f"{recalled} of {len(paragraphs)} paragraphs recalled"
+
+
+def test_the_shipped_checkpoint_folder_loads_like_any_other(tmp_path) -> None:
+    """tiny_gpt_folder() is a checkpoint with its config: planned from its headers, half on
+    disk, loaded by bigviz's engine, it writes what tiny_gpt() writes."""
+    import json
+
+    import bigviz
+    from bigviz.models import GPTConfig, encode_bytes, tiny_gpt, tiny_gpt_folder
+
+    folder = tiny_gpt_folder()
+    config = json.loads((folder / "config.json").read_text())
+    assert config.pop("model_type") == GPTConfig.model_type
+    weights = bigviz.compute_module_sizes(tiny_gpt())[""]
+    plan = bigviz.plan(folder, {"cpu": weights // 2})
+    assert set(plan.device_map.values()) == {"cpu", "disk"}
+    with bigviz.init_empty_weights():
+        model = GPT(GPTConfig(**config))
+    model = bigviz.load_checkpoint_and_dispatch(model, folder, device_map=plan)
+    try:
+        prompt = encode_bytes("A device map ")
+        assert torch.equal(model.generate(prompt, 30), tiny_gpt().generate(prompt, 30))
+    finally:
+        bigviz.remove_hooks(model)
+
+
 # --- GPU (skipped without CUDA) -----------------------------------------------------------
 
 

@@ -17,7 +17,8 @@ import pytest
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 EXPECTED = [
     "01_quickstart", "02_why_big_models_break", "03_sharded_checkpoints",
-    "04_device_maps", "05_offload_and_run", "06_transformers", "07_will_it_fit", "08_pipeline",
+    "04_device_maps", "05_room_to_run", "06_offload_and_run", "07_transformers", "08_will_it_fit",
+    "09_pipeline",
 ]
 MAX_OUTPUT_BYTES = 150_000  # one stored output (a planner's static HTML is ~120 KB)
 MAX_NOTEBOOK_BYTES = 1_000_000  # the whole .ipynb file
@@ -124,3 +125,36 @@ def test_checked_outputs_are_plain_text(name: str) -> None:
             kinds = {o["output_type"] for o in cell["outputs"]}
             assert kinds <= {"stream"}, f"{name}: checked cell {i} stores {kinds}; print text instead"
             assert cell["outputs"], f"{name}: checked cell {i} prints nothing to compare"
+
+
+INTERACTIVE = ("application/vnd.plotly.v1+json", "application/vnd.jupyter.widget-view+json")
+PICTURES = ("image/png", "image/svg+xml")
+# matplotlib draws when a cell shows it (a Planner or treemap shown carries an interactive output)
+FIGURE_CALLS = re.compile(r"plt\.show\(\)|\.plot(?:\.\w+)?\(")
+
+
+def _is_picture(mime: str, value: str | list[str]) -> bool:
+    """A PNG (base64, starting with the PNG signature) or a well-formed SVG document."""
+    text = _text(value)
+    if mime == "image/png":
+        return text.startswith("iVBORw0KGgo")  # base64 of b"\x89PNG\r\n\x1a\n"
+    import xml.etree.ElementTree as ET
+
+    return ET.fromstring(text).tag == "{http://www.w3.org/2000/svg}svg"
+
+
+@pytest.mark.parametrize("name", EXPECTED)
+def test_every_figure_has_a_picture_that_needs_no_script(name: str) -> None:
+    """Read on GitHub, nbviewer or offline, a figure's script draws nothing: its picture must be there."""
+    for i, cell in enumerate(_code_cells(_load(name))):
+        outputs = [o.get("data", {}) for o in cell.get("outputs", [])]
+        for data in outputs:
+            html = _text(data.get("text/html", ""))
+            assert not re.search(r"<script[^>]+src=['\"]?(?:https?:)?//", html), f"{name}: cell {i} loads a script from the network"
+            interactive = any(m in data for m in INTERACTIVE) or "<script" in html or "<Figure size" in _text(data.get("text/plain", ""))
+            if interactive:
+                pictures = [m for m in PICTURES if m in data]
+                assert pictures, f"{name}: cell {i} stores a figure ({sorted(data)}) with no PNG or SVG beside it"
+                assert all(_is_picture(m, data[m]) for m in pictures), f"{name}: cell {i}'s picture is not a PNG/SVG"
+        if FIGURE_CALLS.search(_text(cell["source"])):
+            assert any(m in data for data in outputs for m in PICTURES), f"{name}: cell {i} draws a figure but stores no picture"

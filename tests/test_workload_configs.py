@@ -75,6 +75,24 @@ def test_plan_takes_a_config_file_or_a_folder_holding_only_one(tmp_path):
                                                      "model.layers.1": 3 * 8 * 2 * 16 * 2 * 4}
 
 
+@pytest.mark.parametrize("preset", ["gpt-mini", "llama-tiny"])
+def test_a_bigviz_checkpoint_with_its_config_plans_its_run(tmp_path, preset):
+    """``save_sharded(config=model.config)`` records a reference model's config: the run of a
+    checkpoint planned from its headers is the run of the model itself."""
+    torch.manual_seed(0)
+    model = build(preset, n_layer=3) if preset.startswith("gpt") else build(preset, n_layers=3)
+    folder = bigviz.save_sharded(model, tmp_path / "ckpt", max_shard_size="100KB", config=model.config,
+                                 progress=False)
+    budget = {"cpu": bigviz.compute_module_sizes(model)[""] // 2}
+    from_headers = bigviz.plan(folder, budget, batch_size=2, context_length=40)
+    from_model = bigviz.plan(model, budget, batch_size=2, context_length=40)
+    assert from_headers.kv_cache == from_model.kv_cache and sum(from_headers.kv_cache.values()) > 0
+    assert from_headers.activations == from_model.activations
+    assert from_headers.device_map == {k: v for k, v in from_model.device_map.items() if k in from_headers.device_map}
+    assert "disk" in from_headers.device_map.values()
+    assert type(bigviz.model_from_config(folder / "config.json")) is type(model)
+
+
 def test_bad_configs_say_what_is_wrong(tmp_path):
     (tmp_path / "a.json").write_text("{not json")
     with pytest.raises(ValueError, match="a.json"):

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bigviz.checkpoint.errors import CheckpointError, raise_problems
-from bigviz.checkpoint.layout import Layout, find_layout
+from bigviz.checkpoint.layout import MISSING_FIX, Layout, find_layout, missing_problems
 from bigviz.checkpoint.safetensors_io import check_header, file_stamp
 
 if TYPE_CHECKING:
@@ -105,7 +105,8 @@ class CheckpointIndex:
         """
         if isinstance(path, CheckpointIndex):
             return path
-        layout = find_layout(path, prefer_safe=prefer_safe)
+        # missing shards are reported with the other shards' problems, in one error
+        layout = find_layout(path, prefer_safe=prefer_safe, check_files=False)
         stamps: dict[Path, tuple[int, ...]] = {}
         if layout.format == "safetensors":
             per_file, file_metadata = _read_safetensors(layout, stamps)
@@ -186,9 +187,22 @@ def _read_safetensors(layout: Layout, stamps: dict[Path, tuple[int, ...]]
                 name: TensorInfo(name, e.dtype, e.shape, e.end - e.begin, file, (e.begin, e.end))
                 for name, e in header.tensors.items()
             }
-    raise_problems(problems, f"cannot read checkpoint '{layout.path}'",
-                   fix="the listed files are truncated or corrupt: re-download them or save the model again")
+    _raise_file_problems(layout, problems, fix=_CORRUPT_FIX)
     return per_file, metadata
+
+
+_CORRUPT_FIX = "the listed files are truncated or corrupt: re-download them or save the model again"
+
+
+def _raise_file_problems(layout: Layout, problems: list[str], *, fix: str = "") -> None:
+    """One error for every missing, truncated and corrupt file of the checkpoint."""
+    if not problems:
+        raise_problems(missing_problems(layout.missing), f"incomplete checkpoint '{layout.path.parent}'",
+                       fix=MISSING_FIX)
+        return
+    fixes = [f for f in ((MISSING_FIX if layout.missing else ""), fix) if f]
+    raise_problems(missing_problems(layout.missing) + problems, f"cannot read checkpoint '{layout.path}'",
+                   fix="; ".join(fixes))
 
 
 def _read_torch(layout: Layout, stamps: dict[Path, tuple[int, ...]]) -> tuple[dict[Path, dict[str, TensorInfo]], dict]:
@@ -210,7 +224,7 @@ def _read_torch(layout: Layout, stamps: dict[Path, tuple[int, ...]]) -> tuple[di
                              t.numel() * t.element_size(), file)
             for name, t in states[file].items()
         }
-    raise_problems(problems, f"cannot read checkpoint '{layout.path}'")
+    _raise_file_problems(layout, problems)
     return per_file, states
 
 

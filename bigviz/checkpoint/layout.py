@@ -28,7 +28,7 @@ from bigviz.checkpoint.errors import CheckpointError, raise_problems
 from bigviz.checkpoint.torch_io import TORCH_SUFFIXES
 from bigviz.core.serialize import parse_json
 
-__all__ = ["Layout", "find_layout"]
+__all__ = ["Layout", "find_layout", "missing_problems", "MISSING_FIX"]
 
 _SAFE = ".safetensors"
 
@@ -42,14 +42,18 @@ class Layout:
     files: list[Path]
     weight_map: dict[str, Path] | None = None  # None: every tensor of the single file
     metadata: dict = field(default_factory=dict)
+    missing: tuple[Path, ...] = ()  # files the index names that are not there (check_files=False)
 
 
-def find_layout(path: str | Path, *, prefer_safe: bool = True) -> Layout:
+def find_layout(path: str | Path, *, prefer_safe: bool = True, check_files: bool = True) -> Layout:
     """Resolve a file, an index file or a folder into a `Layout`.
 
     Args:
         path: a weights file, an index ``.json`` file, or a folder.
         prefer_safe: when a folder holds both safetensors and torch files, use safetensors.
+        check_files: raise when the index names shards the folder lacks; with False they
+            are listed in ``Layout.missing`` instead (and left out of ``files``), so that a
+            caller reading the other shards can report every problem at once.
 
     Raises:
         CheckpointError: nothing usable found, an ambiguous folder, a bad index, or shards
@@ -61,7 +65,7 @@ def find_layout(path: str | Path, *, prefer_safe: bool = True) -> Layout:
     elif not path.exists():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist: check the path")
     if path.name.endswith(".json"):
-        return _from_index_file(path)
+        return _from_index_file(path, check_files=check_files)
     return Layout(_format_of(path), path, [path])
 
 
@@ -138,7 +142,7 @@ def _index_format(path: Path) -> str | None:
     return None
 
 
-def _from_index_file(path: Path) -> Layout:
+def _from_index_file(path: Path, *, check_files: bool = True) -> Layout:
     try:
         doc = parse_json(path.read_bytes(), path, "checkpoint index")  # deep nesting: an error, not a crash
     except OSError as err:
@@ -156,11 +160,20 @@ def _from_index_file(path: Path) -> Layout:
     formats = {_format_of(f) for f in files}
     if len(formats) > 1:
         raise CheckpointError(f"{path}: the index mixes safetensors and torch files; keep one format")
-    missing = [f"{f}: shard named by the index is missing" for f in files if not f.is_file()]
-    raise_problems(missing, f"incomplete checkpoint '{path.parent}'",
-                   fix="download or copy the missing shards into the folder (or fix the index)")
+    missing = tuple(f for f in files if not f.is_file())
+    if check_files:
+        raise_problems(missing_problems(missing), f"incomplete checkpoint '{path.parent}'", fix=MISSING_FIX)
     weight_map = {name: path.parent / f for name, f in mapping.items()}
-    return Layout(formats.pop() if formats else "safetensors", path, files, weight_map, dict(metadata))
+    return Layout(formats.pop() if formats else "safetensors", path, [f for f in files if f not in missing],
+                  weight_map, dict(metadata), missing)
+
+
+MISSING_FIX = "download or copy the missing shards into the folder (or fix the index)"
+
+
+def missing_problems(missing: tuple[Path, ...]) -> list[str]:
+    """One problem line per shard the index names but the folder lacks."""
+    return [f"{f}: shard named by the index is missing" for f in missing]
 
 
 def _check_mapping(path: Path, mapping: object) -> list[str]:

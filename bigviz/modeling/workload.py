@@ -105,7 +105,9 @@ def model_from_config(source: Any) -> nn.Module:
 
     ``source`` is a ``config.json`` path, a folder holding one, a dict of its contents or a
     ``PretrainedConfig``. The architecture named in the config is built (a causal LM when the
-    config names one, else the base model), in the config's dtype, with its ties made.
+    config names one, else the base model), in the config's dtype, with its ties made. A
+    config of one of bigviz's reference models (``bigviz.save_sharded(model, folder,
+    config=model.config)`` writes one) builds that model, without transformers.
 
     Raises:
         ValueError: when the file is not JSON, names no model type transformers knows, or
@@ -116,6 +118,9 @@ def model_from_config(source: Any) -> nn.Module:
         >>> type(model).__name__, round(sum(p.numel() for p in model.parameters()) / 1e9, 1)
         ('MixtralForCausalLM', 46.7)
     """
+    reference = _reference_model(source)
+    if reference is not None:
+        return reference
     try:
         from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
     except ImportError as err:  # an optional dependency: planning from checkpoints needs none
@@ -132,6 +137,23 @@ def model_from_config(source: Any) -> nn.Module:
             model = AutoModel.from_config(config, **kwargs)
     model.tie_weights()
     return model.eval()
+
+
+def _reference_model(source: Any) -> nn.Module | None:
+    """The bigviz reference model a config describes (on meta, eval), or None for any other."""
+    from bigviz.models import MODEL_TYPES, from_config
+
+    data: Any = source
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source) / "config.json" if Path(source).is_dir() else Path(source)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None  # not readable here: _read_config says why
+    if not isinstance(data, Mapping) or data.get("model_type") not in MODEL_TYPES:
+        return None
+    with torch.device("meta"):
+        return from_config(data).eval()
 
 
 def _read_config(source: Any, auto_config: Any, base: type) -> Any:

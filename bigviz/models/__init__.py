@@ -2,7 +2,8 @@
 
 Each model lives in one readable file (:mod:`bigviz.models.gpt`, :mod:`bigviz.models.llama`);
 both share a :class:`KVCache` and the same ``forward(idx, targets=None, *, cache=None)`` and
-``generate(idx, max_new_tokens, ...)`` contract. Only torch is imported here.
+``generate(idx, max_new_tokens, ...)`` contract. Only torch is imported here. One small GPT
+is shipped trained, so that its text is readable: :func:`tiny_gpt` (:mod:`bigviz.models.trained`).
 
 Example:
     >>> import torch
@@ -22,10 +23,12 @@ from bigviz.models.cache import KVCache
 from bigviz.models.gpt import GPT, GPT_PRESETS, Block, GPTConfig
 from bigviz.models.llama import LLAMA_PRESETS, Llama, LlamaConfig, LlamaDecoderLayer
 from bigviz.models.presets import from_config_dict
+from bigviz.models.trained import decode_bytes, encode_bytes, tiny_corpus, tiny_gpt, tiny_gpt_folder
 
 __all__ = [
     "GPT", "GPTConfig", "Block", "Llama", "LlamaConfig", "LlamaDecoderLayer", "KVCache",
     "build", "PRESETS", "MODEL_TYPES", "from_config",
+    "tiny_gpt", "tiny_gpt_folder", "tiny_corpus", "encode_bytes", "decode_bytes",
 ]  # fmt: skip
 
 # every preset name, for menus and error messages

@@ -28,7 +28,7 @@ def quick_demo(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return True
 
     monkeypatch.setattr(demo, "plan_big_models", plan_big_models)
-    monkeypatch.setattr(demo, "train_tiny", lambda steps_: steps.append("train"))
+    monkeypatch.setattr(demo, "load_tiny", lambda: steps.append("load"))
     monkeypatch.setattr(demo, "run_offloaded", run_offloaded)
     return steps
 
@@ -71,7 +71,7 @@ def test_an_earlier_demo_output_is_reused_and_other_files_kept(tmp_path: Path, q
     (out / "my-notes.txt").write_text("added by hand")
     assert demo.main(out, quick=True) == 0  # its own earlier output: accepted
     assert (out / "my-notes.txt").read_text() == "added by hand"
-    assert quick_demo == ["plan", "train", "run"] * 2
+    assert quick_demo == ["plan", "load", "run"] * 2
     empty = tmp_path / "empty"
     empty.mkdir()
     assert demo.main(empty, quick=True) == 0  # an empty folder is fine too

@@ -1,0 +1,102 @@
+"""The README's printed examples, made by the code they describe (``tests/test_readme.py`` checks them).
+
+A README that quotes a planner's output goes stale the day the planner changes. The blocks
+written here sit in the README between ``<!-- readme_examples: NAME -->`` and the end of the code
+block that follows it; the test fails when the README's copy differs from what the code prints
+today, and this script rewrites them.
+
+Usage:
+    python tools/readme_examples.py            # rewrite the README's generated blocks
+    python tools/readme_examples.py --check    # exit 1 if one of them is stale
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+WIDTH = 96  # the README's text blocks stay readable on GitHub without scrolling
+
+
+def reason_example() -> str:
+    """The reasons of the "Ten lines" plan (gpt2-xl on one 3 GiB GPU and 2 GiB of RAM).
+
+    Shows the last block that fits GPU 0, the first block sent to each other device, and the
+    tied head: one line of each kind of reason.
+    """
+    import bigviz
+    from bigviz.models import GPT, GPTConfig
+
+    with bigviz.init_empty_weights():
+        model = GPT(GPTConfig.preset("gpt2-xl"))
+    frame = bigviz.plan(model, max_memory={0: "3GiB", "cpu": "2GiB"}).to_frame()
+    blocks = frame[frame["class"] == "Block"]
+    rows = [blocks[blocks["device"] == "GPU 0"].iloc[-1]]
+    rows += [blocks[blocks["device"] == device].iloc[0] for device in ("CPU", "disk")]
+    rows += [frame[frame["module"] == "lm_head"].iloc[0]]
+    return _reason_lines([(row["module"], row["reason"]) for row in rows])
+
+
+def workload_example() -> str:
+    """The reasons of "Will it fit?": Llama 3.1 70B with a 32k context on two 80 GiB GPUs.
+
+    The first layer (which also holds the prefill's activations), the second, and the head.
+    """
+    import bigviz
+
+    plan = bigviz.plan(bigviz.config_path("llama-3.1-70b"), {0: "80GiB", 1: "80GiB", "cpu": "340GiB"},
+                       batch_size=1, context_length=32768)
+    reasons = plan.to_frame().set_index("module")["reason"]
+    return _reason_lines([(name, reasons[name]) for name in ("model.layers.0", "model.layers.1", "lm_head")])
+
+
+def _reason_lines(rows: list[tuple[str, str]]) -> str:
+    """``module  reason`` lines, reasons wrapped under themselves at the README's width."""
+    width = max(len(module) for module, _ in rows) + 2
+    lines = []
+    for module, reason in rows:
+        wrapped = textwrap.wrap(reason, WIDTH - width)
+        lines.append(module.ljust(width) + wrapped[0])
+        lines += [" " * width + more for more in wrapped[1:]]
+    return "\n".join(lines)
+
+
+EXAMPLES: dict[str, Callable[[], str]] = {"reasons": reason_example, "workload": workload_example}
+
+
+def block_pattern(name: str) -> re.Pattern[str]:
+    """The marker comment and the fenced block after it; group 2 is the block's lines (maybe none)."""
+    return re.compile(rf"(<!-- readme_examples: {re.escape(name)} -->\n```\w*\n)((?:(?!```)[^\n]*\n)*)(```)")
+
+
+def readme_block(name: str, readme: str) -> str:
+    """The README's current copy of example ``name``."""
+    match = block_pattern(name).search(readme)
+    if match is None:
+        raise ValueError(f"README.md has no block marked <!-- readme_examples: {name} -->")
+    return match.group(2).removesuffix("\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="only report stale blocks")
+    args = parser.parse_args(argv)
+    readme = README.read_text(encoding="utf-8")
+    stale = []
+    for name, make in EXAMPLES.items():
+        text = make()
+        if readme_block(name, readme) != text:
+            stale.append(name)
+            readme = block_pattern(name).sub(lambda m: m.group(1) + text + "\n" + m.group(3), readme, count=1)
+    if stale and not args.check:
+        README.write_text(readme, encoding="utf-8")
+    print(("stale: " if args.check else "rewritten: ") + ", ".join(stale) if stale else "README examples up to date")
+    return 1 if stale and args.check else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
