@@ -36,7 +36,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["UnitCost", "ForwardEstimate", "predict_forward", "estimate_forward", "compute_seconds"]
+__all__ = ["UnitCost", "ForwardEstimate", "predict_forward", "estimate_forward", "compute_seconds",
+           "DEFAULT_DEPTH", "resident_budget", "plan_forward"]
+
+DEFAULT_DEPTH = 2  # disk units the engine reads ahead of the running one (bigviz.engine.readahead)
 
 
 @dataclass(frozen=True)
@@ -249,6 +252,52 @@ def compute_seconds(parameters: int, tokens: int, *, flops_per_second: float) ->
     if flops_per_second <= 0:
         raise ValueError(f"flops_per_second={flops_per_second!r} must be > 0 (measure it: one block's forward)")
     return 2 * parameters * tokens / flops_per_second
+
+
+def resident_budget(cpu_budget: int, *, model_bytes: int, largest_unit: int, depth: int = DEFAULT_DEPTH) -> int:
+    """The default "cpu" budget (resident bytes) of a model that may not fit: all of
+    ``cpu_budget`` when the whole model fits, else ``cpu_budget`` less room for the streamed
+    units in RAM at once (the running one and ``depth`` read ahead).
+
+    Example:
+        >>> resident_budget(100, model_bytes=90, largest_unit=10), resident_budget(100, model_bytes=150, largest_unit=10)
+        (100, 70)
+    """
+    if model_bytes <= cpu_budget:
+        return cpu_budget
+    return max(0, cpu_budget - (depth + 1) * largest_unit)
+
+
+def plan_forward(
+    placements: Sequence[tuple[str, str, int]],
+    *,
+    disk_bandwidth: float,
+    compute_seconds: float = 0.0,
+    link_bandwidth: float | None = None,
+    main_device: str = "cpu",
+    depth: int = DEFAULT_DEPTH,
+) -> ForwardEstimate:
+    """:func:`predict_forward` for a plan's placements ``(name, device, bytes)`` in execution
+    order: disk units are read per forward, "cpu" ones are resident (read once, before the
+    first forward) unless a GPU executes (then they cross the link), compute is spread over
+    the units in proportion to their bytes.
+
+    Example:
+        >>> rows = [("h.0", "cpu", 4 * 10**9), ("h.1", "disk", 2 * 10**9), ("h.2", "disk", 2 * 10**9)]
+        >>> e = plan_forward(rows, disk_bandwidth=2e9, compute_seconds=0.8)
+        >>> round(e.seconds, 2), e.bottleneck, e.load_seconds
+        (2.2, 'disk', 2.0)
+    """
+    total = sum(n for _, _, n in placements) or 1
+    gpu = main_device != "cpu"
+    units = []
+    for name, device, nbytes in placements:
+        read = nbytes if device == "disk" else 0
+        copy = nbytes if gpu and device in ("cpu", "disk") else 0
+        units.append(UnitCost(name, read_bytes=read, copy_bytes=copy, compute_seconds=compute_seconds * nbytes / total))
+    resident = sum(n for _, d, n in placements if d == "cpu")
+    return predict_forward(units or [UnitCost("model")], disk_bandwidth=disk_bandwidth,
+                           link_bandwidth=link_bandwidth, depth=depth, resident_bytes=resident)
 
 
 def _share(seconds: float, nbytes: float, total: int) -> float:
