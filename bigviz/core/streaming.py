@@ -35,9 +35,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from bigviz.core.plan import DevicePlan
+    from bigviz.core.tree import SizeTree
 
 __all__ = ["UnitCost", "ForwardEstimate", "predict_forward", "estimate_forward", "compute_seconds",
-           "DEFAULT_DEPTH", "resident_budget", "plan_forward"]
+           "DEFAULT_DEPTH", "resident_budget", "default_cpu_budget", "plan_forward", "forward_estimate"]
 
 DEFAULT_DEPTH = 2  # disk units the engine reads ahead of the running one (bigviz.engine.readahead)
 
@@ -268,6 +273,24 @@ def resident_budget(cpu_budget: int, *, model_bytes: int, largest_unit: int, dep
     return max(0, cpu_budget - (depth + 1) * largest_unit)
 
 
+def default_cpu_budget(tree: SizeTree, cpu_budget: int, no_split: frozenset[str] = frozenset(), *,
+                       depth: int = DEFAULT_DEPTH) -> int:
+    """:func:`resident_budget` for a model's size tree: the largest unit the engine streams is
+    its largest module placed whole (a no-split block, a leaf module).
+
+    Example:
+        >>> from bigviz.core.tree import SizeTree, TensorSpec
+        >>> tree = SizeTree.build([TensorSpec(f"h.{i}.weight", 100, "float32") for i in range(10)])
+        >>> default_cpu_budget(tree, 5000), default_cpu_budget(tree, 3000)
+        (5000, 1800)
+    """
+    from bigviz.core.strategies import is_no_split
+
+    units = [n.total_bytes for name, n in tree.nodes.items() if not n.children or is_no_split(tree, name, no_split)]
+    return resident_budget(cpu_budget, model_bytes=tree.nodes[""].total_bytes, largest_unit=max(units, default=0),
+                           depth=depth)
+
+
 def plan_forward(
     placements: Sequence[tuple[str, str, int]],
     *,
@@ -298,6 +321,25 @@ def plan_forward(
     resident = sum(n for _, d, n in placements if d == "cpu")
     return predict_forward(units or [UnitCost("model")], disk_bandwidth=disk_bandwidth,
                            link_bandwidth=link_bandwidth, depth=depth, resident_bytes=resident)
+
+
+def forward_estimate(plan: DevicePlan, *, disk_bandwidth: float, compute_seconds: float = 0.0,
+                     link_bandwidth: float | None = None, depth: int = DEFAULT_DEPTH) -> ForwardEstimate:
+    """:func:`plan_forward` for a :class:`~bigviz.core.plan.DevicePlan` (its placements in
+    definition order, the usual execution order; GPU-resident units cost compute only).
+
+    Example:
+        >>> from bigviz.core.tree import SizeTree, TensorSpec
+        >>> from bigviz.core.strategies import make_plan
+        >>> tree = SizeTree.build([TensorSpec(f"h.{i}.weight", 250 * 10**6, "float32") for i in range(4)])
+        >>> p = make_plan(tree, {"cpu": 2 * 10**9, "disk": 10**10})
+        >>> print(forward_estimate(p, disk_bandwidth=1e9).explain())
+        2.00 s per forward: disk 2.00 s, compute 0.00 s, overlapped (the disk is the bottleneck); 2.00 s more before the first, to read the resident weights
+    """
+    main = "cpu" if plan.main_device == "cpu" else "gpu"
+    rows = [(p.name, str(p.device) if p.device in ("cpu", "disk") else "gpu", p.nbytes) for p in plan.placements]
+    return plan_forward(rows, disk_bandwidth=disk_bandwidth, compute_seconds=compute_seconds,
+                        link_bandwidth=link_bandwidth, main_device=main, depth=depth)
 
 
 def _share(seconds: float, nbytes: float, total: int) -> float:
