@@ -1,43 +1,37 @@
 """Larger than RAM: a GPT bigger than this machine, run from disk, against the disk's own floor.
 
-    python bench/beyond_ram.py                     # ~1.25x RAM (smaller if the disk is short), 15-25 min
-    python bench/beyond_ram.py --size 30GB --keep  # a given size; keep the checkpoint for bench/study_*.py
-    python bench/beyond_ram.py --small             # ~300 MB, the same code path, under a minute
+    python bench/beyond_ram.py                  # the whole run, ~8-12 min with the checkpoint built
+    python bench/beyond_ram.py --only auto      # one scenario (disk, auto, accelerate; repeatable)
+    python bench/beyond_ram.py --small          # ~300 MB, the same code path, under a minute
+    python bench/beyond_ram.py --report bench/_work/beyond-ram-results.json   # a saved run's table
 
-Makes a checkpoint of a bigviz GPT (``n_embd`` 6144: blocks of 1.81 GB) about ``--ram-multiple``
-times this machine's RAM, block by block (one block's tensors in RAM at a time: made, written
-as its own shard, freed), deterministic random weights (a generator seeded per tensor name),
-as a transformers-style sharded safetensors folder with its index and ``config.json``, in
-``bench/_work/beyond-ram`` (reused when it is already there and complete). Then, in one run,
-page cache dropped before each measurement, side by side:
+The checkpoint: a bigviz GPT (``n_embd`` 6144: blocks of 1.81 GB) about ``--ram-multiple``
+times this machine's RAM, written block by block (one block's tensors in RAM at a time),
+deterministic random weights, as a transformers-style sharded safetensors folder in
+``bench/_work/beyond-ram`` (git-ignored). It is kept between runs and reused when complete
+(``--rebuild`` to make one for this machine's RAM again, about 3 minutes; ``--delete`` to remove
+it at the end). Then, page cache dropped before each measurement, side by side:
 
-- the read floor: every shard read cold by ``--readers`` parallel readers (best of two), one
-  sequential reader, and the parallel readers with ``O_DIRECT``;
-- bigviz, ``device_map={"": "disk"}``: dispatch, first forward (16 tokens) and the next;
-- bigviz, ``device_map="auto"`` with ``max_memory={"cpu": 2/3 of RAM}``: the same;
-- accelerate, ``device_map="auto"``, the same budget and an offload folder: how long it takes
-  and how it ends (here it rewrites the disk part of the weights, then fails);
-- bigviz's disk probe (``bigviz.checkpoint.probe.measure_read_bandwidth``: a sample read
-  cold with O_DIRECT), against the floor;
-- one block's and the head's compute (weights in RAM), for the prediction of
-  ``bigviz.core.streaming`` at the floor's bandwidth, compared with what was measured.
+- the read floor: every shard read cold by ``--readers`` parallel readers, best of two
+  (``--full-floor``: one sequential reader and O_DIRECT too);
+- bigviz's disk probe (``bigviz.checkpoint.probe.measure_read_bandwidth``), against the floor;
+- one block's and the head's compute (weights in RAM), for the prediction;
+- bigviz, ``device_map={"": "disk"}``: dispatch, first forward (16 tokens), the next;
+- bigviz, ``device_map="auto"``, ``max_memory={"cpu": 2/3 of RAM}``: the same; the resident
+  part is read once into process memory (dispatch), disk blocks are streamed and dropped;
+  the next forward is compared with ``bigviz.core.streaming``'s prediction (the engine's
+  read-ahead depth, compute measured above, the floor's bandwidth and the probe's);
+- accelerate, ``device_map="auto"``, the same budget and an offload folder (it rewrites what
+  does not fit its budget, ~15 GB: left out, with a message, when the disk lacks the room).
 
-Every scenario runs in a fresh process; its anonymous RAM (RssAnon, what can run a machine out
-of memory) is sampled. A guard kills a scenario when the machine's available memory falls
-under 1 GiB (a shared machine must survive a peer that overcommits). Ratios are taken within
-the run (this virtual disk varies a lot between runs). Writes a section to bench/RESULTS.md
-(not in --small mode), then deletes the checkpoint and accelerate's offload folder unless
-``--keep``.
+Every scenario runs in a fresh process; its anonymous RAM (RssAnon) peak is reported. A guard
+kills a scenario when the machine's available memory falls under 1 GiB. Ratios against the
+issue's goals are taken within the run (this virtual disk varies a lot between runs). Prints a
+markdown table and appends it to bench/RESULTS.md (not with --small or --no-results); the raw
+figures go to ``bench/_work/beyond-ram-results.json``.
 
-Disk: the run needs the model, accelerate's rewritten copy of what does not fit its cpu
-budget, and 10% headroom free (issue 12's rule of thumb, 2.5x the model, is more than this
-disk has at 1.25x RAM); when the disk lacks that, the bench says what it needs and skips.
-Defaults on this machine (23.5 GiB RAM, ~70 GB free): 17 blocks, 32 GB (1.27x RAM), needing
-32 + 15 + 3 = 50 GB.
-
-The page cache is dropped with ``sync; echo 3 > /proc/sys/vm/drop_caches`` when the bench runs
-as root (``--drop files`` to only evict the checkpoint's own files, the default when not root
-and in --small mode).
+The page cache is dropped with ``sync; echo 3 > /proc/sys/vm/drop_caches`` when run as root
+(``--drop files`` to only evict the checkpoint's own files: the default when not root).
 """
 from __future__ import annotations
 
@@ -120,16 +114,35 @@ def choose_shape(args: argparse.Namespace, free: int) -> Shape | str:
         target = _size(args.size) if args.size else int(args.ram_multiple * machine_ram())
     one = Shape(n_layer=1, ram=0, **base)
     n_layer = max(2, round((target - one.embedding_bytes) / one.block_bytes))
+    existing = _existing_layers(folder_for(args), base)
+    if existing and not args.size and not args.rebuild:
+        n_layer = existing  # reuse the checkpoint already built (bench/_work is kept between runs)
     shape = Shape(n_layer=n_layer, ram=machine_ram(), **base)
     if args.small:  # a pretend machine the small model does not fit
         shape = Shape(n_layer=n_layer, ram=int(shape.model_bytes / args.ram_multiple), **base)
-    need = disk_need(shape, accelerate="accelerate" not in args.skip)
+    if "accelerate" not in args.skip and disk_need(shape, accelerate=True) > free:
+        args.skip.append("accelerate")
+        print(f"bench/beyond_ram.py: accelerate left out: it would rewrite {accelerate_copy(shape) / 1e9:.1f} GB "
+              f"into its offload folder and the disk has {(free - shape.model_bytes) / 1e9:.1f} GB free beside "
+              "the checkpoint (it needs that plus 10% headroom)", file=sys.stderr)
+    need = disk_need(shape, accelerate=False)
     if need > free:
         return (f"the disk has {free / 1e9:.1f} GB free; this {shape.model_bytes / 1e9:.1f} GB model "
-                f"({shape.model_bytes / shape.ram:.2f}x RAM) needs {need / 1e9:.1f} GB: itself, accelerate's "
-                f"rewritten copy of its disk part ({accelerate_copy(shape) / 1e9:.1f} GB; --skip accelerate to "
-                "leave it out) and 10% headroom. Free some space, or pass a smaller --size / --ram-multiple.")
+                f"({shape.model_bytes / shape.ram:.2f}x RAM) needs {need / 1e9:.1f} GB: itself and 10% headroom. "
+                "Free some space, or pass a smaller --size / --ram-multiple.")
     return shape
+
+
+def _existing_layers(folder: Path, base: dict[str, int]) -> int | None:
+    """Blocks of a complete checkpoint of this width already in ``folder`` (None: none there)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if any(config.get(k) != v for k, v in base.items()):
+        return None
+    shape = Shape(n_layer=int(config["n_layer"]), ram=0, **base)
+    return shape.n_layer if _complete(folder, shape) else None
 
 
 def accelerate_copy(shape: Shape) -> int:
@@ -257,16 +270,18 @@ def load_average() -> str:
 
 
 # ----------------------------------------------------------------------------- floor
-def read_floor(files: list[Path], readers: int, drop: str) -> dict[str, Any]:
-    """All shards read cold: ``readers`` parallel readers (best of two), one reader, O_DIRECT."""
+def read_floor(files: list[Path], readers: int, drop: str, *, full: bool = False) -> dict[str, Any]:
+    """All shards read cold: ``readers`` parallel readers (best of two); with ``full``, one
+    reader and O_DIRECT too."""
     from bigviz.checkpoint.probe import timed_read
 
     ranges = [(p, 0, p.stat().st_size) for p in files]
     out: dict[str, Any] = {}
     runs = [("parallel", dict(readers=readers, chunk_bytes=16 * 2**20)),
-            ("parallel", dict(readers=readers, chunk_bytes=16 * 2**20)),
-            ("sequential", dict(readers=1, chunk_bytes=16 * 2**20)),
-            ("direct", dict(readers=readers, chunk_bytes=16 * 2**20, direct=True))]
+            ("parallel", dict(readers=readers, chunk_bytes=16 * 2**20))]
+    if full:
+        runs += [("sequential", dict(readers=1, chunk_bytes=16 * 2**20)),
+                 ("direct", dict(readers=readers, chunk_bytes=16 * 2**20, direct=True))]
     for name, knobs in runs:
         drop_caches(files, drop)
         try:
@@ -316,6 +331,11 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             model = _dispatch(spec, model)
             out["dispatch_s"] = time.perf_counter() - start
             out["map"] = {str(k): str(v) for k, v in getattr(model, "hf_device_map", {}).items()}
+            state = getattr(model, "_bigviz_dispatch", None)
+            if getattr(state, "scheduler", None) is not None:
+                out["depth"] = state.scheduler.depth  # units read ahead (for the prediction)
+            if getattr(model, "_bigviz_residency", None) is not None:
+                out["residency"] = model._bigviz_residency.reason
             for key in ("first_s", "next_s"):
                 out["phase"] = key
                 start = time.perf_counter()
@@ -336,7 +356,8 @@ def _dispatch(spec: dict[str, Any], model: Any) -> Any:
     if spec["engine"] == "bigviz":
         import bigviz
 
-        return bigviz.load_checkpoint_and_dispatch(model, spec["ckpt"], device_map, max_memory=budget)
+        return bigviz.load_checkpoint_and_dispatch(model, spec["ckpt"], device_map, max_memory=budget,
+                                                   resident=spec.get("resident", "auto"))
     import accelerate
 
     return accelerate.load_checkpoint_and_dispatch(
@@ -459,14 +480,16 @@ def split_bytes(shape: Shape, device_map: dict[str, str]) -> tuple[int, int, lis
     return resident, streamed, placed
 
 
-def predict(shape: Shape, device_map: dict[str, str], compute: dict[str, float], bandwidth: float) -> Any:
-    """bigviz.core.streaming's prediction of a later forward, at the floor's bandwidth."""
+def predict(shape: Shape, device_map: dict[str, str], compute: dict[str, float], bandwidth: float,
+            depth: int = 2) -> Any:
+    """bigviz.core.streaming's prediction of a later forward, at the floor's bandwidth, with the
+    engine's read-ahead depth."""
     from bigviz.core.streaming import UnitCost, predict_forward
 
     resident, _, placed = split_bytes(shape, device_map)
     seconds = {"wte": 0.0, "block": compute["block_s"], "head": compute["head_s"]}
     units = [UnitCost(kind, read_bytes=nbytes, compute_seconds=seconds[kind]) for kind, nbytes, _ in placed]
-    return predict_forward(units, disk_bandwidth=bandwidth, depth=2, resident_bytes=resident)
+    return predict_forward(units, disk_bandwidth=bandwidth, depth=depth, resident_bytes=resident)
 
 
 def gb(nbytes: float) -> str:
@@ -517,7 +540,8 @@ def _floor_rows(floor: dict[str, Any], shape: Shape, readers: int, best: float |
                     f"{readers}: {probe['parallel'] * best / shape.model_bytes if best else 0:.2f}x the floor's |")
     for key, label in labels.items():
         if key not in floor:
-            rows.append(f"| {label} | - | - | - | {floor.get(key + '_error', 'not run')} |")
+            if key + "_error" in floor:
+                rows.append(f"| {label} | - | - | - | {floor[key + '_error']} |")
             continue
         r = floor[key]
         rows.append(f"| {label} | {fmt_s(r['seconds'])} | {ratio(r['seconds'], best)} | - | "
@@ -541,10 +565,12 @@ def _scenario_rows(name: str, r: dict[str, Any], shape: Shape, best: float | Non
         floor_part = streamed / bandwidth if bandwidth else None
         note = f"read of the streamed part at the floor's speed: {fmt_s(floor_part)} ({ratio(r['next_s'], floor_part)})"
         if compute and bandwidth:
-            guess = predict(shape, r["map"], compute, bandwidth)
-            note += f"; predicted {guess.seconds:.1f} s ({guess.bottleneck}-bound) at the floor's bandwidth"
+            depth = r.get("depth", 2)
+            guess = predict(shape, r["map"], compute, bandwidth, depth)
+            note += (f"; predicted {guess.seconds:.1f} s ({guess.bottleneck}-bound, {depth} unit(s) read ahead) "
+                     f"at the floor's bandwidth ({ratio(r['next_s'], guess.seconds)} of it)")
             if probe:
-                note += f", {predict(shape, r['map'], compute, probe['parallel']).seconds:.1f} s at the probe's"
+                note += f", {predict(shape, r['map'], compute, probe['parallel'], depth).seconds:.1f} s at the probe's"
         rows.append(f"| {name}: next forward | {fmt_s(r['next_s'])} | {ratio(r['next_s'], best)} | | {note} |")
     return rows
 
@@ -581,10 +607,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--readers", type=int, default=4, help="parallel readers for the floor")
     parser.add_argument("--drop", choices=["auto", "global", "files"], default="auto")
     parser.add_argument("--work", type=Path, default=WORK, help="where the checkpoint goes")
-    parser.add_argument("--keep", action="store_true", help="keep the checkpoint (bench/study_*.py use it)")
+    parser.add_argument("--keep", action="store_true", help="(the default now) keep the checkpoint")
+    parser.add_argument("--delete", action="store_true", help="delete the checkpoint at the end")
     parser.add_argument("--build-only", action="store_true", help="make the checkpoint (kept), measure nothing")
     parser.add_argument("--skip", action="append", default=[], choices=["accelerate", "floor", "compute"])
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds a scenario may take")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds a scenario may take")
+    parser.add_argument("--full-floor", action="store_true", help="also time one sequential reader and O_DIRECT")
+    parser.add_argument("--rebuild", action="store_true", help="build the checkpoint again for this machine's RAM")
+    parser.add_argument("--only", action="append", default=[], choices=["disk", "auto", "accelerate"],
+                        help="run only these scenarios (repeatable)")
     parser.add_argument("--no-results", action="store_true", help="do not write bench/RESULTS.md")
     parser.add_argument("--report", type=Path, help="print the report of a saved run (its -results.json)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -615,7 +646,7 @@ def main() -> None:
         text = measure(args, shape, folder)
     finally:
         shutil.rmtree(folder.parent / "beyond-ram-offload", ignore_errors=True)
-        if not (args.keep or args.build_only):
+        if args.delete and not args.build_only:
             shutil.rmtree(folder, ignore_errors=True)
     if text:
         print(text)
@@ -637,9 +668,10 @@ def measure(args: argparse.Namespace, shape: Shape, folder: Path) -> str | None:
     if args.build_only:
         return None
     files = shard_files(folder)
-    floor = {} if "floor" in args.skip else read_floor(files, args.readers, info["drop"])
+    floor = {} if "floor" in args.skip else read_floor(files, args.readers, info["drop"], full=args.full_floor)
     spec = {"config": shape.config().to_dict(), "ckpt": str(folder), "budget": shape.cpu_budget,
-            "offload": str(folder.parent / "beyond-ram-offload")}
+            "offload": str(folder.parent / "beyond-ram-offload"),
+            "resident": "copy" if args.small else "auto"}  # --small: the pretend RAM is smaller than the model
     spec["config"].pop("model_type", None)
     compute = {} if "compute" in args.skip else run_child({**spec, "engine": "compute"}, timeout=args.timeout)
     scenarios = {"bigviz all-disk": {"engine": "bigviz", "map": "disk"},
@@ -647,7 +679,8 @@ def measure(args: argparse.Namespace, shape: Shape, folder: Path) -> str | None:
                  "accelerate auto": {"engine": "accelerate", "map": "auto"}}
     results = {}
     for name, extra in scenarios.items():
-        if extra["engine"] in args.skip:
+        short = "accelerate" if extra["engine"] == "accelerate" else extra["map"]
+        if extra["engine"] in args.skip or (args.only and short not in args.only):
             continue
         drop_caches(files, info["drop"])
         print(f"  {name} (load {load_average()}) ...", file=sys.stderr, flush=True)

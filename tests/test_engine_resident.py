@@ -108,8 +108,12 @@ def test_resident_weights_stay_in_memory_and_streamed_pages_are_dropped(checkpoi
         counts = [_inner_pages(*ranges[key]) for key in unit.slots]  # type: ignore[attr-defined]
         return sum(c for c, _ in counts), sum(n for _, n in counts)
 
+    def after_use(unit: object) -> None:
+        state.scheduler.fetcher.wait_dropped()
+        left_after_use[unit.name] = pages_of(unit)  # type: ignore[attr-defined]
+
     for unit in disk:  # runs just after the unit's forward (and its hook's release)
-        unit.module.register_forward_hook(lambda m, a, o, u=unit: left_after_use.__setitem__(u.name, pages_of(u)))
+        unit.module.register_forward_hook(lambda m, a, o, u=unit: after_use(u))
     for run in range(2):
         left_after_use.clear()
         with torch.no_grad():
@@ -126,6 +130,7 @@ def test_resident_weights_stay_in_memory_and_streamed_pages_are_dropped(checkpoi
             assert cached == whole, f"{unit.name}: read ahead for the next forward, {cached} of {whole} pages"
         # the resident part never went back to the file: still every page present
         assert all(file_span(p) is None and _pages.resident(p) for p in resident)
+    state.scheduler.fetcher.wait_dropped()
     stats = state.scheduler.fetcher.stats
     assert stats.units_dropped == 2 * len(disk) and stats.bytes_dropped > 0
     bigviz.remove_hooks(model)
@@ -165,6 +170,11 @@ def test_tied_weights_are_copied_once_and_stay_tied(checkpoint: tuple[Path, GPT]
     bigviz.remove_hooks(model)
 
 
-def test_decide_rejects_unknown_modes() -> None:
+def test_unknown_modes_are_refused_before_anything_is_read(checkpoint: tuple[Path, GPT]) -> None:
     with pytest.raises(ValueError, match="resident='always'"):
         decide(1, 1, available=10, requested="always")
+    with bigviz.init_empty_weights():
+        model = GPT(CONFIG)
+    with pytest.raises(ValueError, match="resident='pinned'.*'auto', 'copy', 'map'"):
+        bigviz.load_checkpoint_and_dispatch(model, checkpoint[0], _split_map(2), resident="pinned")
+    assert all(p.is_meta for p in model.parameters()) and not hasattr(model, "_bigviz_dispatch")

@@ -92,7 +92,10 @@ def load_checkpoint_and_dispatch(
         (torch.Size([1, 2]), 'meta')
     """
     from bigviz.checkpoint.load import device_map_in_model_names, load_checkpoint_in_model
+    from bigviz.engine.resident import check_mode, settle_residency  # issue 12: larger than RAM
     from bigviz.planning import check_device_map
+
+    check_mode(resident)  # before anything is read
 
     resolved = _resolve_map(model, device_map, max_memory, no_split_module_classes, dtype)
     if resolved is not None:
@@ -119,8 +122,6 @@ def load_checkpoint_and_dispatch(
         state = getattr(model, "_bigviz_dispatch", None)
         if state is not None and result.disk is not None:
             state.owned.append(result.disk)  # closed by remove_hooks
-        from bigviz.engine.resident import settle_residency  # issue 12: larger than RAM
-
         settle_residency(model, resident=resident)
     return model.eval()
 

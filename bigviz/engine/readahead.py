@@ -226,6 +226,7 @@ class StreamingFetcher:
         self.readers, self.chunk_bytes, self.drop = readers, chunk_bytes, drop
         self.stats = StreamStats()
         self._pool: ThreadPoolExecutor | None = None
+        self._dropper: ThreadPoolExecutor | None = None
         self._spans: dict[int, list[FileSpan]] = {}  # unit id -> spans read, until released
         self._lock = threading.Lock()
 
@@ -264,13 +265,27 @@ class StreamingFetcher:
         with self._lock:
             spans = self._spans.pop(id(unit), [])
         if self.drop and spans:
-            self.stats.bytes_dropped += sum(drop_pages(s) for s in merge_spans(spans))
+            if self._dropper is None:  # unmapping 1 GB takes tens of ms: not in the compute thread
+                self._dropper = ThreadPoolExecutor(1, thread_name_prefix="bigviz-drop")
+            self._dropper.submit(self._drop, merge_spans(spans))
+
+    def _drop(self, spans: list[FileSpan]) -> None:
+        dropped = sum(drop_pages(s) for s in spans)
+        with self._lock:
+            self.stats.bytes_dropped += dropped
             self.stats.units_dropped += 1
 
+    def wait_dropped(self) -> None:
+        """Return once every drop asked for so far is done."""
+        if self._dropper is not None:
+            self._dropper.submit(lambda: None).result()
+
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        for name in ("_pool", "_dropper"):
+            pool = getattr(self, name)
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=name == "_pool")
+                setattr(self, name, None)
 
 
 def _chunks(span: FileSpan, size: int) -> list[tuple[int, int]]:

@@ -51,7 +51,7 @@ from torch import Tensor, nn
 from bigviz.core.streaming import DEFAULT_DEPTH
 from bigviz.engine.readahead import FileMaps, FileSpan, StreamingFetcher, file_span
 
-__all__ = ["ResidentReport", "Residency", "make_resident", "settle_residency", "decide", "RESIDENCY_MODES"]
+__all__ = ["ResidentReport", "Residency", "make_resident", "settle_residency", "decide", "check_mode", "stream_depth", "RESIDENCY_MODES"]
 
 RESIDENCY_MODES = ("auto", "copy", "map")
 PAGE_CACHE_SHARE = 0.9  # of available RAM: what the page cache can be expected to keep
@@ -88,6 +88,17 @@ class Residency:
     copied: ResidentReport | None = None
 
 
+def check_mode(resident: object) -> None:
+    """Raise a ValueError naming the choices unless ``resident`` is one of them.
+
+    Example:
+        >>> check_mode("auto")
+    """
+    if resident not in RESIDENCY_MODES:
+        raise ValueError(f"resident={resident!r}: use one of {', '.join(map(repr, RESIDENCY_MODES))} "
+                         "('auto': copy the resident weights into RAM only when the model does not fit)")
+
+
 def decide(resident_bytes: int, streamed_bytes: int, *, available: int, requested: str = "auto") -> tuple[str, str]:
     """``(mode, reason)``: copy when the model does not fit in the page cache.
 
@@ -95,8 +106,7 @@ def decide(resident_bytes: int, streamed_bytes: int, *, available: int, requeste
         >>> decide(10, 5, available=100)[0], decide(60, 50, available=100)[0]
         ('map', 'copy')
     """
-    if requested not in RESIDENCY_MODES:
-        raise ValueError(f"resident={requested!r}: use one of {', '.join(map(repr, RESIDENCY_MODES))}")
+    check_mode(requested)
     total, room = resident_bytes + streamed_bytes, int(available * PAGE_CACHE_SHARE)
     if requested != "auto":
         return requested, f"resident={requested!r} asked for"
@@ -104,6 +114,20 @@ def decide(resident_bytes: int, streamed_bytes: int, *, available: int, requeste
         return "map", f"the model ({total:,} B) fits in the page cache ({room:,} B): zero-copy memory maps"
     return "copy", (f"the model ({total:,} B) does not fit in the page cache ({room:,} B): the resident part "
                     "is copied into process memory, disk units are streamed and dropped after use")
+
+
+def stream_depth(available: int, largest_unit: int, *, margin: int = 2**30, most: int = DEFAULT_DEPTH) -> int:
+    """Units to read ahead: as many as RAM holds beside the running one (``margin`` kept for
+    everything else), at least 1, at most ``most``. Pages read ahead and evicted before use
+    would be read twice.
+
+    Example:
+        >>> GB = 10**9
+        >>> stream_depth(20 * GB, 2 * GB), stream_depth(6 * GB, 2 * GB), stream_depth(GB, 2 * GB)
+        (2, 1, 1)
+    """
+    fits = (available - margin) // max(1, largest_unit)
+    return max(1, min(most, fits - 1))
 
 
 def _cpu_tensors(model: nn.Module) -> Iterator[tuple[nn.Module, str, str, Tensor]]:
@@ -194,7 +218,8 @@ def settle_residency(model: nn.Module, *, resident: str = "auto", readers: int =
 
     With ``"copy"``: memory-mapped CPU weights are copied into process memory
     (:func:`make_resident`) and, when the CPU executes disk units, they are streamed by a
-    :class:`~bigviz.engine.readahead.StreamingFetcher` ``DEFAULT_DEPTH`` units ahead. With
+    :class:`~bigviz.engine.readahead.StreamingFetcher`, up to ``DEFAULT_DEPTH`` units ahead
+    as the RAM left allows (:func:`stream_depth`). With
     ``"map"``: nothing changes (zero copy). Recorded in ``model._bigviz_residency``.
 
     Args:
@@ -217,7 +242,9 @@ def settle_residency(model: nn.Module, *, resident: str = "auto", readers: int =
         if streaming and scheduler is not None and state.options.main_device.type == "cpu":
             scheduler.fetcher.close()
             scheduler.fetcher = StreamingFetcher(readers=readers)
-            scheduler.depth = DEFAULT_DEPTH
+            left = psutil.virtual_memory().available if available is None else max(0, available - mapped)
+            scheduler.depth = stream_depth(left, max(u.nbytes for u in streaming))
+            reason += f"; {scheduler.depth} unit(s) read ahead"
     residency = Residency(mode, mapped, streamed, free, reason, copied)
     model._bigviz_residency = residency
     return residency
