@@ -398,6 +398,13 @@ class Scheduler:
         while len(self._pending) > self.depth + 1:  # a guess that did not come true: drop the oldest
             self._pending.popitem(last=False)
 
+    def fetch_ahead(self, n: int) -> None:
+        """Start fetching the first ``n`` units (definition order) now, before any forward:
+        their reads overlap whatever runs first (the resident part of a model larger than RAM)."""
+        for unit in self.units[:n]:
+            if id(unit) not in self._pending:
+                self._pending[id(unit)] = self.fetcher.start(unit, background=True)
+
     def release(self, unit: Unit) -> None:
         """``unit``'s forward is over: a fetcher that keeps something for it may let it go."""
         release = getattr(self.fetcher, "release", None)

@@ -244,6 +244,8 @@ def settle_residency(model: nn.Module, *, resident: str = "auto", readers: int =
             scheduler.fetcher = StreamingFetcher(readers=readers)
             left = psutil.virtual_memory().available if available is None else max(0, available - mapped)
             scheduler.depth = stream_depth(left, max(u.nbytes for u in streaming))
+            if scheduler.prefetch:
+                scheduler.fetch_ahead(scheduler.depth)  # the first forward's first disk units
             reason += f"; {scheduler.depth} unit(s) read ahead"
     residency = Residency(mode, mapped, streamed, free, reason, copied)
     model._bigviz_residency = residency
