@@ -663,7 +663,8 @@ def _ours(folder: Path) -> int:
 def measure(args: argparse.Namespace, shape: Shape, folder: Path) -> str | None:
     info = {"small": args.small, "readers": args.readers, "drop": drop_mode(args.drop, args.small),
             "load_start": load_average(), "argv": "".join(" " + a for a in sys.argv[1:])}
-    print(f"building {folder} ({shape.model_bytes / 1e9:.1f} GB, {shape.n_layer} blocks) ...", file=sys.stderr)
+    verb = "reusing" if _complete(folder, shape) else "building"
+    print(f"{verb} {folder} ({shape.model_bytes / 1e9:.1f} GB, {shape.n_layer} blocks) ...", file=sys.stderr)
     info["build_s"] = build_checkpoint(shape, folder)
     if args.build_only:
         return None

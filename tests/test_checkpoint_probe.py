@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bigviz.checkpoint import probe as probe_module
-from bigviz.checkpoint.probe import (DiskProbe, cache_file, measure_read_bandwidth, resident_pages, split_ranges,
+from bigviz.checkpoint.probe import (CACHE_VERSION, DiskProbe, cache_file, measure_read_bandwidth, resident_pages, split_ranges,
                                      timed_read)
 
 MiB = 2**20
@@ -226,7 +226,7 @@ def test_other_devices_entries_are_kept(shards: Path) -> None:
     cache_file().parent.mkdir(parents=True)
     other = {"device": "9:9", "filesystem": "xfs /dev/sdz /data", "sequential": 1.0, "parallel": 2.0, "readers": 4,
              "sample_bytes": 1, "chunk_bytes": 1, "method": "direct", "measured_at": 1.0}
-    cache_file().write_text(json.dumps({"format": "bigviz-disk-probe", "version": 1, "entries": {"9:9": other}}))
+    cache_file().write_text(json.dumps({"format": "bigviz-disk-probe", "version": CACHE_VERSION, "entries": {"9:9": other}}))
     probe = measure_read_bandwidth(shards, **SMALL)
     entries = json.loads(cache_file().read_text())["entries"]
     assert entries["9:9"] == other and probe.device in entries
