@@ -17,7 +17,6 @@ Example:
 from __future__ import annotations
 
 import html
-
 from collections.abc import Mapping
 from typing import Any
 
