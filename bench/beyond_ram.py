@@ -416,7 +416,11 @@ def run_child(spec: dict[str, Any], *, timeout: float) -> dict[str, Any]:
                 "anon_peak": guard.anon}
     if proc.returncode != 0 or not lines:
         last = (stderr.strip().splitlines() or ["no output"])[-1]
-        return {"error": f"exit {proc.returncode}: {last[:200]}", "failed_after_s": time.perf_counter() - start}
+        why = ""
+        if proc.returncode == -7:  # SIGBUS: a memory-mapped file could not be backed
+            why = (f"SIGBUS (a memory-mapped file could not be written or read: the disk full? "
+                   f"{shutil.disk_usage(HERE).free / 1e9:.1f} GB free now); ")
+        return {"error": f"exit {proc.returncode}: {why}{last[:200]}", "failed_after_s": time.perf_counter() - start}
     return json.loads(lines[-1])
 
 
@@ -524,7 +528,7 @@ def _header(shape: Shape, info: dict[str, Any]) -> str:
             f"{shape.model_bytes / shape.ram:.2f}x the RAM ({shape.ram / GiB:.1f} GiB"
             f"{', pretend: --small' if info['small'] else ''}); cpu budget for \"auto\": "
             f"{shape.cpu_budget / GiB:.1f} GiB (2/3 of RAM). {TOKENS}-token forwards. Page cache dropped "
-            f"({info['drop']}) before each line. Checkpoint written in {info['build_s']:.0f} s. "
+            f"({info['drop']}) before each line. Checkpoint {'written in ' + format(info['build_s'], '.0f') + ' s' if info['build_s'] else 'reused'}. "
             f"Load average (1/5/15 min) at the start: {info['load_start']}, at the end: {info['load_end']}.")
 
 
@@ -682,6 +686,11 @@ def measure(args: argparse.Namespace, shape: Shape, folder: Path) -> str | None:
     for name, extra in scenarios.items():
         short = "accelerate" if extra["engine"] == "accelerate" else extra["map"]
         if extra["engine"] in args.skip or (args.only and short not in args.only):
+            continue
+        free = shutil.disk_usage(folder.parent).free  # a shared disk: what others left now
+        if extra["engine"] == "accelerate" and free < accelerate_copy(shape) * 1.1:
+            results[name] = {"error": f"left out: it rewrites {gb(accelerate_copy(shape))} into its offload folder "
+                                      f"and the disk has {gb(free)} free now", "failed_after_s": 0.0}
             continue
         drop_caches(files, info["drop"])
         print(f"  {name} (load {load_average()}) ...", file=sys.stderr, flush=True)
