@@ -591,6 +591,12 @@ def _goals(shape: Shape, results: dict[str, dict[str, Any]], best: float | None,
         _, streamed, _ = split_bytes(shape, auto["map"])
         lines.append(f"- bigviz auto, next forward / time to read the streamed part at the floor's speed: "
                      f"**{ratio(auto['next_s'], streamed / bandwidth)}** (goal <= 1.1x)")
+        if compute:
+            guess = predict(shape, auto["map"], compute, bandwidth, auto.get("depth", 2))
+            lines.append(f"- bigviz auto, next forward / predicted ({guess.bottleneck}-bound, floor's bandwidth, "
+                         f"compute measured): **{ratio(auto['next_s'], guess.seconds)}** (when compute is the "
+                         "bottleneck on this machine, the disk goals cannot be reached: this one says whether "
+                         "reads were hidden)")
         over = auto["anon_peak"] - shape.cpu_budget
         lines.append(f"- bigviz auto, anonymous RAM peak {auto['anon_peak'] / GiB:.2f} GiB against the cpu budget "
                      f"{shape.cpu_budget / GiB:.1f} GiB + 2 GiB: {'met' if over <= 2 * GiB else 'not met'}")
