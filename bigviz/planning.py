@@ -132,6 +132,10 @@ def plan(model: ModelLike, max_memory: Mapping[object, object] | None = None, *,
         check_no_split(tree, no_split_module_classes)
     no_split = no_split_module_classes if no_split_module_classes is not None else default_no_split(model, tree)
     budgets = get_max_memory(max_memory)
+    if max_memory is None and "cpu" in budgets:  # issue 12: a model larger than RAM leaves room to stream
+        from bigviz.core.streaming import default_cpu_budget
+
+        budgets["cpu"] = default_cpu_budget(tree, budgets["cpu"], frozenset(no_split))
     workload = Workload(batch_size, context_length or 0, None if kv_dtype is None else str(kv_dtype))
     kv, act = workload_bytes(model, tree, workload, dtype=dtype, device_type=_device_type(budgets),
                              kv_cache=kv_cache, activations=activations)

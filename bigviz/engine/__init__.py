@@ -12,6 +12,10 @@ Modules, bottom up:
   entry, never bigger than a block) and resident tensors.
 - :mod:`~bigviz.engine.prefetch`: zero-copy CPU fetches, side-stream CUDA fetches through
   pinned staging, and the scheduler that fetches the next unit in recorded order.
+- :mod:`~bigviz.engine.readahead`: streaming for models larger than RAM: disk units read
+  ahead by parallel readers, dropped from the page cache after use.
+- :mod:`~bigviz.engine.resident`: "cpu" weights of a model larger than RAM read once into
+  process memory (``load_checkpoint_and_dispatch(..., resident="auto")``).
 - :mod:`~bigviz.engine.offload`: the hooks a dispatch attaches.
 - :mod:`~bigviz.engine.dispatch`: ``dispatch_model``.
 - :mod:`~bigviz.engine.big_modeling`: ``load_checkpoint_and_dispatch``, ``cpu_offload``,

@@ -46,6 +46,7 @@ def load_checkpoint_and_dispatch(
     preload_module_classes: Sequence[str] | None = None,
     force_hooks: bool = False,
     strict: bool = True,
+    resident: str = "auto",
 ) -> nn.Module:
     """Plan (if asked), load ``checkpoint`` into ``model`` and dispatch it; returns it in eval mode.
 
@@ -70,6 +71,10 @@ def load_checkpoint_and_dispatch(
         preload_module_classes: See :func:`~bigviz.engine.dispatch.dispatch_model`.
         force_hooks: Hook the model even when it all fits on one device.
         strict: Refuse checkpoints with missing or unexpected keys.
+        resident: ``"auto"``: a model that does not fit in RAM has its "cpu" weights read once
+            into process memory and its disk units streamed and dropped after use; one that
+            fits keeps zero-copy memory maps. ``"copy"`` / ``"map"`` force either
+            (:func:`~bigviz.engine.resident.settle_residency`).
 
     Raises:
         ValueError: a GPU named by the map is absent, or the map does not fit the model
@@ -87,7 +92,10 @@ def load_checkpoint_and_dispatch(
         (torch.Size([1, 2]), 'meta')
     """
     from bigviz.checkpoint.load import device_map_in_model_names, load_checkpoint_in_model
+    from bigviz.engine.resident import check_mode, settle_residency  # issue 12: larger than RAM
     from bigviz.planning import check_device_map
+
+    check_mode(resident)  # before anything is read
 
     resolved = _resolve_map(model, device_map, max_memory, no_split_module_classes, dtype)
     if resolved is not None:
@@ -114,6 +122,7 @@ def load_checkpoint_and_dispatch(
         state = getattr(model, "_bigviz_dispatch", None)
         if state is not None and result.disk is not None:
             state.owned.append(result.disk)  # closed by remove_hooks
+        settle_residency(model, resident=resident)
     return model.eval()
 
 

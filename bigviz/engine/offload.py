@@ -235,6 +235,7 @@ class OffloadHook(ModelHook):
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         try:
             self.unit.reset()
+            self.scheduler.release(self.unit)  # issue 12: a streaming fetcher drops the unit's pages
             if self._guards.pop():
                 output = _guard(output, self.unit.name)
             return output

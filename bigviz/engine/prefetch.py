@@ -325,8 +325,10 @@ class Scheduler:
             page-in hints only: a GPU fetcher would hold a unit's memory between calls.
     """
 
-    def __init__(self, units: Sequence[Unit], fetcher: Fetcher, *, prefetch: bool, wrap: bool = True) -> None:
+    def __init__(self, units: Sequence[Unit], fetcher: Fetcher, *, prefetch: bool, wrap: bool = True,
+                 depth: int = 1) -> None:
         self.units = list(units)
+        self.depth = depth  # units fetched ahead of the running one (issue 12: a fetcher may want more)
         self.fetcher = fetcher
         self.prefetch = prefetch
         self.wrap = wrap
@@ -386,12 +388,28 @@ class Scheduler:
         return handle.wait()
 
     def _prefetch_after(self, unit: Unit) -> None:
-        nxt = self._next_of(unit)
-        if nxt is None or nxt is unit or id(nxt) in self._pending:
-            return
-        self._pending[id(nxt)] = self.fetcher.start(nxt, background=True)
-        while len(self._pending) > 2:  # a guess that did not come true: drop the oldest
+        nxt: Unit | None = unit
+        for _ in range(self.depth):
+            nxt = self._next_of(nxt)  # type: ignore[arg-type]
+            if nxt is None or nxt is unit:
+                break
+            if id(nxt) not in self._pending:
+                self._pending[id(nxt)] = self.fetcher.start(nxt, background=True)
+        while len(self._pending) > self.depth + 1:  # a guess that did not come true: drop the oldest
             self._pending.popitem(last=False)
+
+    def fetch_ahead(self, n: int) -> None:
+        """Start fetching the first ``n`` units (definition order) now, before any forward:
+        their reads overlap whatever runs first (the resident part of a model larger than RAM)."""
+        for unit in self.units[:n]:
+            if id(unit) not in self._pending:
+                self._pending[id(unit)] = self.fetcher.start(unit, background=True)
+
+    def release(self, unit: Unit) -> None:
+        """``unit``'s forward is over: a fetcher that keeps something for it may let it go."""
+        release = getattr(self.fetcher, "release", None)
+        if release is not None:
+            release(unit)
 
     def _next_of(self, unit: Unit) -> Unit | None:
         recorded = self._next is not None and id(unit) in self._next

@@ -186,8 +186,19 @@ class Planner:
         """Bytes streamed per forward pass and their predicted time (see ``plan_cost``);
         the bandwidths default to the ones chosen in the UI."""
         plan = self.plan
-        return plan_cost(plan.offloaded_bytes(), main_device=plan.main_device,
+        cost = plan_cost(plan.offloaded_bytes(), main_device=plan.main_device,
                          link=link or self.controls.link.value, disk=disk or self.controls.disk.value)
+        return _with_forward_estimate(cost, plan, getattr(self, "disk_probe", None))  # issue 12
+
+    def measure_disk(self, path: str | os.PathLike[str], **probe_options: Any) -> Any:
+        """Measure the read bandwidth of the disk holding ``path`` (a checkpoint; cached per
+        disk, see :func:`bigviz.checkpoint.probe.measure_read_bandwidth`): the predicted time
+        per forward then uses it instead of the disk preset."""
+        from bigviz.checkpoint.probe import measure_read_bandwidth
+
+        self.disk_probe = measure_read_bandwidth(path, **probe_options)
+        self.refresh()
+        return self.disk_probe
 
     @property
     def workload(self) -> Workload:
@@ -558,3 +569,15 @@ class Planner:
         kwargs = {"offload_folder": self.controls.offload_folder.value} if self.controls.offload_folder.value else {}
         self.load_and_dispatch(self.controls.checkpoint.value, **kwargs)
 
+
+def _with_forward_estimate(cost: dict[str, Any], plan: DevicePlan, probe: Any) -> dict[str, Any]:
+    """``cost`` plus the pipeline prediction of a forward (reads overlapped with compute, the
+    resident part read once), at the measured disk bandwidth when there is one."""
+    from bigviz.core.streaming import forward_estimate
+
+    bandwidth = probe.bandwidth if probe is not None else cost["disk_bandwidth"]
+    link = cost["link_bandwidth"] if plan.main_device != "cpu" else None
+    estimate = forward_estimate(plan, disk_bandwidth=bandwidth, link_bandwidth=link)
+    source = f"measured {bandwidth / 1e9:.2f} GB/s" if probe is not None else f"preset {bandwidth / 1e9:.2f} GB/s"
+    return {**cost, "forward_seconds": estimate.seconds, "forward_first_seconds": estimate.first_seconds,
+            "forward": f"Predicted (disk {source}, compute not counted): {estimate.explain()}"}

@@ -16,6 +16,7 @@ Example:
 """
 from __future__ import annotations
 
+import html
 from collections.abc import Mapping
 from typing import Any
 
@@ -142,4 +143,5 @@ def cost_html(cost: Mapping[str, Any]) -> str:
     return (f"<div class='bigviz-cost'><b>Cost per forward pass:</b> {' and '.join(parts)} streamed in, "
             f"at least <b>{cost['seconds_per_forward'] * 1000:,.0f} ms</b> "
             f"(link {cost['link_seconds'] * 1000:,.0f} ms, disk {cost['disk_seconds'] * 1000:,.0f} ms). "
-            f"Every generated token pays it again.</div>")
+            f"Every generated token pays it again."
+            + (f"<br>{html.escape(cost['forward'])}" if cost.get("forward") else "") + "</div>")

@@ -1,0 +1,714 @@
+"""Larger than RAM: a GPT bigger than this machine, run from disk, against the disk's own floor.
+
+    python bench/beyond_ram.py                  # the whole run, ~8-12 min with the checkpoint built
+    python bench/beyond_ram.py --only auto      # one scenario (disk, auto, accelerate; repeatable)
+    python bench/beyond_ram.py --small          # ~300 MB, the same code path, under a minute
+    python bench/beyond_ram.py --report bench/_work/beyond-ram-results.json   # a saved run's table
+
+The checkpoint: a bigviz GPT (``n_embd`` 6144: blocks of 1.81 GB) about ``--ram-multiple``
+times this machine's RAM, written block by block (one block's tensors in RAM at a time),
+deterministic random weights, as a transformers-style sharded safetensors folder in
+``bench/_work/beyond-ram`` (git-ignored). It is kept between runs and reused when complete
+(``--rebuild`` to make one for this machine's RAM again, about 3 minutes; ``--delete`` to remove
+it at the end). Then, page cache dropped before each measurement, side by side:
+
+- the read floor: every shard read cold by ``--readers`` parallel readers, best of two
+  (``--full-floor``: one sequential reader and O_DIRECT too);
+- bigviz's disk probe (``bigviz.checkpoint.probe.measure_read_bandwidth``), against the floor;
+- one block's and the head's compute (weights in RAM), for the prediction;
+- bigviz, ``device_map={"": "disk"}``: dispatch, first forward (16 tokens), the next;
+- bigviz, ``device_map="auto"``, ``max_memory={"cpu": 2/3 of RAM}``: the same; the resident
+  part is read once into process memory (dispatch), disk blocks are streamed and dropped;
+  the next forward is compared with ``bigviz.core.streaming``'s prediction (the engine's
+  read-ahead depth, compute measured above, the floor's bandwidth and the probe's);
+- accelerate, ``device_map="auto"``, the same budget and an offload folder (it rewrites what
+  does not fit its budget, ~15 GB: left out, with a message, when the disk lacks the room).
+
+Every scenario runs in a fresh process; its anonymous RAM (RssAnon) peak is reported. A guard
+kills a scenario when the machine's available memory falls under 1 GiB. Ratios against the
+issue's goals are taken within the run (this virtual disk varies a lot between runs). Prints a
+markdown table and appends it to bench/RESULTS.md (not with --small or --no-results); the raw
+figures go to ``bench/_work/beyond-ram-results.json``.
+
+The page cache is dropped with ``sync; echo 3 > /proc/sys/vm/drop_caches`` when run as root
+(``--drop files`` to only evict the checkpoint's own files: the default when not root).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import warnings
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+warnings.filterwarnings("ignore")
+
+import dispatch as bench_dispatch  # noqa: E402  (bench/dispatch.py: RssAnon sampler, eviction)
+
+WORK = HERE / "_work"
+TOKENS = 16
+GiB = 2**30
+GUARD_BYTES = 1 * GiB  # a scenario is killed when MemAvailable falls below this
+
+
+# ------------------------------------------------------------------------------ sizing
+@dataclass(frozen=True)
+class Shape:
+    """The GPT to build and the machine it must not fit."""
+
+    n_embd: int
+    n_head: int
+    n_layer: int
+    vocab_size: int
+    block_size: int
+    ram: int  # bytes of RAM the model is compared with (a pretend figure in --small mode)
+
+    def config(self) -> Any:
+        from bigviz.models import GPTConfig
+
+        return GPTConfig(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
+                         vocab_size=self.vocab_size, block_size=self.block_size)
+
+    @property
+    def block_bytes(self) -> int:
+        c = self.n_embd
+        return 4 * (12 * c * c + 13 * c)  # c_attn, c_proj, c_fc, mlp.c_proj, 2 LayerNorms, biases
+
+    @property
+    def embedding_bytes(self) -> int:
+        return 4 * (self.vocab_size + self.block_size) * self.n_embd
+
+    @property
+    def model_bytes(self) -> int:
+        return self.embedding_bytes + self.n_layer * self.block_bytes + 4 * 2 * self.n_embd
+
+    @property
+    def cpu_budget(self) -> int:
+        return self.ram * 2 // 3
+
+
+def machine_ram() -> int:
+    import psutil
+
+    return psutil.virtual_memory().total
+
+
+def choose_shape(args: argparse.Namespace, free: int) -> Shape | str:
+    """The model to build, or a sentence saying why the bench must skip (the disk is short)."""
+    if args.small:
+        base = dict(n_embd=512, n_head=8, vocab_size=8192, block_size=256)
+        target = _size(args.size or "300MB")
+    else:
+        base = dict(n_embd=args.n_embd, n_head=args.n_embd // 128, vocab_size=50257, block_size=1024)
+        target = _size(args.size) if args.size else int(args.ram_multiple * machine_ram())
+    one = Shape(n_layer=1, ram=0, **base)
+    n_layer = max(2, round((target - one.embedding_bytes) / one.block_bytes))
+    existing = _existing_layers(folder_for(args), base)
+    if existing and not args.size and not args.rebuild:
+        n_layer = existing  # reuse the checkpoint already built (bench/_work is kept between runs)
+    shape = Shape(n_layer=n_layer, ram=machine_ram(), **base)
+    if args.small:  # a pretend machine the small model does not fit
+        shape = Shape(n_layer=n_layer, ram=int(shape.model_bytes / args.ram_multiple), **base)
+    if "accelerate" not in args.skip and disk_need(shape, accelerate=True) > free:
+        args.skip.append("accelerate")
+        print(f"bench/beyond_ram.py: accelerate left out: it would rewrite {accelerate_copy(shape) / 1e9:.1f} GB "
+              f"into its offload folder and the disk has {(free - shape.model_bytes) / 1e9:.1f} GB free beside "
+              "the checkpoint (it needs that plus 10% headroom)", file=sys.stderr)
+    need = disk_need(shape, accelerate=False)
+    if need > free:
+        return (f"the disk has {free / 1e9:.1f} GB free; this {shape.model_bytes / 1e9:.1f} GB model "
+                f"({shape.model_bytes / shape.ram:.2f}x RAM) needs {need / 1e9:.1f} GB: itself and 10% headroom. "
+                "Free some space, or pass a smaller --size / --ram-multiple.")
+    return shape
+
+
+def _existing_layers(folder: Path, base: dict[str, int]) -> int | None:
+    """Blocks of a complete checkpoint of this width already in ``folder`` (None: none there)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if any(config.get(k) != v for k, v in base.items()):
+        return None
+    shape = Shape(n_layer=int(config["n_layer"]), ram=0, **base)
+    return shape.n_layer if _complete(folder, shape) else None
+
+
+def accelerate_copy(shape: Shape) -> int:
+    """Bytes accelerate rewrites into its offload folder: what does not fit its cpu budget."""
+    return max(0, shape.model_bytes - shape.cpu_budget)
+
+
+def disk_need(shape: Shape, *, accelerate: bool) -> int:
+    """Free bytes the run needs: the model, accelerate's copy, 10% (at least 2 GB) headroom.
+
+    (Issue 12's rule of thumb, 2.5x the model, assumed accelerate rewrites all of it and
+    left a wide margin; at 1.25x RAM on a 24 GiB machine with ~70 GB free it does not fit,
+    while what the run writes does: 32 + 15 + 3 GB.)
+    """
+    return shape.model_bytes + (accelerate_copy(shape) if accelerate else 0) + max(shape.model_bytes // 10, 2 * 10**9)
+
+
+def _size(text: str) -> int:
+    from bigviz.core.units import parse_size
+
+    return parse_size(text)
+
+
+# -------------------------------------------------------------------------- checkpoint
+def tensor_shapes(shape: Shape, layer: int | None) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of one shard: the embeddings (None), block ``layer``, or ``-1``: ln_f."""
+    c, p = shape.n_embd, f"transformer.h.{layer}."
+    if layer is None:
+        return {"transformer.wte.weight": (shape.vocab_size, c), "transformer.wpe.weight": (shape.block_size, c)}
+    if layer < 0:
+        return {"transformer.ln_f.weight": (c,), "transformer.ln_f.bias": (c,)}
+    return {p + "ln_1.weight": (c,), p + "ln_1.bias": (c,), p + "attn.c_attn.weight": (3 * c, c),
+            p + "attn.c_attn.bias": (3 * c,), p + "attn.c_proj.weight": (c, c), p + "attn.c_proj.bias": (c,),
+            p + "ln_2.weight": (c,), p + "ln_2.bias": (c,), p + "mlp.c_fc.weight": (4 * c, c),
+            p + "mlp.c_fc.bias": (4 * c,), p + "mlp.c_proj.weight": (c, 4 * c), p + "mlp.c_proj.bias": (c,)}
+
+
+def make_tensor(name: str, dims: tuple[int, ...]) -> Any:
+    """Deterministic weights: the same name always gets the same values (GPT-2's init scale)."""
+    import torch
+
+    if name.endswith(".bias"):
+        return torch.zeros(dims)
+    if len(dims) == 1:  # a LayerNorm weight
+        return torch.ones(dims)
+    generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.randn(dims, generator=generator).mul_(0.02)
+
+
+def shard_layers(shape: Shape) -> list[int | None]:
+    return [None, *range(shape.n_layer), -1]
+
+
+def build_checkpoint(shape: Shape, folder: Path) -> float:
+    """Write the checkpoint one shard at a time into a staging folder, then rename it into place.
+    Returns the seconds it took (0 when a complete one with this config was already there)."""
+    if _complete(folder, shape):
+        return 0.0
+    from safetensors.torch import save_file
+
+    stage = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(stage, ignore_errors=True)  # our own leftover from a killed run
+    stage.mkdir(parents=True)
+    start, layers = time.perf_counter(), shard_layers(shape)
+    names = [f"model-{i:05d}-of-{len(layers):05d}.safetensors" for i in range(1, len(layers) + 1)]
+    weight_map, total = {}, 0
+    for name, layer in zip(names, layers):
+        tensors = {k: make_tensor(k, dims) for k, dims in tensor_shapes(shape, layer).items()}
+        save_file(tensors, str(stage / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+        total += sum(t.numel() * 4 for t in tensors.values())
+        del tensors  # one shard in RAM at a time
+        print(f"  wrote {name} ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+    index = {"metadata": {"total_size": total, "total_parameters": total // 4},
+             "weight_map": dict(sorted(weight_map.items()))}
+    (stage / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (stage / "config.json").write_text(json.dumps(shape.config().to_dict(), indent=2, sort_keys=True) + "\n")
+    os.sync()
+    shutil.rmtree(folder, ignore_errors=True)  # an incomplete one of ours (config differs)
+    stage.rename(folder)
+    return time.perf_counter() - start
+
+
+def _complete(folder: Path, shape: Shape) -> bool:
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+    except (OSError, ValueError):
+        return False
+    files = set(index["weight_map"].values())
+    return config == json.loads(json.dumps(shape.config().to_dict())) and all((folder / f).is_file() for f in files)
+
+
+def shard_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("model-*.safetensors"))
+
+
+# ---------------------------------------------------------------------- page cache
+def drop_caches(files: list[Path], mode: str) -> str:
+    """Drop the page cache: globally (root) or only these files' pages. Returns what was done."""
+    if mode == "global":
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "global"
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return "files"
+
+
+def drop_mode(requested: str, small: bool) -> str:
+    if requested != "auto":
+        return requested
+    can = os.geteuid() == 0 and os.access("/proc/sys/vm/drop_caches", os.W_OK)
+    return "global" if can and not small else "files"
+
+
+def load_average() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+# ----------------------------------------------------------------------------- floor
+def read_floor(files: list[Path], readers: int, drop: str, *, full: bool = False) -> dict[str, Any]:
+    """All shards read cold: ``readers`` parallel readers (best of two); with ``full``, one
+    reader and O_DIRECT too."""
+    from bigviz.checkpoint.probe import timed_read
+
+    ranges = [(p, 0, p.stat().st_size) for p in files]
+    out: dict[str, Any] = {}
+    runs = [("parallel", dict(readers=readers, chunk_bytes=16 * 2**20)),
+            ("parallel", dict(readers=readers, chunk_bytes=16 * 2**20))]
+    if full:
+        runs += [("sequential", dict(readers=1, chunk_bytes=16 * 2**20)),
+                 ("direct", dict(readers=readers, chunk_bytes=16 * 2**20, direct=True))]
+    for name, knobs in runs:
+        drop_caches(files, drop)
+        try:
+            timing = timed_read(ranges, **knobs)
+        except OSError as exc:  # O_DIRECT refused by this filesystem
+            out[name + "_error"] = f"{type(exc).__name__}: {exc}"
+            continue
+        if name not in out or timing.seconds < out[name]["seconds"]:
+            out[name] = {"seconds": timing.seconds, "bytes": timing.bytes, "cpu_seconds": timing.cpu_seconds}
+        print(f"  floor {name}: {timing.seconds:.1f} s ({timing.bandwidth / 1e9:.2f} GB/s), "
+              f"load {load_average()}", file=sys.stderr, flush=True)
+    out["probe"] = run_probe(files, readers, drop)
+    return out
+
+
+def run_probe(files: list[Path], readers: int, drop: str) -> dict[str, Any]:
+    """bigviz's disk probe on the checkpoint (measured now, not from the cache)."""
+    from bigviz.checkpoint.probe import measure_read_bandwidth
+
+    drop_caches(files, drop)
+    start = time.perf_counter()
+    probe = measure_read_bandwidth(files[0].parent, parallel=readers, cache=False)
+    took = time.perf_counter() - start
+    print(f"  probe: {probe} in {took:.1f} s", file=sys.stderr, flush=True)
+    return {"seconds": took, "parallel": probe.parallel, "sequential": probe.sequential, "method": probe.method,
+            "sample_bytes": probe.sample_bytes, "chunk_bytes": probe.chunk_bytes}
+
+
+# ------------------------------------------------------------------------ scenarios
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    """One scenario in this fresh process."""
+    if spec["engine"] == "compute":
+        return compute_child(spec)
+    import torch
+
+    import bigviz
+    from bigviz.models import GPT, GPTConfig
+
+    with bigviz.init_empty_weights():
+        model = GPT(GPTConfig(**spec["config"]))
+    base = bench_dispatch.rss_anon()
+    out: dict[str, Any] = {"phase": "dispatch"}
+    idx = torch.randint(0, spec["config"]["vocab_size"], (1, TOKENS), generator=torch.Generator().manual_seed(1))
+    with bench_dispatch.AnonPeak() as peak:
+        try:
+            start = time.perf_counter()
+            model = _dispatch(spec, model)
+            out["dispatch_s"] = time.perf_counter() - start
+            out["map"] = {str(k): str(v) for k, v in getattr(model, "hf_device_map", {}).items()}
+            state = getattr(model, "_bigviz_dispatch", None)
+            if getattr(state, "scheduler", None) is not None:
+                out["depth"] = state.scheduler.depth  # units read ahead (for the prediction)
+            if getattr(model, "_bigviz_residency", None) is not None:
+                out["residency"] = model._bigviz_residency.reason
+            for key in ("first_s", "next_s"):
+                out["phase"] = key
+                start = time.perf_counter()
+                with torch.no_grad():
+                    model(idx)
+                out[key] = time.perf_counter() - start
+            out["phase"] = "done"
+        except Exception as exc:  # what a peer does wrong is a result, not a crash of the bench
+            out["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            out["failed_after_s"] = time.perf_counter() - start
+    out["anon_peak"] = peak.peak - base
+    return out
+
+
+def _dispatch(spec: dict[str, Any], model: Any) -> Any:
+    budget = {"cpu": spec["budget"]} if spec.get("budget") else None
+    device_map = {"": "disk"} if spec["map"] == "disk" else "auto"
+    if spec["engine"] == "bigviz":
+        import bigviz
+
+        return bigviz.load_checkpoint_and_dispatch(model, spec["ckpt"], device_map, max_memory=budget,
+                                                   resident=spec.get("resident", "auto"))
+    import accelerate
+
+    return accelerate.load_checkpoint_and_dispatch(
+        model, str(Path(spec["ckpt"]) / "model.safetensors.index.json"), device_map=device_map,
+        max_memory=budget, offload_folder=spec["offload"], no_split_module_classes=["Block"])
+
+
+def compute_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """Seconds of one block's and of the head's forward on ``TOKENS`` tokens, weights in RAM."""
+    import torch
+
+    from bigviz.models import GPTConfig
+    from bigviz.models.gpt import Block
+
+    config = GPTConfig(**spec["config"])
+    torch.manual_seed(0)
+    with torch.no_grad():
+        block = Block(config, 0).eval()
+        x = torch.randn(1, TOKENS, config.n_embd)
+        block_s = _best(lambda: block(x))
+        del block
+        head = torch.nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        head_s = _best(lambda: head(x))
+    return {"block_s": block_s, "head_s": head_s}
+
+
+def _best(fn: Any, repeat: int = 3) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def run_child(spec: dict[str, Any], *, timeout: float) -> dict[str, Any]:
+    """Run one scenario in a fresh process, killing it if the machine runs low on memory."""
+    proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=HERE.parent)
+    guard = _Guard(proc)
+    guard.start()
+    start = time.perf_counter()
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        return {"error": f"timed out after {timeout:.0f} s", "failed_after_s": time.perf_counter() - start}
+    finally:
+        guard.stop()
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    if guard.killed:
+        return {"error": f"killed by the bench's memory guard (MemAvailable < 1 GiB) at "
+                         f"{guard.anon / GiB:.1f} GiB RssAnon", "failed_after_s": time.perf_counter() - start,
+                "anon_peak": guard.anon}
+    if proc.returncode != 0 or not lines:
+        last = (stderr.strip().splitlines() or ["no output"])[-1]
+        why = ""
+        if proc.returncode == -7:  # SIGBUS: a memory-mapped file could not be backed
+            why = (f"SIGBUS (a memory-mapped file could not be written or read: the disk full? "
+                   f"{shutil.disk_usage(HERE).free / 1e9:.1f} GB free now); ")
+        return {"error": f"exit {proc.returncode}: {why}{last[:200]}", "failed_after_s": time.perf_counter() - start}
+    return json.loads(lines[-1])
+
+
+class _Guard(threading.Thread):
+    """Kills the child when MemAvailable falls under GUARD_BYTES; records its RssAnon."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        super().__init__(daemon=True)
+        self.proc, self.killed, self.anon = proc, False, 0
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(0.25):
+            self.anon = max(self.anon, _proc_anon(self.proc.pid))
+            if _mem_available() < GUARD_BYTES and self.proc.poll() is None:
+                self.killed = True
+                self.proc.kill()
+                return
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 2**62
+
+
+def _proc_anon(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+# --------------------------------------------------------------------------- report
+def split_bytes(shape: Shape, device_map: dict[str, str]) -> tuple[int, int, list[tuple[str, int, str]]]:
+    """(resident, streamed, units in execution order) of a device map over this GPT."""
+    from bigviz.core.devicemap import device_of
+
+    units = [("transformer.wte", shape.embedding_bytes, "wte")]
+    units += [(f"transformer.h.{i}", shape.block_bytes, "block") for i in range(shape.n_layer)]
+    units.append(("lm_head", 0, "head"))  # tied to wte: nothing more to read
+    resident = streamed = 0
+    placed = []
+    for name, nbytes, kind in units:
+        where = str(device_of(name + ".weight", device_map) or device_of(name, device_map) or "cpu")
+        placed.append((kind, nbytes if where == "disk" else 0, where))
+        if where == "disk":
+            streamed += nbytes
+        else:
+            resident += nbytes
+    return resident, streamed, placed
+
+
+def predict(shape: Shape, device_map: dict[str, str], compute: dict[str, float], bandwidth: float,
+            depth: int = 2) -> Any:
+    """bigviz.core.streaming's prediction of a later forward, at the floor's bandwidth, with the
+    engine's read-ahead depth."""
+    from bigviz.core.streaming import UnitCost, predict_forward
+
+    resident, _, placed = split_bytes(shape, device_map)
+    seconds = {"wte": 0.0, "block": compute["block_s"], "head": compute["head_s"]}
+    units = [UnitCost(kind, read_bytes=nbytes, compute_seconds=seconds[kind]) for kind, nbytes, _ in placed]
+    return predict_forward(units, disk_bandwidth=bandwidth, depth=depth, resident_bytes=resident)
+
+
+def gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.0f} MB"
+
+
+def fmt_s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} s"
+
+
+def ratio(num: float | None, den: float | None) -> str:
+    return "-" if not num or not den else f"{num / den:.2f}x"
+
+
+def report(shape: Shape, floor: dict[str, Any], results: dict[str, dict[str, Any]], compute: dict[str, Any],
+           info: dict[str, Any]) -> str:
+    best = floor.get("parallel", {}).get("seconds")
+    bandwidth = shape.model_bytes / best if best else None
+    lines = [_header(shape, info), "", "| measurement | time | / floor | anonymous RAM peak | notes |",
+             "|---|---|---|---|---|"]
+    lines += _floor_rows(floor, shape, info["readers"], best)
+    for name, r in results.items():
+        lines += _scenario_rows(name, r, shape, best, bandwidth, compute, floor.get("probe"))
+    lines += ["", *_goals(shape, results, best, bandwidth, compute)]
+    return "\n".join(lines)
+
+
+def _header(shape: Shape, info: dict[str, Any]) -> str:
+    return (f"## Larger than RAM (`python bench/beyond_ram.py{info['argv']}`, {datetime.date.today()})\n\n"
+            f"bigviz GPT, n_embd {shape.n_embd}, {shape.n_layer} blocks of {gb(shape.block_bytes)} + "
+            f"embeddings {gb(shape.embedding_bytes)}: {gb(shape.model_bytes)} fp32, "
+            f"{shape.model_bytes / shape.ram:.2f}x the RAM ({shape.ram / GiB:.1f} GiB"
+            f"{', pretend: --small' if info['small'] else ''}); cpu budget for \"auto\": "
+            f"{shape.cpu_budget / GiB:.1f} GiB (2/3 of RAM). {TOKENS}-token forwards. Page cache dropped "
+            f"({info['drop']}) before each line. Checkpoint {'written in ' + format(info['build_s'], '.0f') + ' s' if info['build_s'] else 'reused'}. "
+            f"Load average (1/5/15 min) at the start: {info['load_start']}, at the end: {info['load_end']}.")
+
+
+def _floor_rows(floor: dict[str, Any], shape: Shape, readers: int, best: float | None) -> list[str]:
+    rows = []
+    labels = {"parallel": f"read floor: all shards, {readers} parallel readers (best of two)",
+              "sequential": "one sequential reader", "direct": f"{readers} parallel readers, O_DIRECT"}
+    probe = floor.get("probe")
+    if probe:
+        rows.append(f"| bigviz disk probe: {probe['sample_bytes'] >> 20} MiB by 1 reader, then by {readers} "
+                    f"({probe['method']}, {probe['chunk_bytes'] >> 20} MiB requests) | {fmt_s(probe['seconds'])} | - | - | "
+                    f"{probe['sequential'] / 1e9:.2f} GB/s with 1 reader, {probe['parallel'] / 1e9:.2f} GB/s with "
+                    f"{readers}: {probe['parallel'] * best / shape.model_bytes if best else 0:.2f}x the floor's |")
+    for key, label in labels.items():
+        if key not in floor:
+            if key + "_error" in floor:
+                rows.append(f"| {label} | - | - | - | {floor[key + '_error']} |")
+            continue
+        r = floor[key]
+        rows.append(f"| {label} | {fmt_s(r['seconds'])} | {ratio(r['seconds'], best)} | - | "
+                    f"{r['bytes'] / r['seconds'] / 1e9:.2f} GB/s, CPU {r['cpu_seconds']:.1f} s |")
+    return rows
+
+
+def _scenario_rows(name: str, r: dict[str, Any], shape: Shape, best: float | None, bandwidth: float | None,
+                   compute: dict[str, Any], probe: dict[str, Any] | None) -> list[str]:
+    anon = f"{r['anon_peak'] / GiB:.2f} GiB" if "anon_peak" in r else "-"
+    if "error" in r and "first_s" not in r:
+        where = f"dispatch {fmt_s(r.get('dispatch_s'))}, then " if "dispatch_s" in r else ""
+        return [f"| {name} | {fmt_s(r.get('failed_after_s'))} | {ratio(r.get('failed_after_s'), best)} | {anon} | "
+                f"{where}failed in {r.get('phase', '?')}: `{r['error']}` |"]
+    resident, streamed, _ = split_bytes(shape, r.get("map", {}))
+    split = f"resident {gb(resident)}, streamed {gb(streamed)}"
+    first = r["first_s"] + r["dispatch_s"]
+    rows = [f"| {name}: dispatch + first forward | {fmt_s(first)} | {ratio(first, best)} | {anon} | "
+            f"dispatch {fmt_s(r['dispatch_s'])}; {split} |"]
+    if "next_s" in r:
+        floor_part = streamed / bandwidth if bandwidth else None
+        note = f"read of the streamed part at the floor's speed: {fmt_s(floor_part)} ({ratio(r['next_s'], floor_part)})"
+        if compute and bandwidth:
+            depth = r.get("depth", 2)
+            guess = predict(shape, r["map"], compute, bandwidth, depth)
+            note += (f"; predicted {guess.seconds:.1f} s ({guess.bottleneck}-bound, {depth} unit(s) read ahead) "
+                     f"at the floor's bandwidth ({ratio(r['next_s'], guess.seconds)} of it)")
+            if probe:
+                note += f", {predict(shape, r['map'], compute, probe['parallel'], depth).seconds:.1f} s at the probe's"
+        rows.append(f"| {name}: next forward | {fmt_s(r['next_s'])} | {ratio(r['next_s'], best)} | | {note} |")
+    return rows
+
+
+def _goals(shape: Shape, results: dict[str, dict[str, Any]], best: float | None, bandwidth: float | None,
+           compute: dict[str, Any]) -> list[str]:
+    lines = []
+    disk = results.get("bigviz all-disk", {})
+    if "first_s" in disk and best:
+        lines.append(f"- bigviz all-disk, cold dispatch + first forward / read floor: "
+                     f"**{ratio(disk['first_s'] + disk['dispatch_s'], best)}** (goal <= 1.1x)")
+    auto = results.get("bigviz auto", {})
+    if "next_s" in auto and bandwidth:
+        _, streamed, _ = split_bytes(shape, auto["map"])
+        lines.append(f"- bigviz auto, next forward / time to read the streamed part at the floor's speed: "
+                     f"**{ratio(auto['next_s'], streamed / bandwidth)}** (goal <= 1.1x)")
+        if compute:
+            guess = predict(shape, auto["map"], compute, bandwidth, auto.get("depth", 2))
+            lines.append(f"- bigviz auto, next forward / predicted ({guess.bottleneck}-bound, floor's bandwidth, "
+                         f"compute measured): **{ratio(auto['next_s'], guess.seconds)}** (when compute is the "
+                         "bottleneck on this machine, the disk goals cannot be reached: this one says whether "
+                         "reads were hidden)")
+        over = auto["anon_peak"] - shape.cpu_budget
+        lines.append(f"- bigviz auto, anonymous RAM peak {auto['anon_peak'] / GiB:.2f} GiB against the cpu budget "
+                     f"{shape.cpu_budget / GiB:.1f} GiB + 2 GiB: {'met' if over <= 2 * GiB else 'not met'}")
+    if compute:
+        lines.append(f"- compute, weights in RAM: one block {compute['block_s'] * 1e3:.0f} ms, the head "
+                     f"{compute['head_s'] * 1e3:.0f} ms; all blocks + head "
+                     f"{(shape.n_layer * compute['block_s'] + compute['head_s']):.1f} s per forward")
+    return lines
+
+
+# ------------------------------------------------------------------------------ main
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ram-multiple", type=float, default=1.25, help="model size / RAM (default 1.25)")
+    parser.add_argument("--size", help="model size instead (e.g. 30GB); skips if the disk lacks 2.5x")
+    parser.add_argument("--n-embd", type=int, default=6144, help="width (blocks of 48 x n_embd^2 bytes)")
+    parser.add_argument("--small", action="store_true", help="~300 MB, pretend RAM = model / ram-multiple")
+    parser.add_argument("--readers", type=int, default=4, help="parallel readers for the floor")
+    parser.add_argument("--drop", choices=["auto", "global", "files"], default="auto")
+    parser.add_argument("--work", type=Path, default=WORK, help="where the checkpoint goes")
+    parser.add_argument("--keep", action="store_true", help="(the default now) keep the checkpoint")
+    parser.add_argument("--delete", action="store_true", help="delete the checkpoint at the end")
+    parser.add_argument("--build-only", action="store_true", help="make the checkpoint (kept), measure nothing")
+    parser.add_argument("--skip", action="append", default=[], choices=["accelerate", "floor", "compute"])
+    parser.add_argument("--timeout", type=float, default=900, help="seconds a scenario may take")
+    parser.add_argument("--full-floor", action="store_true", help="also time one sequential reader and O_DIRECT")
+    parser.add_argument("--rebuild", action="store_true", help="build the checkpoint again for this machine's RAM")
+    parser.add_argument("--only", action="append", default=[], choices=["disk", "auto", "accelerate"],
+                        help="run only these scenarios (repeatable)")
+    parser.add_argument("--no-results", action="store_true", help="do not write bench/RESULTS.md")
+    parser.add_argument("--report", type=Path, help="print the report of a saved run (its -results.json)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def folder_for(args: argparse.Namespace) -> Path:
+    return args.work / ("beyond-ram-small" if args.small else "beyond-ram")
+
+
+def main() -> None:
+    args = parse_args()
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return
+    if args.report:
+        raw = json.loads(args.report.read_text())
+        print(report(Shape(**raw["shape"]), raw["floor"], raw["results"], raw["compute"], raw["info"]))
+        return
+    folder = folder_for(args)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    shape = choose_shape(args, shutil.disk_usage(folder.parent).free + _ours(folder))
+    if isinstance(shape, str):
+        print(f"bench/beyond_ram.py: skipped: {shape}")
+        return
+    text = None
+    try:
+        text = measure(args, shape, folder)
+    finally:
+        shutil.rmtree(folder.parent / "beyond-ram-offload", ignore_errors=True)
+        if args.delete and not args.build_only:
+            shutil.rmtree(folder, ignore_errors=True)
+    if text:
+        print(text)
+        if not (args.small or args.no_results):
+            with open(HERE / "RESULTS.md", "a") as f:
+                f.write("\n" + text + "\n")
+
+
+def _ours(folder: Path) -> int:
+    """Bytes of a checkpoint of ours already there (reused, so it needs no new room)."""
+    return sum(p.stat().st_size for p in folder.glob("*") if p.is_file()) if folder.is_dir() else 0
+
+
+def measure(args: argparse.Namespace, shape: Shape, folder: Path) -> str | None:
+    info = {"small": args.small, "readers": args.readers, "drop": drop_mode(args.drop, args.small),
+            "load_start": load_average(), "argv": "".join(" " + a for a in sys.argv[1:])}
+    verb = "reusing" if _complete(folder, shape) else "building"
+    print(f"{verb} {folder} ({shape.model_bytes / 1e9:.1f} GB, {shape.n_layer} blocks) ...", file=sys.stderr)
+    info["build_s"] = build_checkpoint(shape, folder)
+    if args.build_only:
+        return None
+    files = shard_files(folder)
+    floor = {} if "floor" in args.skip else read_floor(files, args.readers, info["drop"], full=args.full_floor)
+    spec = {"config": shape.config().to_dict(), "ckpt": str(folder), "budget": shape.cpu_budget,
+            "offload": str(folder.parent / "beyond-ram-offload"),
+            "resident": "copy" if args.small else "auto"}  # --small: the pretend RAM is smaller than the model
+    spec["config"].pop("model_type", None)
+    compute = {} if "compute" in args.skip else run_child({**spec, "engine": "compute"}, timeout=args.timeout)
+    scenarios = {"bigviz all-disk": {"engine": "bigviz", "map": "disk"},
+                 "bigviz auto": {"engine": "bigviz", "map": "auto"},
+                 "accelerate auto": {"engine": "accelerate", "map": "auto"}}
+    results = {}
+    for name, extra in scenarios.items():
+        short = "accelerate" if extra["engine"] == "accelerate" else extra["map"]
+        if extra["engine"] in args.skip or (args.only and short not in args.only):
+            continue
+        free = shutil.disk_usage(folder.parent).free  # a shared disk: what others left now
+        if extra["engine"] == "accelerate" and free < accelerate_copy(shape) * 1.1:
+            results[name] = {"error": f"left out: it rewrites {gb(accelerate_copy(shape))} into its offload folder "
+                                      f"and the disk has {gb(free)} free now", "failed_after_s": 0.0}
+            continue
+        drop_caches(files, info["drop"])
+        print(f"  {name} (load {load_average()}) ...", file=sys.stderr, flush=True)
+        results[name] = run_child({**spec, **extra}, timeout=args.timeout)
+        shutil.rmtree(spec["offload"], ignore_errors=True)
+        print(f"  {name}: { {k: v for k, v in results[name].items() if k != 'map'} }", file=sys.stderr, flush=True)
+    info["load_end"] = load_average()
+    compute = compute if "error" not in compute else {}
+    raw = {"shape": shape.__dict__, "floor": floor, "results": results, "compute": compute, "info": info}
+    (folder.parent / f"{folder.name}-results.json").write_text(json.dumps(raw, indent=1) + "\n")
+    return report(shape, floor, results, compute, info)
+
+
+if __name__ == "__main__":
+    main()

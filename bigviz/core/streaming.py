@@ -1,0 +1,367 @@
+"""Time per forward pass of a model whose weights stream from disk: a pipeline, predicted.
+
+Pure arithmetic, no I/O: bytes, bandwidths and seconds in, a :class:`ForwardEstimate` out.
+The numbers come from elsewhere: the disk's bandwidth from
+``bigviz.checkpoint.probe.measure_read_bandwidth``, the bytes from a plan (resident units
+read nothing per forward, streamed units read their bytes), compute from a measurement or
+from :func:`compute_seconds`.
+
+A forward runs the model's units in execution order. A unit's weights pass through up to
+three stages, each serving one unit at a time, in order:
+
+1. **read** (streamed units only): ``read_bytes / disk_bandwidth``;
+2. **copy** to the execution device (a GPU executing offloaded weights):
+   ``copy_bytes / link_bandwidth``;
+3. **compute**: ``compute_seconds``.
+
+A unit starts a stage when it has left the previous one and the stage is free. Reads run
+ahead of compute, but only ``depth`` streamed units ahead: the read of a streamed unit waits
+until the streamed unit ``depth + 1`` places before it has finished computing (its buffer,
+or its pages, are then free); resident units in between hold no buffer, so reads run on
+past them. ``depth=0`` is no read-ahead: a unit is read when its turn to compute comes. So a forward takes about ``max(read, copy, compute)`` when the stages overlap,
+plus what cannot overlap: the first read before any compute, the last compute after every
+read. Resident weights are read once, before the first forward (``load_seconds``).
+
+Example:
+    >>> units = [UnitCost("h.0", compute_seconds=0.5)] + [
+    ...     UnitCost(f"h.{i}", read_bytes=2 * 10**9, compute_seconds=0.5) for i in range(1, 4)]
+    >>> e = predict_forward(units, disk_bandwidth=2e9, resident_bytes=2 * 10**9)
+    >>> e.seconds, e.read_seconds, e.compute_seconds, e.bottleneck, e.load_seconds
+    (3.5, 3.0, 2.0, 'disk', 1.0)
+    >>> predict_forward(units, disk_bandwidth=2e9, depth=0).seconds  # no overlap: read, compute, ...
+    5.0
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from bigviz.core.plan import DevicePlan
+    from bigviz.core.tree import SizeTree
+
+__all__ = ["UnitCost", "ForwardEstimate", "predict_forward", "estimate_forward", "compute_seconds",
+           "DEFAULT_DEPTH", "resident_budget", "default_cpu_budget", "plan_forward", "forward_estimate"]
+
+DEFAULT_DEPTH = 2  # disk units the engine reads ahead of the running one (bigviz.engine.readahead)
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """What one unit of a forward pass costs, in execution order.
+
+    Attributes:
+        name: The unit's module name (for explanations).
+        read_bytes: Bytes read from disk for it in every forward (0: resident in RAM or on
+            the execution device).
+        copy_bytes: Bytes copied host-to-device for it in every forward (a GPU executing
+            offloaded weights: its cpu and disk bytes; 0 when the CPU executes).
+        compute_seconds: Its compute time on the execution device.
+
+    Example:
+        >>> UnitCost("h.3", read_bytes=1800 * 10**6, compute_seconds=0.3).streamed
+        True
+    """
+
+    name: str
+    read_bytes: int = 0
+    copy_bytes: int = 0
+    compute_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        problems = [f"{field}={getattr(self, field)!r} must be >= 0"
+                    for field in ("read_bytes", "copy_bytes", "compute_seconds") if getattr(self, field) < 0]
+        if problems:
+            raise ValueError(f"UnitCost {self.name!r}: " + "; ".join(problems))
+
+    @property
+    def streamed(self) -> bool:
+        """True when the unit is read from disk in every forward."""
+        return self.read_bytes > 0
+
+
+@dataclass(frozen=True)
+class ForwardEstimate:
+    """A predicted forward pass.
+
+    Attributes:
+        seconds: Wall time of one forward, weights resident as planned (a later forward).
+        read_seconds: Time the disk is busy with streamed units (the floor when it is the
+            bottleneck).
+        copy_seconds: Time the host-to-device link is busy.
+        compute_seconds: Time compute is busy.
+        stall_seconds: Time compute waits for weights.
+        load_seconds: Reading the resident bytes once, before the first forward.
+        bottleneck: The busiest stage: ``"disk"``, ``"link"`` or ``"compute"``.
+    """
+
+    seconds: float
+    read_seconds: float
+    copy_seconds: float
+    compute_seconds: float
+    stall_seconds: float
+    load_seconds: float
+    bottleneck: str
+
+    @property
+    def first_seconds(self) -> float:
+        """The first forward after a cold start: the resident part read once, then a forward."""
+        return self.load_seconds + self.seconds
+
+    @property
+    def overlap(self) -> float:
+        """How much of the non-bottleneck work was hidden: 1 = perfectly, 0 = not at all
+        (stages run one after the other).
+
+        Example:
+            >>> predict_forward([UnitCost("a", read_bytes=10, compute_seconds=1.0)],
+            ...                 disk_bandwidth=10).overlap   # one unit: nothing to overlap
+            0.0
+        """
+        busiest = max(self.read_seconds, self.copy_seconds, self.compute_seconds)
+        others = self.read_seconds + self.copy_seconds + self.compute_seconds - busiest
+        return 1.0 if others <= 0 else max(0.0, min(1.0, (busiest + others - self.seconds) / others))
+
+    def explain(self) -> str:
+        """One sentence a person reads (what the Planner shows).
+
+        Example:
+            >>> print(estimate_forward(resident_bytes=0, streamed_bytes=4 * 10**9, disk_bandwidth=2e9,
+            ...                        compute_seconds=1.0, units=4).explain())
+            2.25 s per forward: disk 2.00 s, compute 1.00 s, overlapped (the disk is the bottleneck)
+        """
+        parts = [f"disk {self.read_seconds:.2f} s"] if self.read_seconds else []
+        if self.copy_seconds:
+            parts.append(f"link {self.copy_seconds:.2f} s")
+        parts.append(f"compute {self.compute_seconds:.2f} s")
+        text = f"{self.seconds:.2f} s per forward: {', '.join(parts)}"
+        if self.read_seconds or self.copy_seconds:
+            text += f", overlapped (the {self.bottleneck} is the bottleneck)"
+        if self.load_seconds:
+            text += f"; {self.load_seconds:.2f} s more before the first, to read the resident weights"
+        return text
+
+
+def predict_forward(
+    units: Sequence[UnitCost],
+    *,
+    disk_bandwidth: float,
+    link_bandwidth: float | None = None,
+    depth: int = 2,
+    resident_bytes: int = 0,
+) -> ForwardEstimate:
+    """Predict one forward pass over ``units`` (in execution order) as a three-stage pipeline.
+
+    Linear in the number of units. See the module docstring for the model.
+
+    Args:
+        units: Every unit the forward runs, in execution order.
+        disk_bandwidth: Bytes per second the disk reads (cold, with the fetcher's readers).
+        link_bandwidth: Bytes per second host-to-device (required when a unit copies bytes).
+        depth: Streamed units read ahead of the one computing (0: no read-ahead).
+        resident_bytes: Bytes read once before the first forward (the resident part).
+
+    Raises:
+        ValueError: a bandwidth is missing or not positive, or ``depth`` is negative.
+    """
+    _check(units, disk_bandwidth=disk_bandwidth, link_bandwidth=link_bandwidth, depth=depth)
+    read_free = copy_free = compute_end = stall = 0.0
+    streamed_ends: list[float] = []  # when each streamed unit finished computing
+    for unit in units:
+        ready = 0.0
+        if unit.streamed:
+            gate = len(streamed_ends) - depth - 1
+            freed = streamed_ends[gate] if gate >= 0 else 0.0
+            start = max(read_free, compute_end if depth == 0 else freed)  # depth 0: read on demand
+            read_free = ready = start + unit.read_bytes / disk_bandwidth
+        if unit.copy_bytes:
+            copy_free = ready = max(copy_free, ready) + unit.copy_bytes / link_bandwidth  # type: ignore[operator]
+        start = max(compute_end, ready)
+        stall += start - compute_end
+        compute_end = start + unit.compute_seconds
+        if unit.streamed:
+            streamed_ends.append(compute_end)
+    busy = _busy(units, disk_bandwidth, link_bandwidth)
+    return ForwardEstimate(
+        seconds=compute_end, read_seconds=busy["disk"], copy_seconds=busy["link"], compute_seconds=busy["compute"],
+        stall_seconds=stall, load_seconds=resident_bytes / disk_bandwidth,
+        bottleneck=max(("disk", "link", "compute"), key=lambda k: busy[k]),
+    )
+
+
+def estimate_forward(
+    *,
+    resident_bytes: int,
+    streamed_bytes: int,
+    disk_bandwidth: float,
+    compute_seconds: float,
+    units: int = 1,
+    resident_units: int = 0,
+    depth: int = 2,
+    copied_bytes: int = 0,
+    link_bandwidth: float | None = None,
+) -> ForwardEstimate:
+    """:func:`predict_forward` from a plan's totals: ``units`` equal streamed units after
+    ``resident_units`` equal resident ones (a planner fills RAM first, in execution order),
+    compute spread over all of them in proportion to their bytes.
+
+    Args:
+        resident_bytes: Bytes kept in RAM (or on the execution device).
+        streamed_bytes: Bytes read from disk in every forward.
+        disk_bandwidth: Bytes per second the disk reads.
+        compute_seconds: Compute of the whole forward.
+        units: How many units the streamed bytes are in (read-ahead works per unit).
+        resident_units: How many units the resident bytes are in (0: one, if any bytes).
+        depth: Streamed units read ahead.
+        copied_bytes: Bytes copied host-to-device per forward (GPU execution).
+        link_bandwidth: Host-to-device bytes per second.
+
+    Example:
+        >>> e = estimate_forward(resident_bytes=16 * 10**9, streamed_bytes=14 * 10**9, disk_bandwidth=2e9,
+        ...                      compute_seconds=6.0, units=8, resident_units=8)
+        >>> round(e.seconds, 2), e.bottleneck, e.load_seconds
+        (8.28, 'disk', 8.0)
+        >>> round(estimate_forward(resident_bytes=16 * 10**9, streamed_bytes=14 * 10**9, disk_bandwidth=2e9,
+        ...                        compute_seconds=6.0, units=8, resident_units=8, depth=8).seconds, 2)
+        7.35
+
+        With two units read ahead the disk idles while the resident part computes; with all
+        eight read ahead (8 x 1.75 GB of buffers) it never does: 7.0 s of reads + 0.35 s.
+    """
+    total = resident_bytes + streamed_bytes
+    n_resident = resident_units or (1 if resident_bytes else 0)
+    n_streamed = max(1, units) if streamed_bytes else 0
+    steps = [UnitCost(f"resident {i}", compute_seconds=_share(compute_seconds, resident_bytes / n_resident, total))
+             for i in range(n_resident)]
+    per_unit = streamed_bytes // n_streamed if n_streamed else 0
+    copy = copied_bytes // (n_resident + n_streamed) if copied_bytes else 0
+    steps += [UnitCost(f"streamed {i}", read_bytes=per_unit, compute_seconds=_share(compute_seconds, per_unit, total))
+              for i in range(n_streamed)]
+    if copy:
+        steps = [UnitCost(s.name, s.read_bytes, copy, s.compute_seconds) for s in steps]
+    if not steps:
+        steps = [UnitCost("model", compute_seconds=compute_seconds)]
+    return predict_forward(steps, disk_bandwidth=disk_bandwidth, link_bandwidth=link_bandwidth, depth=depth,
+                           resident_bytes=resident_bytes)
+
+
+def compute_seconds(parameters: int, tokens: int, *, flops_per_second: float) -> float:
+    """Seconds of a forward's matrix products: ``2 x parameters x tokens`` FLOPs (attention
+    over the context is left out: small for short contexts).
+
+    Example:
+        >>> compute_seconds(7 * 10**9, 16, flops_per_second=100e9)
+        2.24
+    """
+    if flops_per_second <= 0:
+        raise ValueError(f"flops_per_second={flops_per_second!r} must be > 0 (measure it: one block's forward)")
+    return 2 * parameters * tokens / flops_per_second
+
+
+def resident_budget(cpu_budget: int, *, model_bytes: int, largest_unit: int, depth: int = DEFAULT_DEPTH) -> int:
+    """The default "cpu" budget (resident bytes) of a model that may not fit: all of
+    ``cpu_budget`` when the whole model fits, else ``cpu_budget`` less room for the streamed
+    units in RAM at once (the running one and ``depth`` read ahead).
+
+    Example:
+        >>> resident_budget(100, model_bytes=90, largest_unit=10), resident_budget(100, model_bytes=150, largest_unit=10)
+        (100, 70)
+    """
+    if model_bytes <= cpu_budget:
+        return cpu_budget
+    return max(0, cpu_budget - (depth + 1) * largest_unit)
+
+
+def default_cpu_budget(tree: SizeTree, cpu_budget: int, no_split: frozenset[str] = frozenset(), *,
+                       depth: int = DEFAULT_DEPTH) -> int:
+    """:func:`resident_budget` for a model's size tree: the largest unit the engine streams is
+    its largest module placed whole (a no-split block, a leaf module).
+
+    Example:
+        >>> from bigviz.core.tree import SizeTree, TensorSpec
+        >>> tree = SizeTree.build([TensorSpec(f"h.{i}.weight", 100, "float32") for i in range(10)])
+        >>> default_cpu_budget(tree, 5000), default_cpu_budget(tree, 3000)
+        (5000, 1800)
+    """
+    from bigviz.core.strategies import is_no_split
+
+    units = [n.total_bytes for name, n in tree.nodes.items() if not n.children or is_no_split(tree, name, no_split)]
+    return resident_budget(cpu_budget, model_bytes=tree.nodes[""].total_bytes, largest_unit=max(units, default=0),
+                           depth=depth)
+
+
+def plan_forward(
+    placements: Sequence[tuple[str, str, int]],
+    *,
+    disk_bandwidth: float,
+    compute_seconds: float = 0.0,
+    link_bandwidth: float | None = None,
+    main_device: str = "cpu",
+    depth: int = DEFAULT_DEPTH,
+) -> ForwardEstimate:
+    """:func:`predict_forward` for a plan's placements ``(name, device, bytes)`` in execution
+    order: disk units are read per forward, "cpu" ones are resident (read once, before the
+    first forward) unless a GPU executes (then they cross the link), compute is spread over
+    the units in proportion to their bytes.
+
+    Example:
+        >>> rows = [("h.0", "cpu", 4 * 10**9), ("h.1", "disk", 2 * 10**9), ("h.2", "disk", 2 * 10**9)]
+        >>> e = plan_forward(rows, disk_bandwidth=2e9, compute_seconds=0.8)
+        >>> round(e.seconds, 2), e.bottleneck, e.load_seconds
+        (2.2, 'disk', 2.0)
+    """
+    total = sum(n for _, _, n in placements) or 1
+    gpu = main_device != "cpu"
+    units = []
+    for name, device, nbytes in placements:
+        read = nbytes if device == "disk" else 0
+        copy = nbytes if gpu and device in ("cpu", "disk") else 0
+        units.append(UnitCost(name, read_bytes=read, copy_bytes=copy, compute_seconds=compute_seconds * nbytes / total))
+    resident = sum(n for _, d, n in placements if d == "cpu")
+    return predict_forward(units or [UnitCost("model")], disk_bandwidth=disk_bandwidth,
+                           link_bandwidth=link_bandwidth, depth=depth, resident_bytes=resident)
+
+
+def forward_estimate(plan: DevicePlan, *, disk_bandwidth: float, compute_seconds: float = 0.0,
+                     link_bandwidth: float | None = None, depth: int = DEFAULT_DEPTH) -> ForwardEstimate:
+    """:func:`plan_forward` for a :class:`~bigviz.core.plan.DevicePlan` (its placements in
+    definition order, the usual execution order; GPU-resident units cost compute only).
+
+    Example:
+        >>> from bigviz.core.tree import SizeTree, TensorSpec
+        >>> from bigviz.core.strategies import make_plan
+        >>> tree = SizeTree.build([TensorSpec(f"h.{i}.weight", 250 * 10**6, "float32") for i in range(4)])
+        >>> p = make_plan(tree, {"cpu": 2 * 10**9, "disk": 10**10})
+        >>> print(forward_estimate(p, disk_bandwidth=1e9).explain())
+        2.00 s per forward: disk 2.00 s, compute 0.00 s, overlapped (the disk is the bottleneck); 2.00 s more before the first, to read the resident weights
+    """
+    main = "cpu" if plan.main_device == "cpu" else "gpu"
+    rows = [(p.name, str(p.device) if p.device in ("cpu", "disk") else "gpu", p.nbytes) for p in plan.placements]
+    return plan_forward(rows, disk_bandwidth=disk_bandwidth, compute_seconds=compute_seconds,
+                        link_bandwidth=link_bandwidth, main_device=main, depth=depth)
+
+
+def _share(seconds: float, nbytes: float, total: int) -> float:
+    return seconds * nbytes / total if total else 0.0
+
+
+def _busy(units: Sequence[UnitCost], disk: float, link: float | None) -> dict[str, float]:
+    return {
+        "disk": sum(u.read_bytes for u in units) / disk,
+        "link": sum(u.copy_bytes for u in units) / link if link else 0.0,
+        "compute": sum(u.compute_seconds for u in units),
+    }
+
+
+def _check(units: Sequence[UnitCost], *, disk_bandwidth: float, link_bandwidth: float | None, depth: int) -> None:
+    problems = []
+    if not disk_bandwidth or disk_bandwidth <= 0:
+        problems.append(f"disk_bandwidth={disk_bandwidth!r} must be > 0 bytes/s (measure_read_bandwidth)")
+    copying = [u.name for u in units if u.copy_bytes]
+    if copying and (link_bandwidth is None or link_bandwidth <= 0):
+        problems.append(f"units {copying[:3]} copy bytes to the device: give link_bandwidth > 0 bytes/s")
+    if not isinstance(depth, int) or depth < 0:
+        problems.append(f"depth={depth!r} must be an int >= 0 (streamed units read ahead)")
+    if problems:
+        raise ValueError("predict_forward: " + "; ".join(problems))
