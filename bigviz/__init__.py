@@ -21,16 +21,16 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
     # core: pure planning, no torch
-    "parse_size": "bigviz.core.units",
-    "format_size": "bigviz.core.units",
-    "parse_max_memory": "bigviz.core.units",
+    "parse_size": "bigviz.core.sizes",
+    "format_size": "bigviz.core.sizes",
+    "parse_max_memory": "bigviz.core.sizes",
     "TensorSpec": "bigviz.core.tree",
     "SizeTree": "bigviz.core.tree",
     "Placement": "bigviz.core.plan",
     "DevicePlan": "bigviz.core.plan",
     "PlanOptions": "bigviz.core.plan",
     "make_plan": "bigviz.core.strategies",
-    "PlanError": "bigviz.core.strategies",
+    "PlanError": "bigviz.core.errors",
     "clean_device_map": "bigviz.core.devicemap",
     "save_device_map": "bigviz.core.serialize",
     "load_device_map": "bigviz.core.serialize",

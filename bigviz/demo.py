@@ -21,7 +21,8 @@ import torch
 
 import bigviz
 from bigviz.core.serialize import write_json_atomic
-from bigviz.core.units import device_label, format_size
+from bigviz.core.devices import device_label
+from bigviz.core.sizes import format_size
 from bigviz.models import GPT, GPTConfig, Llama, LlamaConfig
 
 MARKER = "bigviz-demo.json"  # says "an earlier demo wrote this folder"

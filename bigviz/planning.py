@@ -31,7 +31,7 @@ from bigviz.core.plan import DevicePlan, PlanOptions
 from bigviz.core.stages import make_pipeline_plan
 from bigviz.core.strategies import PlanError, check_no_split, is_no_split, make_plan
 from bigviz.core.tree import SizeTree
-from bigviz.core.units import Device, device_label
+from bigviz.core.devices import Device, device_label
 from bigviz.core.workload import RunSpec, Workload, longest_fit
 from bigviz.modeling.budgets import get_max_memory
 from bigviz.modeling.reads import direct_reads

@@ -31,13 +31,14 @@ import torch
 
 from bigviz.checkpoint import hf
 from bigviz.checkpoint.convert import CheckpointView, Conversion, ConvertedWeights, checkpoint_view
-from bigviz.checkpoint.devices import device_of
 from bigviz.checkpoint.index import CheckpointIndex
 from bigviz.checkpoint.lazy import LazyWeights, WeightStores
-from bigviz.checkpoint.match import LoadOptions, LoadPlan, TensorLoad, check_plan, match_checkpoint, resolve_view
+from bigviz.checkpoint.match import (LoadOptions, LoadPlan, TensorLoad, check_plan, load_device, match_checkpoint,
+                                     resolve_view)
 from bigviz.checkpoint.model_tensors import ModelTensor, describe_model, tie_model
 from bigviz.checkpoint.offload import offload_problems, write_offload_folder
 from bigviz.core.devicemap import check_keys
+from bigviz.core.devices import execution_device, torch_name
 
 __all__ = ["LoadResult", "load_checkpoint_in_model", "load_sharded_checkpoint", "check_checkpoint",
            "checkpoint_dtypes", "device_map_in_model_names"]
@@ -496,7 +497,7 @@ def _computed(model: torch.nn.Module, tensors: Sequence[ModelTensor], plan: Load
             continue
         ignorable = any(_search(a, options.ignore_missing) for a in t.aliases)
         if not t.persistent or ignorable or any(a in missing for a in t.aliases):
-            device = device_of(t.name, options.device_map) or _main_device(options.device_map)
+            device = load_device(t.name, options.device_map) or torch_name(execution_device((options.device_map or {}).values()))
             dtype = t.dtype
             if t.kind == "param" and t.dtype.is_floating_point and options.dtype is not None:
                 dtype = options.dtype
@@ -508,12 +509,6 @@ def _search(name: str, patterns: Sequence[str]) -> bool:
     import re
 
     return any(re.search(p, name) for p in patterns)
-
-
-def _main_device(device_map: Mapping[str, object] | None) -> str:
-    """Where tensors a map does not cover go: the first GPU it names, else the CPU."""
-    gpus = sorted(d for d in (device_map or {}).values() if isinstance(d, int))
-    return f"cuda:{gpus[0]}" if gpus else "cpu"
 
 
 def _compute(model: torch.nn.Module, slots: _Slots, computed: list[TensorLoad]) -> list[Mapping[str, torch.Tensor]]:

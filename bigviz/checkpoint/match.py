@@ -29,14 +29,17 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from bigviz.checkpoint.convert import CheckpointView, Conversion
-from bigviz.checkpoint.devices import device_of, device_problems
 from bigviz.checkpoint.errors import raise_problems
 from bigviz.checkpoint.index import TensorInfo
 from bigviz.checkpoint.model_tensors import ModelTensor
+from bigviz.core.devicemap import device_of
+from bigviz.core.devices import normalize_device, torch_name
+from bigviz.core.dtypes import is_floating
 from bigviz.core.names import is_prefix, owner
+from bigviz.modeling.budgets import absent_device_problems
 
 __all__ = ["LoadOptions", "TensorLoad", "LoadPlan", "match_checkpoint", "check_plan", "module_matches",
-           "resolve_view"]
+           "resolve_view", "load_device", "device_problems"]
 
 
 @dataclass(frozen=True)
@@ -178,7 +181,7 @@ def _any_match(name: str, patterns: Iterable[str]) -> bool:
 
 
 def _target_dtype(t: ModelTensor, info: TensorInfo, options: LoadOptions) -> torch.dtype:
-    if not getattr(torch, info.dtype).is_floating_point:
+    if not is_floating(info.dtype):
         return t.dtype
     if module_matches(t.name, options.keep_in_fp32_modules) or _any_match(t.name, options.fp32_patterns):
         return torch.float32
@@ -217,6 +220,47 @@ def _common_heads(names: Collection[str]) -> list[str]:
     return [h for h, count in heads.items() if 2 * count >= len(names)]
 
 
+def load_device(name: str, device_map: Mapping[str, object] | None) -> str | None:
+    """torch's name of the device tensor ``name`` loads to (``"cpu"`` with no map; None when
+    no key covers it).
+
+    Example:
+        >>> load_device("h.10.w", {"h.1": 0, "": "cpu"}), load_device("h.1.w", {"h.1": 0})
+        ('cpu', 'cuda:0')
+    """
+    if device_map is None:
+        return "cpu"
+    device = device_of(name, device_map)  # type: ignore[arg-type]
+    return None if device is None else torch_name(device)
+
+
+def device_problems(device_map: Mapping[str, object] | None, *, can_map_disk: bool,
+                    offload_folder: object) -> list[str]:
+    """Every entry of ``device_map`` naming a device this machine lacks or cannot use here.
+
+    Example:
+        >>> device_problems({"": "gpu"}, can_map_disk=True, offload_folder=None)[0][:38]
+        "device_map[''] = 'gpu' is not a device"
+    """
+    problems: list[str] = []
+    disk_keys = []
+    for key, value in (device_map or {}).items():
+        try:
+            device = normalize_device(value)
+        except ValueError:
+            problems.append(f"device_map[{key!r}] = {value!r} is not a device: use an int (GPU), "
+                            "'cpu', 'disk' or 'mps'")
+            continue
+        if device == "disk":
+            disk_keys.append(key)
+    problems += absent_device_problems(device_map or {})
+    if disk_keys and not can_map_disk and offload_folder is None:
+        problems.append(f"device_map sends {disk_keys[:5]} to disk, but this checkpoint is not "
+                        "safetensors (it cannot be read in place): pass offload_folder= to write "
+                        "those weights there once, as safetensors")
+    return problems
+
+
 def _place(loads: list[TensorLoad], options: LoadOptions) -> tuple[list[TensorLoad], list[str]]:
     if options.device_map is None:
         return loads, []
@@ -224,7 +268,7 @@ def _place(loads: list[TensorLoad], options: LoadOptions) -> tuple[list[TensorLo
                                offload_folder=options.offload_folder)
     placed = []
     for load in loads:
-        devices = [device_of(a, options.device_map) for a in load.aliases]
+        devices = [load_device(a, options.device_map) for a in load.aliases]
         if None in devices:
             problems.append(f"device_map gives no device for {load.name}: add a key for it or ''")
         else:

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 from bigviz.checkpoint.index import CheckpointIndex
 from bigviz.checkpoint.sharding import unique_tensors
 from bigviz.core.names import join
-from bigviz.core.tree import SizeTree, TensorSpec, canonical_dtype
+from bigviz.core.dtypes import canonical_dtype
+from bigviz.core.tree import SizeTree, TensorSpec
 
 if TYPE_CHECKING:
     import torch

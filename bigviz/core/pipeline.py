@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from bigviz.core.names import owner
 from bigviz.core.serialize import write_json_atomic
-from bigviz.core.strategies import PlanError
-from bigviz.core.units import format_size
+from bigviz.core.errors import PlanError
+from bigviz.core.sizes import format_size
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -53,21 +53,6 @@ class PipelineError(PlanError):
         cannot plan (1 problem):
           - stages=0: give 1 or more stages
     """
-
-    def __init__(self, headline: str, problems: Sequence[str] = (), *, fix: str = "") -> None:
-        self.problems = list(problems)
-        count = f"{len(self.problems)} problem" + ("s" if len(self.problems) != 1 else "")
-        lines = [f"{headline} ({count}):" if self.problems else headline]
-        lines += [f"  - {p}" for p in self.problems[:40]]
-        if len(self.problems) > 40:
-            lines.append(f"  ... and {len(self.problems) - 40} more (see err.problems)")
-        super().__init__("\n".join(lines + ([fix] if fix else [])))
-
-    @classmethod
-    def check(cls, problems: Sequence[str], headline: str, *, fix: str = "") -> None:
-        """Raise when ``problems`` is not empty."""
-        if problems:
-            raise cls(headline, problems, fix=fix)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from bigviz.core.devicemap import clean_device_map, device_of
-from bigviz.core.units import Device, device_label, format_size
+from bigviz.core.devices import Device, device_label, streamed_devices
+from bigviz.core.sizes import format_size
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -173,7 +174,7 @@ class DevicePlan:
     def offloaded_bytes(self) -> dict[str, int]:
         """Bytes streamed to the execution device per forward pass, by source (cpu, disk)."""
         out = {"cpu": 0, "disk": 0}
-        offload_from = ("cpu", "disk") if isinstance(self.main_device, int) or self.main_device == "mps" else ("disk",)
+        offload_from = streamed_devices(self.main_device)
         for p in self.placements:
             if p.device in offload_from:
                 out[str(p.device)] += p.nbytes

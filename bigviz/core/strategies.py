@@ -25,11 +25,12 @@ import fnmatch
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
+from bigviz.core.errors import PlanError
 from bigviz.core.names import ancestors, is_prefix, join, parent
 from bigviz.core.plan import STRATEGIES, DevicePlan, DeviceUsage, Placement, PlanOptions
 from bigviz.core.tree import SizeTree
-from bigviz.core.units import (UNLIMITED, Device, device_label, format_size, normalize_device,
-                               parse_max_memory, parse_size)
+from bigviz.core.devices import Device, device_label, execution_device, normalize_device, streamed_devices
+from bigviz.core.sizes import UNLIMITED, format_size, parse_max_memory, parse_size
 
 __all__ = ["make_plan", "PlanError", "is_no_split", "no_split_problems", "check_no_split"]
 
@@ -38,10 +39,6 @@ _RUN_PASSES = 10
 """Extra passes a workload may take: the KV cache of a streamed layer lives on the execution
 device, so each layer pushed off it brings its cache back there; the reserve grows towards
 what is needed geometrically (by the ratio of a layer's cache to its weights plus cache)."""
-
-
-class PlanError(ValueError):
-    """The model cannot be placed within the budgets (or the inputs are invalid)."""
 
 
 @dataclass
@@ -169,16 +166,14 @@ def _check_inputs(tree: SizeTree, budgets: dict[Device, int],
             reserve[normalize_device(device)] = parse_size(size)  # type: ignore[arg-type]
         except ValueError as err:
             problems.append(f"reserve[{device!r}]: {err}")
-    if problems:
-        raise PlanError("cannot plan:\n  - " + "\n  - ".join(problems))
+    PlanError.check(problems, "cannot plan")
     return overrides, reserve
 
 
 def _main_device(budgets: Mapping[Device, int], options: PlanOptions) -> Device:
     if options.main_device is not None:
         return normalize_device(options.main_device)
-    gpus = [d for d in budgets if isinstance(d, int) or d == "mps"]
-    return gpus[0] if gpus else "cpu"
+    return execution_device(budgets)
 
 
 def is_no_split(tree: SizeTree, name: str, patterns: frozenset[str]) -> bool:
@@ -264,9 +259,7 @@ def check_no_split(tree: SizeTree, patterns: Collection[str]) -> None:
         >>> from bigviz.core.tree import SizeTree, TensorSpec
         >>> check_no_split(SizeTree.build([TensorSpec("h.0.w", 4, "float32")]), ["h.*"])  # matches
     """
-    problems = no_split_problems(tree, patterns)
-    if problems:
-        raise PlanError("cannot plan:\n  - " + "\n  - ".join(problems))
+    PlanError.check(no_split_problems(tree, patterns), "cannot plan")
 
 
 def _largest_unit(tree: SizeTree, patterns: frozenset[str]) -> int:
@@ -454,7 +447,7 @@ def _put(tree: SizeTree, state: _Pass, name: str, device: Device, size: int, rea
 
 def _streamed(main: Device) -> tuple[str, ...]:
     """Devices whose weights are streamed to the execution device at forward time."""
-    return ("disk",) if main == "cpu" else ("cpu", "disk")
+    return streamed_devices(main)
 
 
 def _offload_bound(tree: SizeTree, options: PlanOptions) -> int:
@@ -595,8 +588,8 @@ def _check_run_fits(usage: tuple[DeviceUsage, ...], overridden: bool) -> None:
              f"{format_size(u.activations)} activations + {format_size(u.reserve + u.offload_reserve)} reserved, "
              f"{format_size(-u.free)} over its {format_size(u.budget)}" for u in over]
     hint = " or move your overrides" if overridden else ""
-    raise PlanError("the run does not fit:\n  - " + "\n  - ".join(lines) + "\nShorten the context or the "
-                    f"batch, use a smaller KV cache dtype, give the device more memory{hint}.")
+    raise PlanError("the run does not fit", lines, fix="Shorten the context or the batch, use a smaller KV "
+                                                      f"cache dtype, give the device more memory{hint}.")
 
 
 def _streamed_run_needs(state: _Pass, main: Device) -> dict[Device, int]:

@@ -21,44 +21,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from bigviz.core.dtypes import FLOATING_DTYPES, canonical_dtype, tensor_nbytes
 from bigviz.core.names import ancestors, owner, parent
 
-__all__ = ["TensorSpec", "ModuleNode", "SizeTree", "DTYPE_SIZES", "FLOATING_DTYPES", "itemsize"]
-
-DTYPE_SIZES: dict[str, float] = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4,
-    "uint64": 8, "bool": 1, "complex64": 8, "complex128": 16, "int4": 0.5, "uint4": 0.5,
-}
-FLOATING_DTYPES = frozenset(
-    {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
-     "float8_e4m3fnuz", "float8_e5m2fnuz"})
-# Names users and other libraries write for the same dtypes.
-_ALIASES = {"float": "float32", "half": "float16", "double": "float64", "fp32": "float32",
-            "fp16": "float16", "bf16": "bfloat16", "long": "int64", "int": "int32",
-            "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-            "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-            "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
-
-
-def canonical_dtype(dtype: object) -> str:
-    """``"float32"`` for ``torch.float32``, ``"F32"``, ``"fp32"`` or ``"float"``.
-
-    Example:
-        >>> canonical_dtype("torch.bfloat16"), canonical_dtype("F16"), canonical_dtype("int8")
-        ('bfloat16', 'float16', 'int8')
-    """
-    text = str(dtype).removeprefix("torch.")
-    text = _ALIASES.get(text, text)
-    if text not in DTYPE_SIZES:
-        raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(sorted(DTYPE_SIZES))}")
-    return text
-
-
-def itemsize(dtype: str) -> float:
-    """Bytes per element of a dtype name (``0.5`` for 4-bit types)."""
-    return DTYPE_SIZES[canonical_dtype(dtype)]
+__all__ = ["TensorSpec", "ModuleNode", "SizeTree"]
 
 
 @dataclass(frozen=True)
@@ -74,7 +40,8 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return int(self.numel * itemsize(self.dtype))
+        """Bytes of its elements (sub-byte dtypes packed, rounded up)."""
+        return tensor_nbytes(self.dtype, self.numel)
 
 
 @dataclass(frozen=True)

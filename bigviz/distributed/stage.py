@@ -46,7 +46,7 @@ from bigviz.core.names import leaf, parent
 from bigviz.core.pipeline import PipelineError, PipelinePlan
 from bigviz.core.stages import cut_pipeline
 from bigviz.core.tree import SizeTree
-from bigviz.core.units import format_size
+from bigviz.core.sizes import format_size
 from bigviz.distributed.adapters import DecoderLayout, decoder_layout
 from bigviz.modeling.sizes import module_tree
 

@@ -25,6 +25,7 @@ from bigviz.engine.devices import DeviceLike, check_devices_exist, torch_device
 from bigviz.engine.dispatch import dispatch_model
 from bigviz.engine.hooks import add_hook_to_module
 from bigviz.engine.offload import CpuOffload, UserCpuOffloadHook
+from bigviz.modeling.budgets import default_execution_device
 
 __all__ = ["load_checkpoint_and_dispatch", "cpu_offload", "cpu_offload_with_hook", "disk_offload"]
 
@@ -268,11 +269,11 @@ def cpu_offload_with_hook(
 
 
 def _execution_device(model: nn.Module, execution_device: DeviceLike | None) -> torch.device:
-    """accelerate's default: the device of the model's first parameter (the default device
-    when that is ``meta``)."""
+    """accelerate's default: the device of the model's first parameter (when that is ``meta``,
+    this machine's execution device: the first GPU, else mps, else the CPU)."""
     if execution_device is not None:
         return torch_device(execution_device)
     first = next(iter(model.parameters()), None)
     if first is not None and first.device.type != "meta":
         return first.device
-    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    return torch_device(default_execution_device())

@@ -40,7 +40,8 @@ from torch import Tensor, nn
 
 from bigviz.checkpoint.offload import offload_problems
 from bigviz.core.devicemap import check_keys
-from bigviz.core.units import normalize_device
+from bigviz.core.errors import DeviceMapError
+from bigviz.core.devices import execution_device, normalize_device
 from bigviz.engine.devices import check_devices_exist, torch_device
 from bigviz.planning import check_device_map
 from bigviz.engine.hooks import GUARDED_METHODS, add_hook_to_module, remove_hook_from_module
@@ -241,11 +242,7 @@ def dispatch_model(
 def _main_device(device_map: Mapping[str, int | str], main_device: Any) -> torch.device:
     if main_device is not None:
         return torch_device(main_device)
-    executing = [d for d in device_map.values() if d not in ("cpu", "disk")]
-    gpus = sorted(d for d in executing if isinstance(d, int))
-    if gpus:
-        return torch_device(gpus[0])
-    return torch_device(executing[0] if executing else "cpu")
+    return torch_device(execution_device(device_map.values()))
 
 
 def _declared_blocks(model: nn.Module) -> tuple[str, ...]:
@@ -291,9 +288,7 @@ def _checked_layout(
             f"{', ...' if len(units) > 5 else ''}): pass offload_folder= to write them there once "
             "as safetensors (or load them from a checkpoint with load_checkpoint_and_dispatch)"
         )
-    if problems:
-        shown = "\n  - ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
-        raise ValueError(f"dispatch_model: {len(problems)} problem(s) with this device map:\n  - {shown}")
+    DeviceMapError.check(problems, "dispatch_model: cannot dispatch with this device map")
     return layout
 
 

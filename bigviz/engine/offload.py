@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from bigviz.engine.devices import DeviceLike, any_tensor, find_device, map_tensors, send_to_device, torch_device
 from bigviz.engine.hooks import ModelHook
+from bigviz.modeling.budgets import default_execution_device
 from bigviz.engine.prefetch import Scheduler
 from bigviz.engine.units import Unit
 from bigviz.engine.weights import as_slot_value, set_slot
@@ -308,7 +309,8 @@ class CpuOffload(ModelHook):
     def __init__(
         self, execution_device: DeviceLike | None = None, prev_module_hook: UserCpuOffloadHook | None = None
     ) -> None:
-        self.execution_device = torch_device(execution_device if execution_device is not None else _default_device())
+        self.execution_device = torch_device(execution_device if execution_device is not None
+                                             else default_execution_device())
         self.prev_module_hook = prev_module_hook
         self.on_device = False
         self.calls = 0
@@ -329,10 +331,3 @@ class CpuOffload(ModelHook):
             self.on_device = True
         return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
 
-
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", 0)
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")

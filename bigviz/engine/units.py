@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from bigviz.core.names import ancestors, is_prefix, join, owner, parent
-from bigviz.core.units import normalize_device
+from bigviz.core.devices import normalize_device, streamed_devices
 from bigviz.engine.devices import torch_device
 from bigviz.modeling.reads import direct_reads
 from bigviz.engine.weights import Slot, TensorGroup, find_source, meta_like, nbytes, set_slot, tensor_groups
@@ -111,7 +111,7 @@ def offloaded_storages(main_device: torch.device) -> frozenset[str]:
         >>> sorted(offloaded_storages(torch.device("cpu"))), sorted(offloaded_storages(torch.device("cuda", 0)))
         (['disk'], ['cpu', 'disk'])
     """
-    return frozenset({"disk"} if main_device.type == "cpu" else {"cpu", "disk"})
+    return frozenset(streamed_devices("cpu" if main_device.type == "cpu" else main_device.type))
 
 
 def layout_model(

@@ -20,7 +20,8 @@ import torch
 import torch.nn as nn
 
 from bigviz.core.names import join
-from bigviz.core.tree import SizeTree, TensorSpec, canonical_dtype
+from bigviz.core.dtypes import canonical_dtype
+from bigviz.core.tree import SizeTree, TensorSpec
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -20,7 +20,7 @@ from typing import Any
 import ipywidgets as widgets
 
 from bigviz.core.plan import STRATEGIES
-from bigviz.core.units import Device, device_label
+from bigviz.core.devices import Device, device_label
 from bigviz.ui.palette import chip
 from bigviz.ui.presets import DISK_BANDWIDTH, DTYPE_CHOICES, HARDWARE_PRESETS, LINK_BANDWIDTH
 

@@ -37,8 +37,9 @@ from bigviz.core.plan import DevicePlan
 from bigviz.core.serialize import save_device_map
 from bigviz.core.stages import make_pipeline_plan, pipeline_units
 from bigviz.core.strategies import PlanError, check_no_split
-from bigviz.core.tree import canonical_dtype
-from bigviz.core.units import Device, format_size
+from bigviz.core.dtypes import canonical_dtype
+from bigviz.core.devices import Device
+from bigviz.core.sizes import format_size
 from bigviz.core.workload import Workload
 from bigviz.ui import controls as ctl
 from bigviz.ui.figure import FigureView

@@ -19,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from bigviz.core.units import Device, format_size
+from bigviz.core.devices import Device
+from bigviz.core.sizes import format_size
 
 __all__ = ["HARDWARE_PRESETS", "DTYPE_CHOICES", "LINK_BANDWIDTH", "DISK_BANDWIDTH",
            "preset_budgets", "plan_cost", "cost_html"]

@@ -23,7 +23,8 @@ from typing import Any
 
 from bigviz.core.plan import DevicePlan, DeviceUsage
 from bigviz.core.serialize import write_text_atomic
-from bigviz.core.units import UNLIMITED, device_label, format_size
+from bigviz.core.devices import device_label
+from bigviz.core.sizes import UNLIMITED, format_size
 from bigviz.ui.palette import chip, device_color, legend_html
 from bigviz.ui.presets import cost_html, plan_cost
 from bigviz.ui.svg import figure_svg, svg_img

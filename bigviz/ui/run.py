@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from bigviz.core.plan import DevicePlan
-from bigviz.core.tree import FLOATING_DTYPES
-from bigviz.core.units import Device, format_size
+from bigviz.core.dtypes import FLOATING_DTYPES
+from bigviz.core.devices import Device
+from bigviz.core.sizes import format_size
 from bigviz.ui.palette import chip
 
 __all__ = ["memory_snapshot", "RunReport", "run_plan"]

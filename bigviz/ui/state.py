@@ -21,8 +21,11 @@ from typing import Any
 
 from bigviz.core.plan import STRATEGIES, DevicePlan, PlanOptions
 from bigviz.core.strategies import PlanError, check_no_split, make_plan
-from bigviz.core.tree import SizeTree, canonical_dtype, itemsize
-from bigviz.core.units import UNLIMITED, Device, device_label, normalize_device, parse_max_memory, parse_size
+from bigviz.core.dtypes import canonical_dtype, itemsize
+from bigviz.core.tree import SizeTree
+from bigviz.core.errors import DeviceMapError
+from bigviz.core.devices import Device, device_label, normalize_device
+from bigviz.core.sizes import UNLIMITED, parse_max_memory, parse_size
 from bigviz.core.workload import RunSpec, Workload, longest_fit
 
 __all__ = ["PlannerState"]
@@ -229,8 +232,7 @@ class PlannerState:
             if target not in self.budgets and target != "disk":
                 problems.append(f"{device_label(target)} has no budget: add it first "
                                 f"(have: {', '.join(device_label(d) for d in self.budgets)})")
-        if problems:
-            raise ValueError("cannot assign:\n  - " + "\n  - ".join(problems))
+        DeviceMapError.check(problems, "cannot assign")
         self.overrides[module] = target
 
     def unassign(self, module: str) -> None:
