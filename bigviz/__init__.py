@@ -69,7 +69,7 @@ _EXPORTS: dict[str, str] = {
     "tree_from_checkpoint": "bigviz.checkpoint.tree",
     "detect_no_split": "bigviz.checkpoint.tree",
     "CheckpointError": "bigviz.checkpoint.errors",
-    "OffloadFolderError": "bigviz.checkpoint.offload",
+    "OffloadFolderError": "bigviz.checkpoint.offload_folder",
     "LoadResult": "bigviz.checkpoint.load",
     # engine
     "ModelHook": "bigviz.engine.hooks",

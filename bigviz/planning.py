@@ -34,14 +34,14 @@ from bigviz.core.tree import SizeTree
 from bigviz.core.devices import Device, device_label
 from bigviz.core.workload import RunSpec, Workload, longest_fit
 from bigviz.modeling.budgets import get_max_memory
-from bigviz.modeling.reads import direct_reads
+from bigviz.modeling.inventory import ModelInventory
 from bigviz.modeling.sizes import module_tree
 from bigviz.modeling.workload import is_config_source, model_from_config, run_spec
 
 __all__ = ["plan", "infer_auto_device_map", "check_device_map", "plan_pipeline", "as_tree", "default_no_split",
            "max_context", "workload_bytes", "resolve_model"]
 
-ModelLike = Union[nn.Module, SizeTree, str, "os.PathLike[str]"]
+ModelLike = Union[nn.Module, ModelInventory, SizeTree, str, "os.PathLike[str]"]
 
 
 def resolve_model(model: ModelLike) -> ModelLike:
@@ -63,7 +63,7 @@ def as_tree(model: ModelLike, dtype: torch.dtype | str | None = None,
     if isinstance(model, SizeTree):
         special = {k: str(v) for k, v in (special_dtypes or {}).items()}
         return model.with_dtype(str(dtype) if dtype is not None else None, special)
-    if isinstance(model, nn.Module):
+    if isinstance(model, (nn.Module, ModelInventory)):
         return module_tree(model, dtype, special_dtypes)
     if isinstance(model, (str, os.PathLike)):
         if is_config_source(model):
@@ -77,7 +77,7 @@ def default_no_split(model: ModelLike, tree: SizeTree) -> list[str]:
     """The model's own no-split classes (``_no_split_modules``), or, for a checkpoint, those
     of the transformers model its ``config.json`` names, else the repeated numbered blocks
     found in its tensor names."""
-    declared = getattr(model, "_no_split_modules", None)
+    declared = getattr(model.model if isinstance(model, ModelInventory) else model, "_no_split_modules", None)
     if declared:
         return list(declared)
     if isinstance(model, (str, os.PathLike)):
@@ -126,6 +126,7 @@ def plan(model: ModelLike, max_memory: Mapping[object, object] | None = None, *,
         ({'': 'cpu'}, 'fits: 880 B of 1000 B left on CPU')
     """
     model = resolve_model(model)
+    model = ModelInventory.of(model) if isinstance(model, nn.Module) else model  # one walk for the call
     tree = as_tree(model, dtype, special_dtypes)
     if no_split_module_classes is not None:  # yours: a typo would split every block silently
         no_split_module_classes = _as_names(no_split_module_classes)
@@ -174,6 +175,8 @@ def model_run_spec(model: ModelLike, tree: SizeTree, *, dtype: object = None,
                              f"model or its config.json, and {str(model)!r} has none next to its weights: pass "
                              f"the model, put its config.json there, or give kv_cache= and activations=")
         source = model_from_config(config)
+    if isinstance(source, ModelInventory):
+        source = source.model
     if not isinstance(source, nn.Module):
         raise ValueError("to plan a run (context_length) from a SizeTree, give kv_cache= and activations= "
                          "(bytes per module): a tree does not say how the model attends")
@@ -242,6 +245,7 @@ def max_context(model: ModelLike, max_memory: Mapping[object, object] | None = N
     model = resolve_model(model)
     budgets = get_max_memory(max_memory)
     top = limit if limit is not None else _position_limit(model) or 2**24
+    model = ModelInventory.of(model) if isinstance(model, nn.Module) else model  # walked once, planned often
     kwargs = dict(plan_kwargs)
     if device_map is not None:
         units = device_map.unit_map if isinstance(device_map, DevicePlan) else device_map
@@ -269,15 +273,16 @@ def _position_limit(model: ModelLike) -> int | None:
     return None
 
 
-def _module_of(model: ModelLike) -> nn.Module | None:
-    if isinstance(model, nn.Module):
-        return model
+def _module_of(model: ModelLike) -> ModelInventory | None:
+    if isinstance(model, (nn.Module, ModelInventory)):
+        return ModelInventory.of(model)
     if isinstance(model, (str, os.PathLike)):
-        return meta_model_from_folder(model)
+        meta = meta_model_from_folder(model)
+        return None if meta is None else ModelInventory.of(meta)
     return None
 
 
-def _keep_direct_reads_resident(result: DevicePlan, model: nn.Module | None, tree: SizeTree,
+def _keep_direct_reads_resident(result: DevicePlan, model: ModelInventory | None, tree: SizeTree,
                                 budgets: Mapping[Device, int], options: PlanOptions) -> DevicePlan:
     """Plan again with the modules read directly by a parent's code (not called: DeBERTa's
     ``rel_embeddings``, an ``nn.MultiheadAttention``'s ``out_proj``) on the execution device,
@@ -290,8 +295,8 @@ def _keep_direct_reads_resident(result: DevicePlan, model: nn.Module | None, tre
     if model is None:
         return result
     blocks = [n for n in tree.nodes if n and is_no_split(tree, n, options.no_split)]
-    modules = dict(model.named_modules())
-    reads = {m: r for m, r in direct_reads(model).items() if m in tree.nodes and (
+    modules = model.modules
+    reads = {m: r for m, r in model.reads.items() if m in tree.nodes and (
         not any(is_prefix(b, m) for b in blocks) or type(modules[r]).__module__.startswith("torch.nn."))}
     streamed = {"disk"} if result.main_device == "cpu" else {"cpu", "disk"}
     moved = [m for m in reads if m not in options.overrides and device_of(m, result.unit_map) in streamed]

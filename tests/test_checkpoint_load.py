@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-import bigviz.checkpoint.load as load_module
+import bigviz.checkpoint.loader as load_module
 from bigviz.checkpoint.errors import CheckpointError
 from bigviz.checkpoint.load import load_checkpoint_in_model, load_sharded_checkpoint
 from bigviz.checkpoint.save import save_sharded

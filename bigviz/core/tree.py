@@ -18,7 +18,7 @@ Example:
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from bigviz.core.dtypes import FLOATING_DTYPES, canonical_dtype, tensor_nbytes
@@ -56,6 +56,7 @@ class ModuleNode:
     total_bytes: int
     n_params: int
     depth: int
+    container: bool = False  # its forward is never called (ModuleList, ModuleDict): never a unit
 
 
 class SizeTree:
@@ -73,9 +74,10 @@ class SizeTree:
 
     @classmethod
     def build(cls, tensors: Iterable[TensorSpec], modules: Mapping[str, str] | None = None,
-              ties: Iterable[Sequence[str]] = ()) -> SizeTree:
+              ties: Iterable[Sequence[str]] = (), *, containers: Collection[str] = ()) -> SizeTree:
         """Build the tree. ``modules`` maps module name -> class name in definition order;
-        modules it lacks are made from the tensor names (class name ``""``).
+        modules it lacks are made from the tensor names (class name ``""``). ``containers``
+        names the modules whose forward is never called (``ModuleList``, ``ModuleDict``).
 
         Raises:
             ValueError: if a tied group names a tensor that is not in ``tensors``.
@@ -94,7 +96,8 @@ class SizeTree:
         walk = {t: i for i, t in enumerate(t for name, _ in preorder for t in direct[name])}
         groups = _tie_groups(ties, walk)
         followers = {f for g in groups for f in g[1:]}
-        return cls(_assemble(preorder, children, direct, classes, specs, followers), specs, groups)
+        nodes = _assemble(preorder, children, direct, classes, specs, followers, frozenset(containers))
+        return cls(nodes, specs, groups)
 
     # ---- queries -------------------------------------------------------------------
     def total(self, name: str) -> int:
@@ -147,7 +150,12 @@ class SizeTree:
                 spec = replace(spec, dtype=new)
             specs.append(spec)
         classes = {name: node.class_name for name, node in self.nodes.items()}
-        return SizeTree.build(specs, classes, self.ties)
+        return SizeTree.build(specs, classes, self.ties, containers=self.containers)
+
+    @property
+    def containers(self) -> frozenset[str]:
+        """Modules whose forward is never called (``ModuleList``, ``ModuleDict``)."""
+        return frozenset(name for name, node in self.nodes.items() if node.container)
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -189,7 +197,8 @@ def _structure(classes: Mapping[str, str], specs: Mapping[str, TensorSpec]
 
 def _assemble(preorder: list[tuple[str, int]], children: Mapping[str, list[str]],
               direct: Mapping[str, list[str]], classes: Mapping[str, str],
-              specs: Mapping[str, TensorSpec], followers: set[str]) -> dict[str, ModuleNode]:
+              specs: Mapping[str, TensorSpec], followers: set[str],
+              containers: frozenset[str]) -> dict[str, ModuleNode]:
     totals: dict[str, tuple[int, int, int]] = {}
     for name, _ in reversed(preorder):  # post-order accumulation
         counted = [specs[t] for t in direct[name] if t not in followers]
@@ -199,6 +208,6 @@ def _assemble(preorder: list[tuple[str, int]], children: Mapping[str, list[str]]
         totals[name] = (own, own + sum(s[1] for s in sub), params + sum(s[2] for s in sub))
     return {
         name: ModuleNode(name, classes[name], tuple(children[name]), tuple(direct[name]),
-                         *totals[name], depth)
+                         *totals[name], depth, name in containers)
         for name, depth in preorder
     }

@@ -87,7 +87,8 @@ def load_checkpoint_and_dispatch(
         >>> model(torch.ones(1, 2)).shape, model.weight.device.type
         (torch.Size([1, 2]), 'meta')
     """
-    from bigviz.checkpoint.load import device_map_in_model_names, load_checkpoint_in_model
+    from bigviz.checkpoint.load import load_checkpoint_in_model
+    from bigviz.checkpoint.model_names import device_map_in_model_names
     from bigviz.planning import check_device_map
 
     resolved = _resolve_map(model, device_map, max_memory, no_split_module_classes, dtype)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from bigviz.checkpoint.offload import offload_problems
+from bigviz.checkpoint.offload_folder import offload_problems
 from bigviz.core.devicemap import check_keys
 from bigviz.core.errors import DeviceMapError
 from bigviz.core.devices import execution_device, normalize_device

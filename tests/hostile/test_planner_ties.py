@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from bigviz.core import strategies, tree as tree_module
-from bigviz.modeling import sizes
+from bigviz.modeling import inventory, sizes
 from bigviz.core.strategies import make_plan
 from bigviz.core.tree import SizeTree, TensorSpec
 
@@ -77,7 +77,7 @@ def test_sizing_a_model_grows_linearly_with_tied_pairs():
     work = {}
     for pairs in (300, 1200):
         model = _tied_model(pairs)
-        work[pairs] = _lines_executed(lambda: sizes.module_tree(model), sizes, tree_module)
+        work[pairs] = _lines_executed(lambda: sizes.module_tree(model), sizes, tree_module, inventory)
         tree = sizes.module_tree(model)
         assert len(tree.ties) == pairs and tree.total("") == pairs * (16 + 256) * 4  # each tie once
     assert work[1200] <= 4.6 * work[300], work

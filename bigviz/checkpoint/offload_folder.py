@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     import torch
 
     from bigviz.checkpoint.index import CheckpointIndex
-    from bigviz.checkpoint.match import TensorLoad
+    from bigviz.checkpoint.load_plan import TensorLoad
 
 __all__ = ["RECORD", "OffloadFolderError", "OffloadRecord", "offload_problems", "write_offload_folder",
            "open_offload_folder", "write_offload", "read_record"]

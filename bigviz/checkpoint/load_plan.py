@@ -1,21 +1,25 @@
-"""Plan a load before reading any data: match checkpoint keys to model tensors, check shapes.
+"""The load plan: which checkpoint key fills which model tensor, from which file and bytes,
+converted how, to which device and dtype; decided before any data is read.
 
-`match_checkpoint` is pure (model description + checkpoint index in, frozen `LoadPlan` out):
-it finds a base-model prefix to add or strip (``bert.``, ``model.``, ``transformer.``),
-follows tie groups (a tied duplicate absent from the checkpoint is filled by its partner),
-skips non-persistent buffers the model computes itself, and decides every tensor's device
-and dtype. `check_plan` then turns missing keys, unexpected keys, shape mismatches and bad
-devices into one error listing all of them.
+The second link of the chain of plans (``DevicePlan`` -> ``LoadPlan`` -> ``DispatchPlan``).
+`match_checkpoint` is pure (the model's tensors and the checkpoint's headers in, a frozen
+`LoadPlan` out): it finds a base-model prefix to add or strip (``bert.``, ``model.``,
+``transformer.``), follows tie groups (a tied duplicate absent from the checkpoint is filled
+by its partner), skips non-persistent buffers the model computes itself, and decides every
+tensor's device and dtype. `check_plan` then turns missing keys, unexpected keys, shape
+mismatches and bad devices into one error listing all of them. The plan prints
+(:meth:`LoadPlan.summary`, :meth:`LoadPlan.to_frame`) before anything moves;
+:mod:`bigviz.checkpoint.loader` executes it.
 
 Example:
     >>> import torch
-    >>> from bigviz.checkpoint.model_tensors import describe_model
+    >>> from bigviz.modeling.inventory import ModelInventory
     >>> from bigviz.checkpoint.index import TensorInfo
     >>> with torch.device("meta"):
     ...     model = torch.nn.Linear(2, 3)
     >>> entries = {k: TensorInfo(k, "float32", s, 4, None) for k, s in
     ...            [("lin.weight", (3, 2)), ("lin.bias", (3,))]}
-    >>> plan = match_checkpoint(describe_model(model), entries, LoadOptions())
+    >>> plan = match_checkpoint(ModelInventory.of(model).tensors, entries, LoadOptions())
     >>> plan.prefix, [(t.name, t.key, t.device) for t in plan.loads]
     ('lin.', [('weight', 'lin.weight', 'cpu'), ('bias', 'lin.bias', 'cpu')])
 """
@@ -25,21 +29,27 @@ import re
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 from bigviz.checkpoint.convert import CheckpointView, Conversion
 from bigviz.checkpoint.errors import raise_problems
 from bigviz.checkpoint.index import TensorInfo
-from bigviz.checkpoint.model_tensors import ModelTensor
 from bigviz.core.devicemap import device_of
-from bigviz.core.devices import normalize_device, torch_name
+from bigviz.core.devices import device_label, normalize_device, torch_name
 from bigviz.core.dtypes import is_floating
 from bigviz.core.names import is_prefix, owner
+from bigviz.core.sizes import format_size
 from bigviz.modeling.budgets import absent_device_problems
+from bigviz.modeling.inventory import ModelTensor
 
 __all__ = ["LoadOptions", "TensorLoad", "LoadPlan", "match_checkpoint", "check_plan", "module_matches",
-           "resolve_view", "load_device", "device_problems"]
+           "resolve_view", "locate", "load_device", "device_problems"]
 
 
 @dataclass(frozen=True)
@@ -59,20 +69,78 @@ class LoadOptions:
 
 @dataclass(frozen=True)
 class TensorLoad:
-    """Load checkpoint ``key`` into model tensor ``name`` (and its tied ``aliases``)."""
+    """Load checkpoint ``key`` into model tensor ``name`` (and its tied ``aliases``).
+
+    Attributes:
+        name: the model tensor (its first name).
+        aliases: every model name of that tensor (a tie: one object under each).
+        key: the checkpoint key read (a fused tensor's first source; ``""``: computed by
+            the model, read from no file).
+        device: ``"cpu"``, ``"cuda:0"``, ``"mps"`` or ``"disk"`` (left in a file, read at
+            forward time).
+        dtype: the dtype the tensor loads in.
+        nbytes: bytes as stored in the checkpoint.
+        conversion: how the checkpoint key(s) become this tensor (a rename, or an operation
+            over several keys), else None.
+        source_dtype: the dtype the checkpoint stores (``"float16"``).
+        file: the file holding ``key`` (``""`` when computed or fused from several files).
+        offsets: ``(begin, end)`` bytes of ``key`` in ``file`` (safetensors), else None.
+        in_place: a disk tensor read from the checkpoint's own file at forward time (True), or
+            written once to the offload folder (False).
+    """
 
     name: str
     aliases: tuple[str, ...]
     key: str
-    device: str  # "cpu", "cuda:0", "mps" or "disk"
+    device: str
     dtype: torch.dtype
-    nbytes: int  # bytes as stored in the checkpoint
-    conversion: Conversion | None = None  # how the checkpoint key(s) become this tensor
+    nbytes: int
+    conversion: Conversion | None = None
+    source_dtype: str = ""
+    file: str = ""
+    offsets: tuple[int, int] | None = None
+    in_place: bool = False
+
+    @property
+    def fused(self) -> bool:
+        """True when several checkpoint keys are combined into this tensor."""
+        return self.conversion is not None and not self.conversion.is_rename
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Every checkpoint key read for this tensor."""
+        if self.fused:
+            assert self.conversion is not None
+            return self.conversion.sources
+        return (self.key,) if self.key else ()
+
+    @property
+    def operation(self) -> str:
+        """``"read"``, ``"rename"``, the fusing operation, or ``"computed"``."""
+        if not self.key:
+            return "computed"
+        return self.conversion.operation if self.conversion is not None else "read"
 
 
 @dataclass(frozen=True)
 class LoadPlan:
-    """What a load will do and what it found, decided before any data is read."""
+    """What a load will do and what it found, decided before any data is read.
+
+    Attributes:
+        loads: one `TensorLoad` per model tensor the checkpoint fills.
+        missing, unexpected, mismatched: model names the checkpoint lacks, checkpoint keys
+            the model has no tensor for, and shape mismatches (sentences).
+        ignored: ``(checkpoint key, why)`` for keys deliberately not loaded.
+        filled_by_tie: ``(name, source)``: tied names filled by their partner.
+        prefix, prefix_action: a base-model prefix ``"added"`` or ``"stripped"`` to match.
+        device_problems: devices the map names that cannot be used here (sentences).
+        conversions: renamed or fused keys this load uses.
+        computed: tensors no checkpoint holds that the model computes (``from_pretrained``'s
+            rule: non-persistent buffers on meta, keys the class may miss).
+        checkpoint: the checkpoint's index or weights file.
+        format: ``"safetensors"`` or ``"torch"``.
+        offload_folder: where tensors that cannot be read in place are written once.
+    """
 
     loads: tuple[TensorLoad, ...]
     missing: tuple[str, ...]
@@ -83,7 +151,112 @@ class LoadPlan:
     prefix: str | None = None
     prefix_action: str | None = None  # "added" | "stripped"
     device_problems: tuple[str, ...] = field(default=())
-    conversions: tuple[Conversion, ...] = field(default=())  # renamed or fused keys this load uses
+    conversions: tuple[Conversion, ...] = field(default=())
+    computed: tuple[TensorLoad, ...] = field(default=())
+    checkpoint: str = ""
+    format: str = ""
+    offload_folder: str | None = None
+
+    def bytes_by_device(self) -> dict[str, int]:
+        """Checkpoint bytes each device receives (``"disk"``: left in files)."""
+        out: dict[str, int] = {}
+        for load in self.loads:
+            out[load.device] = out.get(load.device, 0) + load.nbytes
+        return out
+
+    def summary(self) -> str:
+        """A few lines a person reads: what goes where, converted how, and what was found.
+
+        Example:
+            >>> print(LoadPlan((TensorLoad("w", ("w",), "w", "cpu", torch.float16, 8, source_dtype="float32"),),
+            ...                (), (), (), (), ()).summary())
+            LoadPlan: 1 tensor (8 B) from the checkpoint
+              CPU: 1 tensor, 8 B
+              1 cast (float32 -> float16)
+        """
+        where = f" from {self.checkpoint!r}" if self.checkpoint else " from the checkpoint"
+        total = sum(load.nbytes for load in self.loads)
+        lines = [f"LoadPlan: {_count(len(self.loads), 'tensor')} ({format_size(total)}){where}"
+                 + (f" ({self.format})" if self.format else "")]
+        by_device: dict[str, list[TensorLoad]] = {}
+        for load in self.loads:
+            by_device.setdefault(load.device, []).append(load)
+        for device, loads in by_device.items():
+            how = ""
+            if device == "disk":
+                kept = sum(load.in_place for load in loads)
+                how = f" (read in place: {kept}; written once to the offload folder: {len(loads) - kept})"
+            lines.append(f"  {_label(device)}: {_count(len(loads), 'tensor')}, "
+                         f"{format_size(sum(load.nbytes for load in loads))}{how}")
+        lines += self._notes()
+        return "\n".join(lines)
+
+    def _notes(self) -> list[str]:
+        casts = sorted({(load.source_dtype, str(load.dtype).removeprefix("torch.")) for load in self.loads
+                        if load.source_dtype and load.source_dtype != str(load.dtype).removeprefix("torch.")})
+        lines = []
+        if casts:
+            n = sum(1 for load in self.loads if load.source_dtype and
+                    load.source_dtype != str(load.dtype).removeprefix("torch."))
+            lines.append(f"  {_count(n, 'cast')} ({', '.join(f'{a} -> {b}' for a, b in casts)})")
+        if self.prefix:
+            lines.append(f"  prefix {self.prefix!r} {self.prefix_action} to match the model")
+        renamed = [c for c in self.conversions if c.is_rename]
+        lines += [f"  renamed {_count(len(renamed), 'checkpoint key')} (read in place)"] if renamed else []
+        lines += [f"  converted {c.describe()}" for c in self.conversions if not c.is_rename]
+        lines += [f"  computed by the model: {load.name}" for load in self.computed]
+        lines += [f"  {name} filled by its tie to {src}" for name, src in self.filled_by_tie]
+        lines += [f"  ignored {k}: {why}" for k, why in self.ignored]
+        lines += [f"  missing: {k}" for k in self.missing] + [f"  unexpected: {k}" for k in self.unexpected]
+        lines += [f"  shape mismatch: {m}" for m in self.mismatched]
+        lines += [f"  problem: {p}" for p in self.device_problems]
+        return lines
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per tensor: tensor, key(s), file, offsets, dtypes, operation, device, bytes."""
+        import pandas as pd
+
+        columns = ["tensor", "keys", "file", "offsets", "from_dtype", "dtype", "operation", "device", "bytes"]
+        rows: list[dict[str, Any]] = [
+            {"tensor": load.name, "keys": ", ".join(load.keys), "file": Path(load.file).name if load.file else "",
+             "offsets": load.offsets, "from_dtype": load.source_dtype, "dtype": str(load.dtype).removeprefix("torch."),
+             "operation": load.operation, "device": load.device, "bytes": load.nbytes}
+            for load in (*self.loads, *self.computed)]
+        return pd.DataFrame(rows, columns=columns)
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
+
+
+def _label(device: str) -> str:
+    return device_label(normalize_device(device))
+
+
+def locate(plan: LoadPlan, entries: Mapping[str, TensorInfo], *, format: str) -> LoadPlan:
+    """``plan`` with each load's file, byte offsets and stored dtype from the checkpoint's
+    ``entries`` (keys in checkpoint terms), and whether a disk tensor is read in place
+    (safetensors, not fused) or written once to the offload folder.
+
+    Example:
+        >>> e = {"w": TensorInfo("w", "float16", (2,), 4, Path("a.safetensors"), (0, 4))}
+        >>> p = LoadPlan((TensorLoad("w", ("w",), "w", "disk", torch.float32, 4),), (), (), (), (), ())
+        >>> load = locate(p, e, format="safetensors").loads[0]
+        >>> load.file, load.offsets, load.source_dtype, load.in_place
+        ('a.safetensors', (0, 4), 'float16', True)
+    """
+    def placed(load: TensorLoad) -> TensorLoad:
+        info = entries.get(load.keys[0]) if load.keys else None
+        if info is None:
+            return load
+        in_place = load.device == "disk" and not load.fused and format == "safetensors"
+        return replace(load, source_dtype=info.dtype, file="" if load.fused else str(info.file),
+                       offsets=None if load.fused else info.data_offsets, in_place=in_place)
+
+    return replace(plan, loads=tuple(placed(load) for load in plan.loads), format=format)
 
 
 def module_matches(name: str, modules: Collection[str]) -> bool:

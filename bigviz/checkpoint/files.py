@@ -16,7 +16,7 @@ Example:
     >>> import tempfile, torch, pathlib
     >>> folder = pathlib.Path(tempfile.mkdtemp())
     >>> torch.save({"w": torch.ones(1)}, folder / "pytorch_model.bin")
-    >>> find_layout(folder).files == [folder / "pytorch_model.bin"]
+    >>> find_files(folder).files == [folder / "pytorch_model.bin"]
     True
 """
 from __future__ import annotations
@@ -28,13 +28,13 @@ from bigviz.checkpoint.errors import CheckpointError, raise_problems
 from bigviz.checkpoint.torch_io import TORCH_SUFFIXES
 from bigviz.core.serialize import parse_json
 
-__all__ = ["Layout", "find_layout"]
+__all__ = ["CheckpointFiles", "find_files"]
 
 _SAFE = ".safetensors"
 
 
 @dataclass(frozen=True)
-class Layout:
+class CheckpointFiles:
     """Where a checkpoint's tensors are: its format, files, and the index if there is one."""
 
     format: str  # "safetensors" | "torch"
@@ -44,8 +44,8 @@ class Layout:
     metadata: dict = field(default_factory=dict)
 
 
-def find_layout(path: str | Path, *, prefer_safe: bool = True) -> Layout:
-    """Resolve a file, an index file or a folder into a `Layout`.
+def find_files(path: str | Path, *, prefer_safe: bool = True) -> CheckpointFiles:
+    """Resolve a file, an index file or a folder into a `CheckpointFiles`.
 
     Args:
         path: a weights file, an index ``.json`` file, or a folder.
@@ -62,7 +62,7 @@ def find_layout(path: str | Path, *, prefer_safe: bool = True) -> Layout:
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist: check the path")
     if path.name.endswith(".json"):
         return _from_index_file(path)
-    return Layout(_format_of(path), path, [path])
+    return CheckpointFiles(_format_of(path), path, [path])
 
 
 def _format_of(path: Path) -> str:
@@ -138,7 +138,7 @@ def _index_format(path: Path) -> str | None:
     return None
 
 
-def _from_index_file(path: Path) -> Layout:
+def _from_index_file(path: Path) -> CheckpointFiles:
     try:
         doc = parse_json(path.read_bytes(), path, "checkpoint index")  # deep nesting: an error, not a crash
     except OSError as err:
@@ -160,7 +160,7 @@ def _from_index_file(path: Path) -> Layout:
     raise_problems(missing, f"incomplete checkpoint '{path.parent}'",
                    fix="download or copy the missing shards into the folder (or fix the index)")
     weight_map = {name: path.parent / f for name, f in mapping.items()}
-    return Layout(formats.pop() if formats else "safetensors", path, files, weight_map, dict(metadata))
+    return CheckpointFiles(formats.pop() if formats else "safetensors", path, files, weight_map, dict(metadata))
 
 
 def _check_mapping(path: Path, mapping: object) -> list[str]:
