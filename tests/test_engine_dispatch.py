@@ -17,7 +17,7 @@ from bigviz.checkpoint.save import save_sharded
 from bigviz.engine.big_modeling import load_checkpoint_and_dispatch
 from bigviz.engine.dispatch import dispatch_model
 from bigviz.engine.hooks import remove_hooks
-from bigviz.engine.offload import OffloadedTrainingError
+from bigviz.engine.offload_hooks import OffloadedTrainingError
 from bigviz.models import GPT, GPTConfig, Llama, LlamaConfig
 
 KINDS = ["all-cpu", "half-disk", "alternating", "all-disk"]

@@ -46,7 +46,7 @@ from bigviz.core.devices import execution_device, torch_name
 from bigviz.modeling.inventory import ModelInventory, tie_model
 
 __all__ = ["LoadResult", "load_checkpoint_in_model", "load_sharded_checkpoint", "check_checkpoint",
-           "plan_load", "inventory_of", "checkpoint_view_of"]
+           "plan_load", "execute_load_plan", "inventory_of", "checkpoint_view_of"]
 
 ModelOrInventory = torch.nn.Module | ModelInventory
 
@@ -172,7 +172,7 @@ def load_checkpoint_in_model(
     """
     index, plan = plan_load(model, checkpoint, device_map, dtype=dtype, offload_folder=offload_folder,
                             strict=strict, keep_in_fp32_modules=keep_in_fp32_modules, key_mapping=key_mapping)
-    return _execute(inventory_of(model), index, plan, progress=progress, inplace=False)
+    return execute_load_plan(inventory_of(model), index, plan, progress=progress, inplace=False)
 
 
 def plan_load(model: ModelOrInventory, checkpoint: str | Path | CheckpointIndex,
@@ -229,8 +229,10 @@ def _plan(inventory: ModelInventory, index: CheckpointIndex, options: LoadOption
                    computed=tuple(_computed(inventory, plan, options)), offload_folder=options.offload_folder)
 
 
-def _execute(inventory: ModelInventory, index: CheckpointIndex, plan: LoadPlan, *, progress: bool,
-             inplace: bool) -> LoadResult:
+def execute_load_plan(inventory: ModelInventory, index: CheckpointIndex, plan: LoadPlan, *,
+                      progress: bool = True, inplace: bool = False) -> LoadResult:
+    """Execute a checked `LoadPlan` (see :func:`bigviz.checkpoint.loader.execute_load`) and
+    say what it did."""
     done = execute_load(inventory, index, plan, progress=progress, inplace=inplace)
     return LoadResult(
         loaded=[load.name for load in plan.loads if load.device != "disk"],
@@ -336,7 +338,7 @@ def load_sharded_checkpoint(model: torch.nn.Module, folder: str | Path, strict: 
     options = LoadOptions(strict=strict, can_map_disk=index.format == "safetensors")
     plan = _plan(inventory, index, options, None)
     check_plan(plan, strict=strict, where=f"'{index.path}' into {type(model).__name__}")
-    result = _execute(inventory, index, plan, progress=False, inplace=True)
+    result = execute_load_plan(inventory, index, plan, progress=False, inplace=True)
     return IncompatibleKeys(result.missing, result.unexpected)
 
 

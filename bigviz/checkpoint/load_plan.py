@@ -49,7 +49,7 @@ from bigviz.modeling.budgets import absent_device_problems
 from bigviz.modeling.inventory import ModelTensor
 
 __all__ = ["LoadOptions", "TensorLoad", "LoadPlan", "match_checkpoint", "check_plan", "module_matches",
-           "resolve_view", "locate", "load_device", "device_problems"]
+           "resolve_view", "locate", "load_device", "device_problems", "plan_problems"]
 
 
 @dataclass(frozen=True)
@@ -333,9 +333,26 @@ def resolve_view(plan: LoadPlan, view: CheckpointView) -> LoadPlan:
                    conversions=tuple(used.values()))
 
 
-def check_plan(plan: LoadPlan, *, strict: bool, where: str) -> None:
-    """Raise one `CheckpointError` for every problem that forbids loading ``plan``."""
-    problems = [f"shape mismatch: {m}" for m in plan.mismatched] + list(plan.device_problems)
+def check_plan(plan: LoadPlan, *, strict: bool, where: str, more: Sequence[str] = (),
+               map_checked: bool = False) -> None:
+    """Raise one `CheckpointError` for every problem that forbids loading ``plan`` (and the
+    ``more`` found by the caller's own checks, e.g. of its device map, which then reported the
+    plan's missing devices and uncovered tensors already: ``map_checked``)."""
+    problems, fix = plan_problems(plan, strict=strict, map_checked=map_checked)
+    raise_problems([*more, *problems], f"cannot load {where}; nothing was loaded", fix=fix)
+
+
+def plan_problems(plan: LoadPlan, *, strict: bool, map_checked: bool = False) -> tuple[list[str], str]:
+    """Every problem that forbids loading ``plan``, and the fix line for them.
+
+    Example:
+        >>> p = LoadPlan((), ("w",), ("x",), (), (), ())
+        >>> plan_problems(p, strict=True)[0]
+        ['missing in the checkpoint: w', 'unexpected in the checkpoint (the model has no such tensor): x']
+    """
+    devices = [p for p in plan.device_problems
+               if not (map_checked and p.startswith((MISSING_DEVICE, NO_DEVICE)))]
+    problems = [f"shape mismatch: {m}" for m in plan.mismatched] + devices
     if strict:
         problems += [f"missing in the checkpoint: {k}" for k in plan.missing]
         problems += [f"unexpected in the checkpoint (the model has no such tensor): {k}"
@@ -345,8 +362,11 @@ def check_plan(plan: LoadPlan, *, strict: bool, where: str) -> None:
         fixes.append("is this the right checkpoint for this model (same config and size)?")
     if strict and (plan.missing or plan.unexpected):
         fixes.append("pass strict=False to load what matches and report the rest")
-    raise_problems(problems, f"cannot load {where}; nothing was loaded",
-                   fix="Fix: " + "; ".join(fixes) if fixes else "")
+    return problems, ("Fix: " + "; ".join(fixes) if fixes else "")
+
+
+MISSING_DEVICE = "device map names "  # see bigviz.core.devices.missing_device_problems
+NO_DEVICE = "device_map gives no device for "
 
 
 def _any_match(name: str, patterns: Iterable[str]) -> bool:
@@ -443,7 +463,7 @@ def _place(loads: list[TensorLoad], options: LoadOptions) -> tuple[list[TensorLo
     for load in loads:
         devices = [load_device(a, options.device_map) for a in load.aliases]
         if None in devices:
-            problems.append(f"device_map gives no device for {load.name}: add a key for it or ''")
+            problems.append(f"{NO_DEVICE}{load.name}: add a key for it or ''")
         else:
             placed.append(replace(load, device=min(devices, key=_residency)))  # type: ignore[arg-type]
     return placed, problems

@@ -11,7 +11,7 @@ from bigviz.core.errors import BigvizError, DeviceMapError, PlanError
 from bigviz.core.plan import STRATEGIES, DevicePlan, DeviceUsage, Placement, PlanOptions
 from bigviz.core.serialize import load_device_map, load_max_memory, save_device_map, save_max_memory
 from bigviz.core.sizes import UNLIMITED, format_size, parse_max_memory, parse_size
-from bigviz.core.strategies import make_plan
+from bigviz.core.planner import make_plan
 from bigviz.core.tree import ModuleNode, SizeTree, TensorSpec
 
 __all__ = [

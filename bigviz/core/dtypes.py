@@ -77,6 +77,7 @@ DTYPES: dict[str, DType] = {d.name: d for d in _TABLE}
 """Canonical (torch) name -> :class:`DType`."""
 SAFETENSORS_CODES: dict[str, DType] = {d.code: d for d in _TABLE if d.code is not None}
 """safetensors header code (``"F32"``, ``"F8_E8M0"``) -> :class:`DType`."""
+_BITS: dict[str, int] = {d.name: d.bits for d in _TABLE}
 DTYPE_SIZES: dict[str, float] = {d.name: d.bits / 8 for d in _TABLE}
 """Canonical name -> bytes per element (``0.5`` for 4-bit dtypes)."""
 FLOATING_DTYPES = frozenset(d.name for d in _TABLE if d.floating)
@@ -134,7 +135,8 @@ def tensor_nbytes(dtype: object, numel: int) -> int:
         >>> tensor_nbytes("float32", 10), tensor_nbytes("uint4", 5), tensor_nbytes("F6_E3M2", 4)
         (40, 3, 3)
     """
-    return -(-numel * bits(dtype) // 8)
+    found = _BITS.get(dtype)  # type: ignore[call-overload]  # fast path: a canonical name
+    return -(-numel * (found if found is not None else bits(dtype)) // 8)
 
 
 def is_floating(dtype: object) -> bool:

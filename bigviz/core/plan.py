@@ -1,12 +1,12 @@
 """A device plan as data: where each module goes, how many bytes, and why.
 
-``make_plan`` (in ``bigviz.core.strategies``) makes a :class:`DevicePlan` from a
+``make_plan`` (in ``bigviz.core.planner``) makes a :class:`DevicePlan` from a
 :class:`~bigviz.core.tree.SizeTree` and byte budgets; nothing here allocates or imports
 torch. A plan is frozen: to change it, plan again (with ``overrides``).
 
 Example:
     >>> from bigviz.core.tree import SizeTree, TensorSpec
-    >>> from bigviz.core.strategies import make_plan
+    >>> from bigviz.core.planner import make_plan
     >>> tree = SizeTree.build([TensorSpec(f"h.{i}.weight", 250, "float32") for i in range(4)])
     >>> p = make_plan(tree, {0: 3000, "cpu": 10**6})
     >>> p.device_map  # GPU 0 keeps room for two streamed-in layers (current + prefetched)
@@ -28,6 +28,8 @@ from bigviz.core.sizes import format_size
 if TYPE_CHECKING:
     import pandas as pd
 
+    from bigviz.core.dispatch_plan import DispatchPlan
+    from bigviz.core.offload_units import UnitRule
     from bigviz.core.tree import SizeTree
     from bigviz.core.workload import Workload
 
@@ -59,6 +61,9 @@ class PlanOptions:
             device keeps room for the largest step it runs.
         workload: the :class:`~bigviz.core.workload.Workload` the two above were made for
             (kept in the plan for reports).
+        preload, reads, offload_buffers, same_module: the unit rule's knobs (see
+            :class:`~bigviz.core.offload_units.UnitRule`): the offload reserve is computed
+            from the units the engine will fetch.
     """
 
     strategy: str = "auto"
@@ -71,6 +76,10 @@ class PlanOptions:
     kv_cache: Mapping[str, int] = field(default_factory=dict)
     activations: Mapping[str, int] = field(default_factory=dict)
     workload: Workload | None = None
+    preload: frozenset[str] = frozenset()
+    reads: Mapping[str, str] = field(default_factory=dict)
+    offload_buffers: bool = False
+    same_module: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -131,6 +140,31 @@ class DevicePlan:
     tree: SizeTree | None = field(default=None, compare=False, repr=False)
     _cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     workload: Workload | None = None
+    rule: UnitRule | None = field(default=None, compare=False, repr=False)
+    """The unit rule the offload reserve was computed with (the dispatch fetches these units)."""
+    prefetch: bool = field(default=True, compare=False, repr=False)
+
+    def dispatch_plan(self, *, prefetch: bool | None = None) -> DispatchPlan:
+        """The dispatch this plan promises: its offload units, made by the same unit rule the
+        planner reserved room with (pure; needs the plan's tree).
+
+        Example:
+            >>> from bigviz.core.tree import SizeTree, TensorSpec
+            >>> from bigviz.core.planner import make_plan
+            >>> tree = SizeTree.build([TensorSpec(f"h.{i}.weight", 250, "float32") for i in range(4)])
+            >>> p = make_plan(tree, {0: 3000, "cpu": 10**6})
+            >>> d = p.dispatch_plan()
+            >>> [u.name for u in d.units], d.held_bytes()[0] == p.usage_of(0).offload_reserve
+            (['h.1', 'h.2', 'h.3'], True)
+        """
+        from bigviz.core.dispatch_plan import make_dispatch_plan
+        from bigviz.core.offload_units import UnitRule
+
+        if self.tree is None:
+            raise ValueError("this DevicePlan carries no size tree (read from JSON?): plan again to see its dispatch")
+        rule = self.rule if self.rule is not None else UnitRule(self.main_device)
+        return make_dispatch_plan(self.tree, self.device_map, rule,
+                                  prefetch=self.prefetch if prefetch is None else prefetch)
 
     @property
     def kv_cache(self) -> dict[Device, int]:

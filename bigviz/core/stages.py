@@ -30,7 +30,7 @@ from itertools import accumulate
 
 from bigviz.core.names import leaf, owner, parent
 from bigviz.core.pipeline import BALANCES, PipelineError, PipelinePlan, PipelineUnit, SharedTensor, StageCut
-from bigviz.core.strategies import _is_no_split
+from bigviz.core.nosplit import is_no_split as _is_no_split
 from bigviz.core.tree import SizeTree
 from bigviz.core.sizes import UNLIMITED, format_size, parse_size
 

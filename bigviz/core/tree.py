@@ -18,13 +18,16 @@ Example:
 """
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 from bigviz.core.dtypes import FLOATING_DTYPES, canonical_dtype, tensor_nbytes
 from bigviz.core.names import ancestors, owner, parent
 
 __all__ = ["TensorSpec", "ModuleNode", "SizeTree"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class SizeTree:
         self.tensors = tensors
         self.ties = ties
         self.leader_of = {f: group[0] for group in ties for f in group[1:]}
+        self._memo: dict[tuple[object, ...], Any] = {}
 
     @classmethod
     def build(cls, tensors: Iterable[TensorSpec], modules: Mapping[str, str] | None = None,
@@ -98,6 +102,17 @@ class SizeTree:
         followers = {f for g in groups for f in g[1:]}
         nodes = _assemble(preorder, children, direct, classes, specs, followers, frozenset(containers))
         return cls(nodes, specs, groups)
+
+    def memo(self, key: tuple[object, ...], make: Callable[[], T]) -> T:
+        """``make()``, computed once per tree and ``key`` (a tree never changes)."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]  # type: ignore[no-any-return]
+
+    @property
+    def order(self) -> dict[str, int]:
+        """Module name -> its position in definition order."""
+        return self.memo(("order",), lambda: {name: i for i, name in enumerate(self.nodes)})
 
     # ---- queries -------------------------------------------------------------------
     def total(self, name: str) -> int:

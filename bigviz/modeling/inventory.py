@@ -169,6 +169,12 @@ class ModelInventory:
         declared = getattr(self.model, "_no_split_modules", None) or ()
         return (declared,) if isinstance(declared, str) else tuple(declared)
 
+    @cached_property
+    def same_module(self) -> dict[str, str]:
+        """Module names that are another name of an earlier module (one object shared under
+        two names) -> that earlier name."""
+        return {name: first for name, m in self.modules.items() if (first := self._first_names[id(m)]) != name}
+
     def name_of(self, module: nn.Module) -> str | None:
         """The first name of ``module`` in this model, or None."""
         return self._first_names.get(id(module))
@@ -215,11 +221,12 @@ class ModelInventory:
 
     def _build_tree(self) -> SizeTree:
         specs = []
-        for name in self.slots:
-            t = self.by_name[name]
-            persistent = name not in self._computed
-            specs.append(TensorSpec(name, _numel(t.shape), canonical_dtype(t.dtype), t.shape,
-                                    "param" if self.slots[name][2] == "param" else "buffer", persistent=persistent))
+        by_name, computed = self.by_name, self._computed
+        dtypes: dict[torch.dtype, str] = {}
+        for name, (_, _, kind) in self.slots.items():
+            t = by_name[name]
+            dtype = dtypes.get(t.dtype) or dtypes.setdefault(t.dtype, canonical_dtype(t.dtype))
+            specs.append(TensorSpec(name, _numel(t.shape), dtype, t.shape, kind, name not in computed))
         return SizeTree.build(specs, self.classes, self.ties, containers=self.containers)
 
     def __repr__(self) -> str:
@@ -251,12 +258,14 @@ def _describe(slots: Mapping[str, Slot], computed: frozenset[str]) -> Iterator[M
     for name, (module, attr, kind) in slots.items():
         tensor = (module._parameters if kind == "param" else module._buffers)[attr]
         groups.setdefault(id(tensor), []).append((name, tensor, kind))  # type: ignore[arg-type]
+    device_names: dict[torch.device, str] = {}  # str(device) is slow; a model has few devices
     for members in groups.values():
         name, tensor, kind = members[0]
-        yield ModelTensor(
-            name=name, aliases=tuple(m[0] for m in members), shape=tuple(tensor.shape), dtype=tensor.dtype,
-            kind=kind, persistent=any(m[2] == "param" or m[0] not in computed for m in members),
-            is_meta=tensor.is_meta, requires_grad=bool(tensor.requires_grad), device=str(tensor.device))
+        device = tensor.device
+        where = device_names.get(device) or device_names.setdefault(device, str(device))
+        persistent = kind == "param" or any(m[0] not in computed for m in members)
+        yield ModelTensor(name, tuple(m[0] for m in members), tuple(tensor.shape), tensor.dtype, kind, persistent,
+                          device.type == "meta", tensor.requires_grad, where)
 
 
 def _identity_ties(tensors: Iterable[ModelTensor]) -> list[list[str]]:

@@ -32,7 +32,7 @@ from bigviz.engine.devices import DeviceLike, any_tensor, find_device, map_tenso
 from bigviz.engine.hooks import ModelHook
 from bigviz.modeling.budgets import default_execution_device
 from bigviz.engine.prefetch import Scheduler
-from bigviz.engine.units import Unit
+from bigviz.engine.binding import BoundUnit
 from bigviz.engine.weights import as_slot_value, set_slot
 
 __all__ = ["AlignDevicesHook", "OffloadHook", "CpuOffload", "UserCpuOffloadHook", "OffloadedTrainingError",
@@ -176,10 +176,10 @@ class OffloadHook(ModelHook):
 
     Example:
         >>> import torch
-        >>> from bigviz.engine.units import layout_model
+        >>> from bigviz.engine.binding import bound_units
         >>> from bigviz.engine.prefetch import CpuFetcher
         >>> layer = torch.nn.Linear(2, 2)
-        >>> unit = layout_model(layer, {"": "disk"}, main_device=torch.device("cpu")).units[0]
+        >>> unit = bound_units(layer, {"": "disk"}, main_device="cpu")[0]
         >>> unit.sources = {k: {"weight": torch.eye(2), "bias": torch.zeros(2)} for k in unit.slots}
         >>> hook = OffloadHook(unit, Scheduler([unit], CpuFetcher(), prefetch=False))
         >>> _ = hook.init_hook(layer)
@@ -191,7 +191,7 @@ class OffloadHook(ModelHook):
 
     def __init__(
         self,
-        unit: Unit,
+        unit: BoundUnit,
         scheduler: Scheduler,
         *,
         skip_keys: Iterable[str] = (),
