@@ -217,8 +217,9 @@ class DeviceRows:
         self.box.children = [self.rows[d] for d in budgets]
 
 
-def assemble(c: Controls, figure: Any) -> widgets.VBox:
-    """Lay the controls out: settings on the left, treemap on the right, tabs below.
+def assemble(c: Controls, figure: Any, *below: Any) -> widgets.VBox:
+    """Lay the controls out: settings on the left, treemap on the right (``below`` it: more
+    controls of the figure, such as the stage mode), tabs below.
 
     The treemap's column takes the width left by the settings (it never pushes past the
     output area: the figure fits it, see ``bigviz.ui.livefigure``); below 300 px it wraps
@@ -231,7 +232,7 @@ def assemble(c: Controls, figure: Any) -> widgets.VBox:
         widgets.HBox([c.kv_dtype, c.find_context]), c.fit,
         widgets.HTML("<b>Memory</b>"), c.usage, widgets.HTML("<b>Cost</b>"), c.link, c.disk, c.cost,
     ], layout=widgets.Layout(width="460px", min_width="460px"))
-    right = widgets.VBox([c.legend, figure, c.depth],
+    right = widgets.VBox([c.legend, figure, *below, c.depth],
                          layout=widgets.Layout(flex="1 1 300px", min_width="300px", overflow="hidden"))
     c.status.layout = widgets.Layout(min_height="28px")  # one line of widget text
     overrides = widgets.VBox([widgets.HBox([c.module, c.target]), widgets.HBox([c.assign, c.unassign]), c.overrides])

@@ -125,11 +125,7 @@ class Planner:
         self.budget_sliders: dict[Device, Any] = self._rows.sliders  # the same dicts, kept in sync
         self.reserve_inputs: dict[Device, Any] = self._rows.reserves
         self._sync_device_rows()
-        import ipywidgets as widgets
-
-        column = widgets.VBox([self.view.box, self.stage_controls.widget],
-                              layout=widgets.Layout(width="100%", min_width="0"))
-        self.widget = ctl.assemble(self.controls, column)
+        self.widget = ctl.assemble(self.controls, self.view.box, self.stage_controls.widget)
         self._wire()
         if w.active:
             self.find_longest_context()

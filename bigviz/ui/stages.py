@@ -69,7 +69,7 @@ def stage_style_of(layout: TreemapLayout, plan: PipelinePlan) -> TreemapStyle:
         where = f"stage {stage}" if stage is not None else "several stages"
         data.append((name or "<model>", format_size(value), f"{value / total:.1%}", where, reason))
     n = len(layout.names)
-    return TreemapStyle(tuple(colors), layout.labels, (1.0,) * n, ("#FFFFFF",) * n, tuple(data))
+    return TreemapStyle(tuple(colors), layout.labels, ("#FFFFFF",) * n, tuple(data))
 
 
 def _tied_notes(plan: PipelinePlan) -> Mapping[str, str]:
