@@ -278,7 +278,7 @@ class UsesChildWeight(nn.Module):
         self.proj = nn.Linear(4, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        child = getattr(self, "proj")  # not a `self.proj.weight` chain: found only at run time
+        child = self.proj  # not a `self.proj.weight` chain: found only at run time
         return nn.functional.linear(x, child.weight, child.bias)
 
 

@@ -278,7 +278,8 @@ def match_checkpoint(tensors: Sequence[ModelTensor], entries: Mapping[str, Tenso
     """Match a model's tensors to checkpoint entries and decide device and dtype of each."""
     names = [a for t in tensors for a in t.aliases]
     prefix, action, key_of = _resolve_prefix(names, entries.keys())
-    loads, missing, mismatched, ignored, tied, used = [], [], [], [], [], set()
+    loads, missing, mismatched, ignored, tied = [], [], [], [], []
+    used: set[str] = set()
     for t in tensors:
         found = [(alias, key) for alias in t.aliases if (key := key_of(alias)) is not None]
         used.update(key for _, key in found)
@@ -390,7 +391,8 @@ def _resolve_prefix(names: Sequence[str], keys: Collection[str]
     def exact(n: str) -> str | None:
         return n if n in keyset else None
 
-    best = (sum(n in keyset for n in names), None, None, exact)
+    best: tuple[int, str | None, str | None, Callable[[str], str | None]] = (
+        sum(n in keyset for n in names), None, None, exact)
     if best[0] == len(names):
         return best[1:]
     for p in _common_heads(keyset):

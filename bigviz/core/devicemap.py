@@ -12,8 +12,8 @@ Example:
 from __future__ import annotations
 
 import difflib
-from collections.abc import Collection, Iterable, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Collection, Mapping
+from typing import Any, TYPE_CHECKING
 
 from bigviz.core.errors import DeviceMapError
 from bigviz.core.names import ancestors, owner, parent
@@ -90,7 +90,7 @@ def _clean_with_tree(device_map: Mapping[str, Device], tree: SizeTree) -> dict[s
         if name in device_map:
             uniform[name] = device_map[name]
             continue
-        parts = [device_of(t, device_map) for t in node.tensors]
+        parts: list[object] = [device_of(t, device_map) for t in node.tensors]
         parts += [uniform[c] for c in node.children if uniform[c] is not None]
         values = {id(p) if p is _MIXED else p for p in parts}
         uniform[name] = parts[0] if len(values) == 1 and parts[0] is not None else (
@@ -109,7 +109,7 @@ def _clean_with_tree(device_map: Mapping[str, Device], tree: SizeTree) -> dict[s
     return out
 
 
-def key_problems(device_map: Mapping[object, object]) -> list[str]:
+def key_problems(device_map: Mapping[Any, object]) -> list[str]:
     """Keys that are not module names (strings), quoted: ``{0: "cpu"}`` is a slip for
     ``{"0": "cpu"}`` or ``{"": 0}``, and nothing downstream can look an int up.
 
@@ -122,7 +122,7 @@ def key_problems(device_map: Mapping[object, object]) -> list[str]:
             for key in device_map if not isinstance(key, str)]
 
 
-def check_keys(device_map: Mapping[object, object]) -> None:
+def check_keys(device_map: Mapping[Any, object]) -> None:
     """Raise `DeviceMapError` (a ``ValueError``) quoting every key of ``device_map`` that is not a string.
 
     Example:

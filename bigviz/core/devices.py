@@ -16,7 +16,6 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
-from typing import Union
 
 __all__ = [
     "Device",
@@ -33,7 +32,7 @@ __all__ = [
     "MISSING_DEVICE_FIX",
 ]
 
-Device = Union[int, str]
+Device = int | str
 """A placement target: a GPU index (int), ``"mps"``, ``"cpu"`` or ``"disk"``."""
 
 NAMED_DEVICES = ("mps", "cpu", "disk")

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Union
 
 from bigviz.core.devices import NAMED_DEVICES, Device, normalize_device, streamed_devices
 from bigviz.core.names import ancestors, is_prefix, join, parent
@@ -186,7 +185,7 @@ def unit_sizes(tree: SizeTree, device_map: Mapping[str, object], rule: UnitRule)
     return [(storage, nbytes) for storage, _, nbytes in units.values()]
 
 
-Assignment = tuple[tuple[str, ...], TensorSpec, Union[Device, list[tuple[str, str, str]]]]
+Assignment = tuple[tuple[str, ...], TensorSpec, Device | list[tuple[str, str, str]]]
 
 
 def _assign(tree: SizeTree, device_map: Mapping[str, object], rule: UnitRule,

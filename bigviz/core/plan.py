@@ -68,8 +68,8 @@ class PlanOptions:
 
     strategy: str = "auto"
     no_split: frozenset[str] = frozenset()
-    reserve: Mapping[Device, int] = field(default_factory=dict)
-    overrides: Mapping[str, Device] = field(default_factory=dict)
+    reserve: Mapping[Any, object] = field(default_factory=dict)  # any spelling: make_plan checks them
+    overrides: Mapping[str, object] = field(default_factory=dict)
     offload_reserve: bool = True
     prefetch: bool = True
     main_device: Device | None = None
@@ -181,7 +181,8 @@ class DevicePlan:
         """``{unit: device}`` before cleaning: one key per planned unit."""
         if "units" not in self._cache:
             self._cache["units"] = MappingProxyType({p.name: p.device for p in self.placements})
-        return self._cache["units"]
+        units: Mapping[str, Device] = self._cache["units"]
+        return units
 
     @property
     def device_map(self) -> dict[str, Device]:
@@ -250,7 +251,7 @@ class DevicePlan:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data: the device map, budgets (string keys) and placements, and
         with a workload, the run and its KV cache and activation bytes per device."""
-        out = {
+        out: dict[str, Any] = {
             "strategy": self.strategy,
             "main_device": self.main_device,
             "device_map": self.device_map,

@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 from dataclasses import dataclass, field
 
 from bigviz.core.devicemap import clean_device_map
@@ -81,7 +82,7 @@ class _Ties:
         return cls(by_follower, by_leader)
 
 
-def make_plan(tree: SizeTree, max_memory: Mapping[object, object],
+def make_plan(tree: SizeTree, max_memory: Mapping[Any, object],
               options: PlanOptions | None = None) -> DevicePlan:
     """Place every module of ``tree`` within ``max_memory``.
 
@@ -223,8 +224,8 @@ def _greedy(tree: SizeTree, caps: Mapping[Device, int], reserve: Mapping[Device,
         device = overrides[name]
         _put(tree, state, name, device, _override_charge(tree, name, overrides),
              f"override: you put it on {device_label(device)}", override=True)
-    state.follower_units = {f: _follower_unit_bytes(tree, f, l, options.no_split)
-                            for f, l in tree.leader_of.items()}
+    state.follower_units = {f: _follower_unit_bytes(tree, f, leader, options.no_split)
+                            for f, leader in tree.leader_of.items()}
     devices = list(caps)
     streamed = _streamed(_main_device(caps, options))
     index = 0

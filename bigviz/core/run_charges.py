@@ -56,7 +56,8 @@ class Run:
         if unknown:
             raise PlanError(f"cannot plan: KV cache or activation bytes given for names that are no module "
                             f"of the model: {', '.join(repr(n) for n in unknown[:8])}; key them by module name")
-        kv_sub, act_sub = {}, {}
+        kv_sub: dict[str, int] = {}
+        act_sub: dict[str, int] = {}
         for name, node in reversed(tree.nodes.items()):  # post-order: children before parents
             kv_sub[name] = options.kv_cache.get(name, 0) + sum(kv_sub[c] for c in node.children)
             act_sub[name] = max([options.activations.get(name, 0), *(act_sub[c] for c in node.children)])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
+from typing import Any
 
 from bigviz.core.devices import Device, device_label, device_sort_key, normalize_device
 from bigviz.core.errors import PlanError
@@ -88,7 +89,7 @@ def format_size(nbytes: int | float) -> str:
     return f"{size:.1f} TiB"  # pragma: no cover - loop always returns
 
 
-def parse_max_memory(max_memory: Mapping[object, object]) -> dict[Device, int]:
+def parse_max_memory(max_memory: Mapping[Any, object]) -> dict[Device, int]:
     """Normalise a ``max_memory`` mapping: canonical device keys, byte values, fill order.
 
     Every bad key and value is reported in one error; two keys naming one device (``0`` and
@@ -137,7 +138,7 @@ def max_memory_problems(max_memory: object) -> tuple[dict[Device, int], list[str
             continue
         keys[device] = key
         try:
-            out[device] = parse_size(value)  # type: ignore[arg-type]
+            out[device] = parse_size(value)  # type: ignore[arg-type,unused-ignore]
         except ValueError as err:
             problems.append(f"max_memory[{key!r}]: {err}")
     return {d: out[d] for d in sorted(out, key=device_sort_key)}, problems

@@ -77,7 +77,7 @@ _METADATA = frozenset({"dtype", "device", "shape", "ndim", "is_meta", "requires_
                        "size", "numel", "element_size", "is_floating_point"})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _self_chains(cls: type) -> frozenset[tuple[str, ...]]:
     """Attribute chains loaded from ``self`` at forward time, from bytecode: in ``forward`` and
     the methods it calls on ``self``, transitively (``self.a.b.weight.t()`` gives ``("a", "b",
@@ -123,7 +123,7 @@ def _codes(value: object) -> list[types.CodeType]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _code_chains(code: types.CodeType) -> tuple[tuple[str, ...], ...]:
     chains, current = [], None
     for ins in dis.get_instructions(code):

@@ -20,7 +20,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,7 @@ __all__ = ["load_plan", "dispatch_plan", "dispatch_plan_for", "map_problems", "r
 INVALID_MAP = "invalid device_map"
 
 
-def map_problems(tree: SizeTree, device_map: Mapping[object, object], *, main_device: object = None,
+def map_problems(tree: SizeTree, device_map: Mapping[Any, object], *, main_device: object = None,
                  machine: bool = True) -> tuple[dict[str, Device], list[str]]:
     """The map completed and canonical, and every problem with it for this model (and, with
     ``machine``, for this machine: devices it lacks).
@@ -71,8 +71,8 @@ def map_problems(tree: SizeTree, device_map: Mapping[object, object], *, main_de
         except ValueError as err:
             problems.append(f"main_device: {err}")
         else:
-            named = {_canonical_or_none(v) for v in completed.values()}
-            if machine and main not in named:  # a GPU the map names is reported once, above
+            mapped = {_canonical_or_none(v) for v in completed.values()}
+            if machine and main not in mapped:  # a GPU the map names is reported once, above
                 problems += absent_device_problems({}, main_device=main_device)
     canonical: dict[str, Device] = {}
     for key, value in completed.items():
@@ -90,7 +90,7 @@ def _canonical_or_none(value: object) -> Device | None:
         return None
 
 
-def check_map(tree: SizeTree, device_map: Mapping[object, object], *, main_device: object = None,
+def check_map(tree: SizeTree, device_map: Mapping[Any, object], *, main_device: object = None,
               more: Collection[str] = (), machine: bool = True) -> dict[str, Device]:
     """The completed canonical map, or one `DeviceMapError` with every problem (and ``more``)."""
     canonical, problems = map_problems(tree, device_map, main_device=main_device, machine=machine)
@@ -100,7 +100,7 @@ def check_map(tree: SizeTree, device_map: Mapping[object, object], *, main_devic
     return canonical
 
 
-def dispatch_plan_for(inventory: ModelInventory, device_map: Mapping[object, object], *,
+def dispatch_plan_for(inventory: ModelInventory, device_map: Mapping[Any, object], *,
                       main_device: object = None, no_split_module_classes: Collection[str] | None = None,
                       preload_module_classes: Collection[str] | None = None, offload_buffers: bool = False,
                       prefetch: bool = True, tree: SizeTree | None = None, machine: bool = True) -> DispatchPlan:
@@ -145,7 +145,7 @@ def resolve_device_map(model: nn.Module | ModelInventory, device_map: Any, *, ma
 def load_plan(model: nn.Module | ModelInventory, checkpoint: str | Path | CheckpointIndex,
               device_map: Any = None, *, dtype: torch.dtype | str | None = None,
               offload_folder: str | Path | None = None, strict: bool = True,
-              keep_in_fp32_modules: Collection[str] | None = None,
+              keep_in_fp32_modules: Sequence[str] | None = None,
               key_mapping: Mapping[str, str] | None = None) -> LoadPlan:
     """The load plan of ``checkpoint`` into ``model``: for each model tensor, the checkpoint
     key(s), file, byte offsets, stored and loaded dtype, conversion and target device; made

@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch.nn as nn
 
@@ -25,7 +26,7 @@ from bigviz.planning.models import ModelLike, resolve_model
 __all__ = ["max_context", "position_limit"]
 
 
-def max_context(model: ModelLike, max_memory: Mapping[object, object] | None = None, batch_size: int = 1, *,
+def max_context(model: ModelLike, max_memory: Mapping[Any, object] | None = None, batch_size: int = 1, *,
                 allow_offload: bool = False, device_map: DevicePlan | Mapping[str, object] | None = None,
                 limit: int | None = None, **plan_kwargs: object) -> int:
     """The longest context whose run fits, by bisection on the (linear-time) planner.
@@ -66,7 +67,8 @@ def max_context(model: ModelLike, max_memory: Mapping[object, object] | None = N
     kwargs = dict(plan_kwargs)
     if device_map is not None:
         units = device_map.unit_map if isinstance(device_map, DevicePlan) else device_map
-        kwargs["overrides"] = {**dict(units), **dict(kwargs.get("overrides") or {})}  # type: ignore[arg-type]
+        given: Mapping[str, object] = kwargs.get("overrides") or {}  # type: ignore[assignment]
+        kwargs["overrides"] = {**dict(units), **dict(given)}
 
     def fits(tokens: int) -> bool:
         try:

@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from typing import Any, TypedDict
 from dataclasses import replace
 
 import torch
@@ -34,9 +35,9 @@ from bigviz.planning.workload import device_type, workload_bytes
 __all__ = ["plan", "infer_auto_device_map", "check_device_map", "keep_direct_reads_resident", "unit_knobs"]
 
 
-def plan(model: ModelLike, max_memory: Mapping[object, object] | None = None, *,
+def plan(model: ModelLike, max_memory: Mapping[Any, object] | None = None, *,
          strategy: str = "auto", no_split_module_classes: Collection[str] | None = None,
-         dtype: torch.dtype | str | None = None, reserve: Mapping[object, object] | None = None,
+         dtype: torch.dtype | str | None = None, reserve: Mapping[Any, object] | None = None,
          overrides: Mapping[str, object] | None = None,
          special_dtypes: Mapping[str, torch.dtype | str] | None = None,
          offload_reserve: bool = True, prefetch: bool = True,
@@ -96,8 +97,17 @@ def plan(model: ModelLike, max_memory: Mapping[object, object] | None = None, *,
     return keep_direct_reads_resident(result, inventory, tree, budgets, options)
 
 
+class UnitKnobs(TypedDict):
+    """The `PlanOptions` fields of the unit rule (see `bigviz.core.offload_units.UnitRule`)."""
+
+    reads: dict[str, str]
+    same_module: dict[str, str]
+    preload: frozenset[str]
+    offload_buffers: bool
+
+
 def unit_knobs(inventory: ModelInventory | None, tree: SizeTree, preload: Collection[str] | None = None,
-               offload_buffers: bool = False) -> dict[str, object]:
+               offload_buffers: bool = False) -> UnitKnobs:
     """The unit rule's knobs a model gives (`PlanOptions` fields): its direct reads and its
     modules shared under two names, with the preload classes and buffer rule of the dispatch.
 
@@ -147,12 +157,12 @@ def _as_names(names: Collection[str] | str) -> list[str]:
     return [names] if isinstance(names, str) else list(names)
 
 
-def infer_auto_device_map(model: ModelLike, max_memory: Mapping[object, object] | None = None,
+def infer_auto_device_map(model: ModelLike, max_memory: Mapping[Any, object] | None = None,
                           no_split_module_classes: Collection[str] | None = None,
                           dtype: torch.dtype | str | None = None,
                           special_dtypes: Mapping[str, torch.dtype | str] | None = None,
                           verbose: bool = False, clean_result: bool = True, offload_buffers: bool = False,
-                          *, strategy: str = "sequential", reserve: Mapping[object, object] | None = None,
+                          *, strategy: str = "sequential", reserve: Mapping[Any, object] | None = None,
                           overrides: Mapping[str, object] | None = None) -> dict[str, Device]:
     """Accelerate's function with bigviz's planner behind it: a ``{module: device}`` dict.
 

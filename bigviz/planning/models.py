@@ -51,8 +51,8 @@ def as_tree(model: ModelLike, dtype: torch.dtype | str | None = None,
     if isinstance(model, (str, os.PathLike)):
         if is_config_source(model):
             return as_tree(model_from_config(model), dtype, special_dtypes)
-        meta = meta_model_from_folder(model)
-        return as_tree(tree_from_checkpoint(model, model=meta), dtype, special_dtypes)
+        meta = meta_model_from_folder(os.fspath(model))
+        return as_tree(tree_from_checkpoint(os.fspath(model), model=meta), dtype, special_dtypes)
     raise TypeError(f"expected an nn.Module, a SizeTree or a checkpoint path, got {type(model).__name__}")
 
 
@@ -64,7 +64,7 @@ def default_no_split(model: ModelLike, tree: SizeTree) -> list[str]:
     if declared:
         return list(declared)
     if isinstance(model, (str, os.PathLike)):
-        meta = meta_model_from_folder(model)
+        meta = meta_model_from_folder(os.fspath(model))
         declared = getattr(meta, "_no_split_modules", None)
         return list(declared) if declared else list(detect_no_split(list(tree.tensors)))
     return []
@@ -76,6 +76,6 @@ def inventory_or_none(model: ModelLike) -> ModelInventory | None:
     if isinstance(model, (nn.Module, ModelInventory)):
         return ModelInventory.of(model)
     if isinstance(model, (str, os.PathLike)):
-        meta = meta_model_from_folder(model)
+        meta = meta_model_from_folder(os.fspath(model))
         return None if meta is None else ModelInventory.of(meta)
     return None

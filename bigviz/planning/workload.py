@@ -4,6 +4,7 @@ Example:
     >>> import torch
     >>> from bigviz.models import build
     >>> from bigviz.core.workload import Workload
+    >>> from bigviz.planning.models import as_tree
     >>> with torch.device("meta"):
     ...     model = build("gpt-tiny")
     >>> kv, act = workload_bytes(model, as_tree(model), Workload(1, 8))
@@ -23,7 +24,7 @@ from bigviz.core.tree import SizeTree
 from bigviz.core.workload import RunSpec, Workload
 from bigviz.modeling.inventory import ModelInventory
 from bigviz.modeling.workload import model_from_config, run_spec
-from bigviz.planning.models import ModelLike, as_tree
+from bigviz.planning.models import ModelLike
 
 __all__ = ["workload_bytes", "model_run_spec", "device_type"]
 
@@ -75,13 +76,15 @@ def _renamed(spec: RunSpec, tree: SizeTree) -> RunSpec:
     names = [*spec.caches, *spec.steps]
     if all(n in tree.nodes for n in names):
         return spec
-    mapping, missing = {}, []
+    mapping: dict[str, str] = {}
+    missing: list[str] = []
     for name in names:
         found = name if name in tree.nodes else next(
             (c for c in (name.partition(".")[2], *(f"{p}.{name}" for p in _top_levels(tree))) if c in tree.nodes), None)
         if found is None:
             missing.append(name)
-        mapping[name] = found
+        else:
+            mapping[name] = found
     if missing:
         raise ValueError(f"the checkpoint has no modules named like the model's layers ({', '.join(missing[:4])}"
                          f"{' ...' if len(missing) > 4 else ''}): give kv_cache= and activations= by module name")

@@ -74,7 +74,7 @@ def test_one_error_type_formats_every_problem_once():
     err = DeviceMapError("invalid device_map", [f"p{i}" for i in range(MAX_LINES + 3)], fix="Fix: it")
     text = str(err)
     assert text.startswith(f"invalid device_map ({MAX_LINES + 3} problems):\n  - p0\n")
-    assert f"  ... and 3 more (see err.problems)\nFix: it" in text and len(err.problems) == MAX_LINES + 3
+    assert "  ... and 3 more (see err.problems)\nFix: it" in text and len(err.problems) == MAX_LINES + 3
     assert isinstance(err, ValueError) and isinstance(err, BigvizError)
     one = PlanError("the model does not fit")
     assert str(one) == "the model does not fit" and one.problems == ["the model does not fit"]
