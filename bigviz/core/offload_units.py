@@ -264,11 +264,13 @@ def hook_module(tree: SizeTree, name: str, entry: str, rule: UnitRule, above: fr
     while hook != home and (hook in above or tree.nodes[hook].container):
         rest = home[len(hook) + 1:] if hook else home
         hook = join(hook, rest.split(".", 1)[0])
-    hook = _lift_to_readers(hook, home, rule.reads)
-    for candidate in reversed(list(ancestors(hook))):  # outermost preload ancestor wins
-        if candidate in tree.nodes and tree.nodes[candidate].class_name in rule.preload:
-            hook = candidate
-            break
+    if rule.reads:  # (most models have none: skip the walk up)
+        hook = _lift_to_readers(hook, home, rule.reads)
+    if rule.preload:
+        for candidate in reversed(list(ancestors(hook))):  # outermost preload ancestor wins
+            if candidate in tree.nodes and tree.nodes[candidate].class_name in rule.preload:
+                hook = candidate
+                break
     return rule.same_module.get(hook, hook)
 
 
