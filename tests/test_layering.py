@@ -2,6 +2,11 @@
 
     ui, engine, distributed  ->  planning  ->  checkpoint  ->  modeling  ->  core
     models: torch only.   cli, demo: anything.
+
+A module's layer is its folder (``bigviz/planning/chain.py`` is in ``planning``); the plans
+live low (``core/plan.py``, ``core/dispatch_plan.py`` pure; ``checkpoint/load_plan.py``), their
+entry points in ``planning``, their executors in ``checkpoint/loader.py`` and ``engine``.
+See docs/architecture.md.
 Heavy libraries stay out of ``import bigviz``: core never imports torch, plotly or
 ipywidgets; plotly and ipywidgets are imported only by ui.
 """
