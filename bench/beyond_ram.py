@@ -161,7 +161,7 @@ def disk_need(shape: Shape, *, accelerate: bool) -> int:
 
 
 def _size(text: str) -> int:
-    from bigviz.core.units import parse_size
+    from bigviz.core.sizes import parse_size
 
     return parse_size(text)
 
@@ -378,7 +378,7 @@ def compute_child(spec: dict[str, Any]) -> dict[str, Any]:
         block = Block(config, 0).eval()
         x = torch.randn(1, TOKENS, config.n_embd)
         block_s = _best(lambda: block(x))
-        del block
+        block = None  # its weights freed before the head is made
         head = torch.nn.Linear(config.n_embd, config.vocab_size, bias=False)
         head_s = _best(lambda: head(x))
     return {"block_s": block_s, "head_s": head_s}

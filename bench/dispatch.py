@@ -24,7 +24,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -73,37 +72,6 @@ def device_map(kind: str) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------- measurements
-def rss_anon() -> int:
-    """Anonymous resident bytes of this process (what can run a machine out of memory)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-class AnonPeak:
-    """Samples RssAnon every 2 ms in a thread; ``peak`` is the highest value seen."""
-
-    def __init__(self) -> None:
-        self.peak = rss_anon()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, rss_anon())
-
-    def __enter__(self) -> AnonPeak:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss_anon())
-
-
 def decode(model: Any, *, prompt: int, steps: int) -> tuple[list[float], list[int]]:
     """Greedy decode with the KV cache; per-step seconds and the tokens made."""
     import torch
@@ -152,14 +120,14 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     import bigviz
+    from bigviz.modeling.process_memory import PeakMemory
     from bigviz.models import GPT, GPTConfig
 
     torch.manual_seed(0)
     with bigviz.init_empty_weights():
         model = GPT(GPTConfig.preset(PRESET))
-    base = rss_anon()
     out: dict[str, Any] = {}
-    with AnonPeak() as peak:
+    with PeakMemory(("RssAnon",)) as peak:  # sampled every 2 ms
         start = time.perf_counter()
         model = _load(spec, model)
         out["dispatch_s"] = time.perf_counter() - start
@@ -172,7 +140,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             out["token_s"], out["token_median_s"] = min(times), statistics.median(times)
             out["tokens"] = tokens
             out["forward_s"] = min(forward_time(model, spec["forward_tokens"]) for _ in range(spec["repeats"]))
-    out["anon_above_base"] = peak.peak - base
+    out["anon_above_base"] = peak.above()["RssAnon"]
     return out
 
 

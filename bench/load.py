@@ -22,10 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -78,49 +76,16 @@ def warm_cache(folder: Path) -> float:
 
 
 # ---- one measured run (in a fresh process) --------------------------------------------------
-class Sampler(threading.Thread):
-    """Peak VmRSS and RssAnon of this process, sampled every ~5 ms."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.peak = {"VmRSS": 0, "RssAnon": 0}
-        self.running = True
-
-    @staticmethod
-    def read() -> dict[str, int]:
-        out = {}
-        with open("/proc/self/status") as f:
-            for line in f:
-                key = line.split(":", 1)[0]
-                if key in ("VmRSS", "RssAnon"):
-                    out[key] = int(line.split()[1]) * 1024
-        return out
-
-    def run(self) -> None:
-        while self.running:
-            self.sample()
-            time.sleep(0.005)
-
-    def sample(self) -> None:
-        for key, value in self.read().items():
-            self.peak[key] = max(self.peak[key], value)
-
-    def take(self) -> dict[str, int]:
-        """The peaks so far, then start a new window."""
-        self.sample()
-        peak, self.peak = self.peak, {"VmRSS": 0, "RssAnon": 0}
-        return peak
-
-
 def child(which: str, folder: Path) -> dict:
     import torch
+
+    from bigviz.modeling.process_memory import PeakMemory, max_rss  # peak VmRSS and RssAnon, sampled
 
     with meta_context():
         model = build_model()
     idx = torch.randint(0, 50257, (1, 16))
-    baseline = Sampler.read()
-    sampler = Sampler()
-    sampler.start()
+    sampler = PeakMemory(("VmRSS", "RssAnon"), interval=0.005).start()
+    baseline = sampler.base
     start = time.perf_counter()
     if which == "bigviz":
         from bigviz.checkpoint.load import load_checkpoint_in_model
@@ -135,9 +100,8 @@ def child(which: str, folder: Path) -> dict:
     logits = out[0] if isinstance(out, tuple) else out.logits
     first = time.perf_counter()
     total_peak = sampler.take()
-    sampler.running = False
-    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # lifetime peak
-    total_peak["VmRSS"] = max(total_peak["VmRSS"], load_peak["VmRSS"], max_rss)
+    sampler.stop()
+    total_peak["VmRSS"] = max(total_peak["VmRSS"], load_peak["VmRSS"], max_rss())  # the kernel's lifetime peak
     total_peak["RssAnon"] = max(total_peak["RssAnon"], load_peak["RssAnon"])
     assert torch.isfinite(logits).all()
     return {

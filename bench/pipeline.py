@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -59,7 +58,6 @@ def torchrun(*args: str) -> None:
 
 def naive_worker(checkpoint: str, out: str) -> None:
     """One rank of the usual way: the whole checkpoint in memory, then torch's tracer keeps a stage."""
-    import psutil
     import safetensors.torch
     import torch
     import torch.distributed as dist
@@ -67,12 +65,13 @@ def naive_worker(checkpoint: str, out: str) -> None:
 
     import bigviz
     from bigviz.distributed import empty_model
+    from bigviz.modeling.process_memory import max_rss, rss
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = empty_model(checkpoint)
     split = bigviz.plan_pipeline(model, 2).split_points[0]
-    before = psutil.Process().memory_info().rss
+    before = rss()
     state: dict[str, torch.Tensor] = {}
     for file in bigviz.CheckpointIndex.open(checkpoint).files:
         state.update(safetensors.torch.load_file(file))
@@ -85,7 +84,7 @@ def naive_worker(checkpoint: str, out: str) -> None:
     with torch.no_grad():
         logits = ScheduleGPipe(stage, 2).step(batch) if rank == 0 else ScheduleGPipe(stage, 2).step()
     report = {"rank": rank, "rss_before_load_bytes": before,
-              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+              "peak_rss_bytes": max_rss()}
     if rank == 1:
         report["logits"] = logits[:, -1].tolist()
     gathered = [None, None] if rank == 0 else None

@@ -17,7 +17,6 @@ Cases (issue 2):
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 import warnings
 

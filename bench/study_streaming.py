@@ -38,7 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from study_common import (CHECKPOINT, GiB, Clock, Region, drop, drop_all, gb, meminfo, note_load,  # noqa: E402
-                          run_all, shards, split_resident)
+                          shards, split_resident)
 
 from bigviz.checkpoint.probe import ALIGN, split_ranges  # noqa: E402
 

@@ -22,7 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bigviz  # noqa: E402
-from bigviz.core.units import device_label, format_size  # noqa: E402
+from bigviz.core.devices import device_label
+from bigviz.core.sizes import format_size  # noqa: E402
 from bigviz.modeling.memory import measure_generate  # noqa: E402
 from bigviz.models import build  # noqa: E402
 

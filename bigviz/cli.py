@@ -129,7 +129,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _run_lines(plan: object) -> str:
-    from bigviz.core.units import device_label, format_size
+    from bigviz.core.devices import device_label
+    from bigviz.core.sizes import format_size
 
     rows = [f"  {device_label(u.device):>7}: KV cache {format_size(u.kv_cache):>10}, activations "
             f"{format_size(u.activations):>10}" for u in plan.usage if u.kv_cache or u.activations]  # type: ignore[attr-defined]

@@ -25,7 +25,8 @@ import torch
 
 import bigviz
 from bigviz.core.serialize import write_json_atomic
-from bigviz.core.units import device_label, format_size
+from bigviz.core.devices import device_label
+from bigviz.core.sizes import format_size
 from bigviz.models import GPT, GPTConfig, Llama, LlamaConfig, decode_bytes, encode_bytes, tiny_gpt
 
 MARKER = "bigviz-demo.json"  # says "an earlier demo wrote this folder"
@@ -169,7 +170,7 @@ def _cost_lines(plan: bigviz.DevicePlan, prefill: int, held: dict[str, int], run
 
     ``prefill`` is the predicted activations of the prompt's prefill (the plan itself keeps
     room for the largest step it could run: a prefill of its whole context)."""
-    from bigviz.ui.presets import plan_cost
+    from bigviz.core.cost import plan_cost
 
     streamed = plan.offloaded_bytes()
     warm = plan_cost(streamed, main_device=plan.main_device, disk=WARM_SPEED)["seconds_per_forward"]

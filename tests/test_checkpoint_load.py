@@ -9,11 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-import bigviz.checkpoint.load as load_module
+import bigviz.checkpoint.loader as load_module
 from bigviz.checkpoint.errors import CheckpointError
 from bigviz.checkpoint.load import load_checkpoint_in_model, load_sharded_checkpoint
 from bigviz.checkpoint.save import save_sharded
 from bigviz.modeling.meta import init_empty_weights
+from bigviz.modeling.process_memory import rss_anon
 from bigviz.models import GPT, GPTConfig
 
 
@@ -196,23 +197,16 @@ def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
     return ranges
 
 
-def _rss_anon() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no RssAnon")
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
 def test_cpu_load_is_zero_copy_from_the_mapped_file(tmp_path: Path) -> None:
     state = {f"{i}.weight": torch.randn(1024, 1024) for i in range(16)}  # 64 MiB
     folder = save_sharded(state, tmp_path / "c", max_shard_size="20MB", progress=False)
     with torch.device("meta"):
         model = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(16)])
-    before = _rss_anon()
+    before = rss_anon()
     load_checkpoint_in_model(model, folder, progress=False)
     total = sum(m.weight.sum().item() for m in model)  # touch every byte
-    growth = _rss_anon() - before
+    growth = rss_anon() - before
     assert total == pytest.approx(sum(t.sum().item() for t in state.values()), rel=1e-4)
     assert growth < 16 * 2**20, f"anonymous memory grew {growth / 2**20:.0f} MiB for 64 MiB of weights"
     shard = folder / "model-00001-of-00004.safetensors"

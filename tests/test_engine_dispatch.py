@@ -17,7 +17,7 @@ from bigviz.checkpoint.save import save_sharded
 from bigviz.engine.big_modeling import load_checkpoint_and_dispatch
 from bigviz.engine.dispatch import dispatch_model
 from bigviz.engine.hooks import remove_hooks
-from bigviz.engine.offload import OffloadedTrainingError
+from bigviz.engine.offload_hooks import OffloadedTrainingError
 from bigviz.models import GPT, GPTConfig, Llama, LlamaConfig
 
 KINDS = ["all-cpu", "half-disk", "alternating", "all-disk"]
@@ -278,7 +278,7 @@ class UsesChildWeight(nn.Module):
         self.proj = nn.Linear(4, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        child = getattr(self, "proj")  # not a `self.proj.weight` chain: found only at run time
+        child = self.proj  # not a `self.proj.weight` chain: found only at run time
         return nn.functional.linear(x, child.weight, child.bias)
 
 

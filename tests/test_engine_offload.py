@@ -11,7 +11,7 @@ from torch import nn
 import bigviz
 from bigviz.engine.big_modeling import cpu_offload, cpu_offload_with_hook, disk_offload
 from bigviz.engine.hooks import remove_hooks
-from bigviz.engine.offload import CpuOffload
+from bigviz.engine.offload_hooks import CpuOffload
 from bigviz.models import GPT, GPTConfig
 
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from bigviz.engine.dispatch import dispatch_model
 from bigviz.engine.prefetch import CpuFetcher, FetchError, Scheduler
-from bigviz.engine.units import layout_model
+from bigviz.engine.binding import bound_units
 
 
 class RecordingWeights(Mapping[str, torch.Tensor]):
@@ -134,7 +134,7 @@ def test_a_synchronous_read_error_names_the_unit_too():
 
 def test_scheduler_keeps_at_most_two_fetches_ahead_and_closes():
     model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])
-    units = layout_model(model, {str(i): "disk" for i in range(4)}, main_device=torch.device("cpu")).units
+    units = bound_units(model, {str(i): "disk" for i in range(4)}, main_device="cpu")
     store = {k: v for k, v in model.state_dict().items()}
     for unit in units:
         unit.sources = dict.fromkeys(unit.slots, store)
@@ -148,7 +148,7 @@ def test_scheduler_keeps_at_most_two_fetches_ahead_and_closes():
 
 def test_a_failed_pass_does_not_fix_the_order():
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    units = layout_model(model, {"0": "disk", "1": "disk"}, main_device=torch.device("cpu")).units
+    units = bound_units(model, {"0": "disk", "1": "disk"}, main_device="cpu")
     for unit in units:
         unit.sources = dict.fromkeys(unit.slots, model.state_dict())
     with Scheduler(units, CpuFetcher(), prefetch=False) as scheduler:

@@ -2,6 +2,11 @@
 
     ui, engine, distributed  ->  planning  ->  checkpoint  ->  modeling  ->  core
     models: torch only.   cli, demo: anything.
+
+A module's layer is its folder (``bigviz/planning/chain.py`` is in ``planning``); the plans
+live low (``core/plan.py``, ``core/dispatch_plan.py`` pure; ``checkpoint/load_plan.py``), their
+entry points in ``planning``, their executors in ``checkpoint/loader.py`` and ``engine``.
+See docs/architecture.md.
 Heavy libraries stay out of ``import bigviz``: core never imports torch, plotly or
 ipywidgets; plotly and ipywidgets are imported only by ui.
 """
@@ -59,3 +64,32 @@ def test_import_bigviz_is_light():
             "print(','.join(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "", f"import bigviz pulled in: {out}"
+
+
+def test_every_public_name_resolves_to_its_home():
+    """Every lazy export of ``bigviz`` (accelerate's and transformers' names, the plans, the
+    Planner) imports from the module the table names, and ``bigviz.planning`` keeps its names."""
+    import importlib
+
+    import bigviz
+    import bigviz.planning
+
+    missing = [name for name in bigviz.__all__ if name != "__version__" and getattr(bigviz, name, None) is None]
+    assert not missing, f"bigviz exports names that do not resolve: {missing}"
+    for name, module in bigviz._EXPORTS.items():
+        assert getattr(importlib.import_module(module), name) is getattr(bigviz, name), name
+    for name in ("plan", "infer_auto_device_map", "check_device_map", "load_plan", "dispatch_plan", "max_context",
+                 "plan_pipeline", "resolve_model", "as_tree"):
+        assert callable(getattr(bigviz.planning, name)), name
+
+
+def test_docs_name_only_modules_that_exist():
+    """docs/architecture.md says where each concept lives: every module path it names exists."""
+    import re
+
+    text = (ROOT.parent / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"bigviz/[\w/]+\.py", text))
+    named |= {f"bigviz/{m}" for m in re.findall(r"`((?:core|modeling|checkpoint|planning|engine|ui)/\w+\.py)", text)}
+    assert len(named) > 30
+    missing = sorted(p for p in named if not (ROOT.parent / p).exists())
+    assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"

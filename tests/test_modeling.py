@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import json
 
-import psutil
 import pytest
 import torch
 import torch.nn as nn
 
 import bigviz
+from bigviz.modeling.process_memory import rss
 from bigviz.models import GPT, GPTConfig, Llama, LlamaConfig
 
 
@@ -25,12 +25,12 @@ class TiedNet(nn.Module):
 
 
 def test_seed_100b_model_builds_on_meta_without_memory():
-    rss = psutil.Process().memory_info().rss
+    before = rss()
     with bigviz.init_empty_weights():
         model = nn.Sequential(*[nn.Linear(10000, 10000) for _ in range(1000)])
     assert sum(p.numel() for p in model.parameters()) == 100_010_000_000
     assert all(p.device.type == "meta" for p in model.parameters())
-    assert psutil.Process().memory_info().rss - rss < 200 * 2**20
+    assert rss() - before < 200 * 2**20
 
 
 def test_ties_made_in_init_survive_meta_init():

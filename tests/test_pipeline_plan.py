@@ -14,7 +14,7 @@ from bigviz.core import stages as stages_module
 from bigviz.core.pipeline import PipelineError, PipelinePlan
 from bigviz.core.stages import cut_pipeline, make_pipeline_plan, pipeline_units, unit_flops
 from bigviz.core.tree import SizeTree, TensorSpec
-from bigviz.core.units import format_size
+from bigviz.core.sizes import format_size
 
 
 def lm(n_blocks: int, *, block: int = 100, emb: int = 300, head: int | None = None, tied: bool = True) -> SizeTree:

@@ -1,11 +1,11 @@
-"""The planner on tiny trees with hand-worked bytes: exact maps, reasons, strategies."""
+"""The planner on tiny trees with hand-worked bytes: exact maps, reasons, planner."""
 from __future__ import annotations
 
 import pytest
 
 from bigviz.core.plan import PlanOptions
-from bigviz.core import strategies
-from bigviz.core.strategies import PlanError, make_plan
+from bigviz.core import planner
+from bigviz.core.planner import PlanError, make_plan
 from bigviz.core.tree import SizeTree, TensorSpec
 
 KB = 1000
@@ -160,11 +160,11 @@ def test_decreasing_chain_of_8000_layers_looks_at_each_module_a_bounded_number_o
     specs = [TensorSpec(f"{i}.weight", 8000 - i, "float32") for i in range(8000)]
     tree = SizeTree.build(specs)
     calls = []
-    fit = strategies._fit
-    monkeypatch.setattr(strategies, "_fit", lambda *a, **k: calls.append(1) or fit(*a, **k))
+    fit = planner._fit
+    monkeypatch.setattr(planner, "_fit", lambda *a, **k: calls.append(1) or fit(*a, **k))
     plan = make_plan(tree, {0: tree.total("") // 3, "cpu": tree.total("") // 3})
     assert {p.device for p in plan.placements} == {0, "cpu", "disk"}
-    assert 0 < len(calls) <= strategies._MAX_PASSES * len(tree.nodes)
+    assert 0 < len(calls) <= planner._MAX_PASSES * len(tree.nodes)
 
 
 def test_plan_exports():

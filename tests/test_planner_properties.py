@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from bigviz.core.names import is_prefix
 from bigviz.core.plan import STRATEGIES, PlanOptions
-from bigviz.core.strategies import PlanError, make_plan
+from bigviz.core.planner import PlanError, make_plan
 from bigviz.core.tree import SizeTree, TensorSpec
 
 

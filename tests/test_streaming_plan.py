@@ -9,6 +9,7 @@ import pytest
 from torch import nn
 
 import bigviz.planning
+import bigviz.planning.device_plan
 from bigviz.core.streaming import DEFAULT_DEPTH, forward_estimate
 from bigviz.ui.planner import Planner
 
@@ -22,7 +23,7 @@ def _model(n: int = 8) -> nn.Module:
 @pytest.mark.parametrize("ram_layers, expected_layers", [(20, 20), (6, 6 - (DEFAULT_DEPTH + 1))])
 def test_the_default_cpu_budget_leaves_room_for_streamed_units(monkeypatch: pytest.MonkeyPatch, ram_layers: int,
                                                                expected_layers: int) -> None:
-    monkeypatch.setattr(bigviz.planning, "get_max_memory", lambda max_memory: {"cpu": ram_layers * LAYER})
+    monkeypatch.setattr(bigviz.planning.device_plan, "get_max_memory", lambda max_memory: {"cpu": ram_layers * LAYER})
     plan = bigviz.planning.plan(_model(), None)
     assert plan.max_memory["cpu"] == expected_layers * LAYER
     assert sum(p.nbytes for p in plan.placements if p.device == "cpu") == min(8, expected_layers) * LAYER

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import bigviz
-from bigviz.core.strategies import PlanError
+from bigviz.core.planner import PlanError
 from bigviz.ui.controls import CUSTOM
 from bigviz.ui.palette import device_color
 from bigviz.ui.planner import Planner
@@ -306,3 +306,19 @@ def test_load_and_dispatch_on_a_gpu_measures_its_memory(tmp_path, tiny_gpt):
     gpu = {r["device"]: r for r in planner.last_run.rows()}[0]
     assert gpu["planned"] == planner.plan.usage_of(0).used
     assert gpu["planned"] <= gpu["measured"] <= gpu["planned"] + total  # allocator rounding only
+
+
+def test_dispatch_tab_lists_the_units_a_dispatch_fetches_and_follows_the_sliders():
+    planner = _planner()
+    assert "Dispatch" in planner.widget.children[-1].titles  # a tab beside the placements
+    dispatch = planner.dispatch_plan
+    offloaded = [name for name, device in planner.device_map.items() if device == "cpu"]
+    assert [u.name for u in dispatch.units] == offloaded and all(u.storage == "cpu" for u in dispatch.units)
+    assert all(u.nbytes == LAYER for u in dispatch.units)  # one Linear per unit, weight + bias
+    # what the planner reserved on GPU 0 is what the dispatch holds: running + prefetched unit
+    assert planner.plan.usage_of(0).offload_reserve == dispatch.held_bytes()[0] == 2 * LAYER
+    text = planner.controls.dispatch.value
+    assert text.count("<code>") == len(offloaded) and f"<code>{offloaded[-1]}</code>" in text
+    assert "from CPU" in text and "fetch order" in text
+    planner.budget_sliders[0].value = 10 * LAYER / GiB  # everything fits: nothing streams
+    assert planner.dispatch_plan.units == () and "Nothing is offloaded" in planner.controls.dispatch.value

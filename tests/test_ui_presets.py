@@ -5,7 +5,7 @@ import pytest
 from torch import nn
 
 import bigviz
-from bigviz.core.units import UNLIMITED
+from bigviz.core.sizes import UNLIMITED
 from bigviz.ui.presets import (DISK_BANDWIDTH, HARDWARE_PRESETS, LINK_BANDWIDTH, cost_html, plan_cost,
                                preset_budgets)
 from bigviz.ui.state import PlannerState

@@ -67,8 +67,9 @@ def test_squarify_makes_squares_of_equal_values():
 
 def _plan():
     model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)) for _ in range(4)])
+    # the cpu keeps room to stage two disk units on their way to GPU 0: "2.0" is put there by hand
     plan = bigviz.plan(model, {0: 6 * LAYER, "cpu": 3 * LAYER, "disk": 10**6}, strategy="sequential",
-                       overrides={"3.1": 0})
+                       overrides={"3.1": 0, "2.0": "cpu"})
     assert {u.device for u in plan.usage if u.used} == {0, "cpu", "disk"}
     return plan
 

@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 import bigviz
-from bigviz.core.tree import FLOATING_DTYPES, SizeTree, TensorSpec
-from bigviz.core.strategies import make_plan
+from bigviz.core.dtypes import FLOATING_DTYPES
+from bigviz.core.tree import SizeTree, TensorSpec
+from bigviz.core.planner import make_plan
 from bigviz.core.plan import PlanOptions
 from bigviz.models import GPT, GPTConfig, Llama, LlamaConfig
 from bigviz.ui.palette import GPU_COLORS, OKABE_ITO, SPLIT_COLOR, device_color, legend_html

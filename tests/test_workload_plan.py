@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bigviz.core.plan import PlanOptions
-from bigviz.core.strategies import PlanError, make_plan
+from bigviz.core.planner import PlanError, make_plan
 from bigviz.core.tree import SizeTree, TensorSpec
 from bigviz.core.workload import (CacheSpec, RunSpec, StepSpec, Term, Workload, activation_bytes,
                                   kv_cache_bytes, longest_fit)
@@ -154,9 +154,9 @@ def test_balanced_spreads_weights_and_caches_together():
 def test_the_planner_stays_linear_with_a_workload():
     """Work counted, not timed: a bounded number of passes, each visiting every module a
     bounded number of times, whatever the model's length."""
-    from bigviz.core import strategies
+    from bigviz.core import planner
 
-    passes = strategies._MAX_PASSES + strategies._RUN_PASSES
+    passes = planner._MAX_PASSES + planner._RUN_PASSES
     for n in (100, 400, 1600):
         tree = _tree(n)
         visits = {"n": 0}

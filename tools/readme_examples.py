@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         text = make()
         if readme_block(name, readme) != text:
             stale.append(name)
-            readme = block_pattern(name).sub(lambda m: m.group(1) + text + "\n" + m.group(3), readme, count=1)
+            readme = block_pattern(name).sub(lambda m, text=text: m.group(1) + text + "\n" + m.group(3), readme, count=1)
     if stale and not args.check:
         README.write_text(readme, encoding="utf-8")
     print(("stale: " if args.check else "rewritten: ") + ", ".join(stale) if stale else "README examples up to date")

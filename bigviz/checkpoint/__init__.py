@@ -15,7 +15,7 @@ from bigviz.core.lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "CheckpointError": "bigviz.checkpoint.errors",
-    "OffloadFolderError": "bigviz.checkpoint.offload",
+    "OffloadFolderError": "bigviz.checkpoint.offload_folder",
     "CheckpointIndex": "bigviz.checkpoint.index",
     "TensorInfo": "bigviz.checkpoint.index",
     "LazyWeights": "bigviz.checkpoint.lazy",

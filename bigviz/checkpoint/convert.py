@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from bigviz.checkpoint.index import TensorInfo
+from bigviz.core.dtypes import tensor_nbytes
 
 __all__ = ["Conversion", "CheckpointView", "checkpoint_view", "run_conversion", "ConvertedWeights"]
 
@@ -141,7 +142,7 @@ def checkpoint_view(entries: Mapping[str, TensorInfo], rules: Sequence[Any] | No
         file = entries[conversion.sources[0]].file
         for target, shape in zip(conversion.targets, conversion.shapes):
             numel = _numel(shape)
-            view[target] = TensorInfo(target, conversion.dtype, shape, numel * _itemsize(conversion.dtype), file)
+            view[target] = TensorInfo(target, conversion.dtype, shape, tensor_nbytes(conversion.dtype, numel), file)
     return CheckpointView(view, tuple(renames + fused), source_of, tuple(problems))
 
 
@@ -261,7 +262,3 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def _itemsize(dtype: str) -> int:
-    return getattr(torch, dtype).itemsize

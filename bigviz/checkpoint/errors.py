@@ -1,4 +1,4 @@
-"""The one error type of the checkpoint layer, and a helper to raise it with every problem.
+"""The checkpoint layer's error: a `bigviz.core.errors.BigvizError` and a ``ValueError``.
 
 Checkpoint problems come in groups (three shards missing, forty keys renamed), so every check
 collects all of them first and raises once, each line saying where, what and how to fix it.
@@ -12,26 +12,22 @@ Example:
     cannot read checkpoint 'ckpt' (1 problem):
       - a.safetensors: header length 99 is beyond the file end (12 bytes)
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from bigviz.core.errors import BigvizError
+
 __all__ = ["CheckpointError", "raise_problems"]
 
-# Long lists (thousands of missing keys) are cut so the message stays readable.
-_MAX_LINES = 40
 
-
-class CheckpointError(ValueError):
+class CheckpointError(BigvizError, ValueError):
     """A checkpoint that cannot be read or does not fit the model.
 
     Attributes:
         problems: every problem found, one line each (the message may show fewer).
     """
-
-    def __init__(self, message: str, problems: Sequence[str] = ()) -> None:
-        super().__init__(message)
-        self.problems: list[str] = list(problems)
 
 
 def raise_problems(problems: Sequence[str], headline: str, *, fix: str = "") -> None:
@@ -45,13 +41,4 @@ def raise_problems(problems: Sequence[str], headline: str, *, fix: str = "") -> 
     Example:
         >>> raise_problems([], "fine")  # no problems: returns None
     """
-    if not problems:
-        return
-    count = f"{len(problems)} problem" + ("s" if len(problems) != 1 else "")
-    lines = [f"{headline} ({count}):"]
-    lines += [f"  - {p}" for p in problems[:_MAX_LINES]]
-    if len(problems) > _MAX_LINES:
-        lines.append(f"  ... and {len(problems) - _MAX_LINES} more (see err.problems)")
-    if fix:
-        lines.append(fix)
-    raise CheckpointError("\n".join(lines), problems)
+    CheckpointError.check(problems, headline, fix=fix)

@@ -24,6 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from bigviz.core.names import parent
+from bigviz.modeling.inventory import ModelInventory
+
 __all__ = ["is_transformers_model", "conversion_rules", "fp32_patterns", "initialise_computed",
            "meta_model_from_folder"]
 
@@ -78,7 +81,7 @@ def ignorable_missing(model: nn.Module) -> tuple[str, ...]:
     return tuple(getattr(model, "_keys_to_ignore_on_load_missing", None) or ())
 
 
-def initialise_computed(model: nn.Module, names: Iterable[str]) -> list[str]:
+def initialise_computed(inventory: ModelInventory, names: Iterable[str]) -> list[str]:
     """Compute tensors no checkpoint holds, as ``from_pretrained`` does: with the model's
     ``_init_weights`` (sinusoidal positions, rotary frequencies, a missing bias).
 
@@ -89,17 +92,17 @@ def initialise_computed(model: nn.Module, names: Iterable[str]) -> list[str]:
     Returns:
         The names that the model's ``_init_weights`` wrote (an empty list for other modules).
     """
+    model = inventory.model
     names = set(names)
     if not names or not is_transformers_model(model):
         return []
-    tensors = {**dict(model.named_parameters(remove_duplicate=False)),
-               **dict(model.named_buffers(remove_duplicate=False))}
+    tensors = {n: inventory.tensor(n) for n in inventory.slots}
     protect = {id(t): t for n, t in tensors.items() if n not in names}
     for n in names:
         protect.pop(id(tensors[n]), None)  # a tie: its other name is computed too
     flagged = [t for t in protect.values() if not getattr(t, "_is_hf_initialized", False)]
-    owners = {id(model.get_submodule(n.rpartition(".")[0])) for n in names}
-    modules = list(model.modules())
+    owners = {id(inventory.modules[parent(n)]) for n in names}
+    modules = list({id(m): m for m in inventory.modules.values()}.values())
     before = [m.__dict__.get("_is_hf_initialized", _UNSET) for m in modules]
     for t in flagged:
         t._is_hf_initialized = True

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bigviz.checkpoint.errors import CheckpointError, raise_problems
-from bigviz.checkpoint.layout import MISSING_FIX, Layout, find_layout, missing_problems
+from bigviz.checkpoint.files import MISSING_FIX, CheckpointFiles, find_files, missing_problems
 from bigviz.checkpoint.safetensors_io import check_header, file_stamp
 
 if TYPE_CHECKING:
@@ -75,12 +75,12 @@ class CheckpointIndex:
         metadata: the index's ``metadata`` (or a single safetensors file's ``__metadata__``).
     """
 
-    def __init__(self, layout: Layout, entries: dict[str, TensorInfo],
+    def __init__(self, files: CheckpointFiles, entries: dict[str, TensorInfo],
                  metadata: dict, torch_states: dict[Path, dict[str, torch.Tensor]],
                  stamps: dict[Path, tuple[int, ...]] | None = None) -> None:
-        self.path: Path = layout.path
-        self.format: str = layout.format
-        self.files: list[Path] = list(layout.files)
+        self.path: Path = files.path
+        self.format: str = files.format
+        self.files: list[Path] = list(files.files)
         self.entries: dict[str, TensorInfo] = entries
         self.metadata: dict = metadata
         self.stamps: dict[Path, tuple[int, ...]] = dict(stamps or {})  # each file as it was read
@@ -88,7 +88,7 @@ class CheckpointIndex:
 
     @classmethod
     def open(cls, path: str | Path | CheckpointIndex, *, prefer_safe: bool = True) -> CheckpointIndex:
-        """Open a checkpoint file, index file or folder (see `bigviz.checkpoint.layout`).
+        """Open a checkpoint file, index file or folder (see `bigviz.checkpoint.files`).
 
         Args:
             path: a ``.safetensors``/``.bin``/``.pt``/``.pth`` file, an index ``.json``, a
@@ -106,17 +106,17 @@ class CheckpointIndex:
         if isinstance(path, CheckpointIndex):
             return path
         # missing shards are reported with the other shards' problems, in one error
-        layout = find_layout(path, prefer_safe=prefer_safe, check_files=False)
+        files = find_files(path, prefer_safe=prefer_safe, check_files=False)
         stamps: dict[Path, tuple[int, ...]] = {}
-        if layout.format == "safetensors":
-            per_file, file_metadata = _read_safetensors(layout, stamps)
-            metadata, states = dict(layout.metadata), {}
-            if layout.weight_map is None:  # a single file: its header's __metadata__
-                metadata = file_metadata[layout.files[0]]
+        if files.format == "safetensors":
+            per_file, file_metadata = _read_safetensors(files, stamps)
+            metadata, states = dict(files.metadata), {}
+            if files.weight_map is None:  # a single file: its header's __metadata__
+                metadata = file_metadata[files.files[0]]
         else:
-            per_file, states = _read_torch(layout, stamps)
-            metadata = dict(layout.metadata)
-        return cls(layout, _select(layout, per_file), metadata, states, stamps)
+            per_file, states = _read_torch(files, stamps)
+            metadata = dict(files.metadata)
+        return cls(files, _select(files, per_file), metadata, states, stamps)
 
     @property
     def total_bytes(self) -> int:
@@ -171,12 +171,12 @@ class CheckpointIndex:
                 f"tensors={len(self)}, files={len(self.files)}, bytes={self.total_bytes})")
 
 
-def _read_safetensors(layout: Layout, stamps: dict[Path, tuple[int, ...]]
+def _read_safetensors(files: CheckpointFiles, stamps: dict[Path, tuple[int, ...]]
                       ) -> tuple[dict[Path, dict[str, TensorInfo]], dict[Path, dict]]:
     problems: list[str] = []
     per_file: dict[Path, dict[str, TensorInfo]] = {}
     metadata: dict[Path, dict] = {}
-    for file in layout.files:
+    for file in files.files:
         header, found = check_header(file)
         problems += found
         if header is not None:
@@ -187,31 +187,31 @@ def _read_safetensors(layout: Layout, stamps: dict[Path, tuple[int, ...]]
                 name: TensorInfo(name, e.dtype, e.shape, e.end - e.begin, file, (e.begin, e.end))
                 for name, e in header.tensors.items()
             }
-    _raise_file_problems(layout, problems, fix=_CORRUPT_FIX)
+    _raise_file_problems(files, problems, fix=_CORRUPT_FIX)
     return per_file, metadata
 
 
 _CORRUPT_FIX = "the listed files are truncated or corrupt: re-download them or save the model again"
 
 
-def _raise_file_problems(layout: Layout, problems: list[str], *, fix: str = "") -> None:
+def _raise_file_problems(files: CheckpointFiles, problems: list[str], *, fix: str = "") -> None:
     """One error for every missing, truncated and corrupt file of the checkpoint."""
     if not problems:
-        raise_problems(missing_problems(layout.missing), f"incomplete checkpoint '{layout.path.parent}'",
+        raise_problems(missing_problems(files.missing), f"incomplete checkpoint '{files.path.parent}'",
                        fix=MISSING_FIX)
         return
-    fixes = [f for f in ((MISSING_FIX if layout.missing else ""), fix) if f]
-    raise_problems(missing_problems(layout.missing) + problems, f"cannot read checkpoint '{layout.path}'",
+    fixes = [f for f in ((MISSING_FIX if files.missing else ""), fix) if f]
+    raise_problems(missing_problems(files.missing) + problems, f"cannot read checkpoint '{files.path}'",
                    fix="; ".join(fixes))
 
 
-def _read_torch(layout: Layout, stamps: dict[Path, tuple[int, ...]]) -> tuple[dict[Path, dict[str, TensorInfo]], dict]:
+def _read_torch(files: CheckpointFiles, stamps: dict[Path, tuple[int, ...]]) -> tuple[dict[Path, dict[str, TensorInfo]], dict]:
     from bigviz.checkpoint.torch_io import load_torch_file
 
     problems: list[str] = []
     per_file: dict[Path, dict[str, TensorInfo]] = {}
     states: dict[Path, dict[str, torch.Tensor]] = {}
-    for file in layout.files:
+    for file in files.files:
         with contextlib.suppress(OSError):  # a missing file is reported by the load below
             stamps[file] = file_stamp(os.stat(file))  # before torch maps it
         try:
@@ -224,23 +224,23 @@ def _read_torch(layout: Layout, stamps: dict[Path, tuple[int, ...]]) -> tuple[di
                              t.numel() * t.element_size(), file)
             for name, t in states[file].items()
         }
-    _raise_file_problems(layout, problems)
+    _raise_file_problems(files, problems)
     return per_file, states
 
 
-def _select(layout: Layout, per_file: dict[Path, dict[str, TensorInfo]]) -> dict[str, TensorInfo]:
+def _select(files: CheckpointFiles, per_file: dict[Path, dict[str, TensorInfo]]) -> dict[str, TensorInfo]:
     """The entries the index names (all of them for a single file), checking each is there."""
-    if layout.weight_map is None:
-        return dict(per_file[layout.files[0]])
+    if files.weight_map is None:
+        return dict(per_file[files.files[0]])
     problems: list[str] = []
     entries: dict[str, TensorInfo] = {}
     for file, infos in per_file.items():  # file order, then the file's own order
         for name, info in infos.items():
-            if layout.weight_map.get(name) == file:
+            if files.weight_map.get(name) == file:
                 entries[name] = info
-    for name, file in layout.weight_map.items():
+    for name, file in files.weight_map.items():
         if name not in entries:
-            problems.append(f"{layout.path}: says {name!r} is in {file.name}, which does not hold it")
-    raise_problems(problems, f"inconsistent checkpoint '{layout.path.parent}'",
+            problems.append(f"{files.path}: says {name!r} is in {file.name}, which does not hold it")
+    raise_problems(problems, f"inconsistent checkpoint '{files.path.parent}'",
                    fix="the index does not match its shards: re-download the checkpoint or save it again")
     return entries

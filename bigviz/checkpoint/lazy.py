@@ -40,7 +40,7 @@ import torch
 
 from bigviz.checkpoint.errors import raise_problems
 from bigviz.checkpoint.index import CheckpointIndex, TensorInfo
-from bigviz.checkpoint.match import module_matches
+from bigviz.checkpoint.load_plan import module_matches
 from bigviz.checkpoint.safetensors_io import file_stamp
 
 __all__ = ["LazyWeights", "WeightStores", "map_file"]

@@ -1,13 +1,17 @@
-"""Load a checkpoint into a model: checked first, then tensor by tensor, never half loaded.
+"""Load a checkpoint into a model: planned and checked first, then executed, never half loaded.
 
-`load_checkpoint_in_model` opens the checkpoint's headers, matches every key to a model
-tensor (prefixes, ties, non-persistent buffers) and checks shapes and devices, all before
-reading a byte of tensor data; one error lists every problem and the model is left as it
-was. Then each tensor goes straight to its device: safetensors on the CPU with no dtype
-change become zero-copy views of the memory-mapped files (no read, no anonymous memory);
-tensors mapped to ``"disk"`` are not materialised at all (they stay on meta and come back
-as `LazyWeights` over the original files). Should anything fail midway, every tensor is put
-back as it was.
+`load_checkpoint_in_model` opens the checkpoint's headers and makes a `LoadPlan` (see
+:mod:`bigviz.checkpoint.load_plan`): every key matched to a model tensor (prefixes, ties,
+non-persistent buffers, transformers' renames and fused experts), every tensor's file, bytes,
+dtype and device, all before reading a byte of tensor data; one error lists every problem and
+the model is left as it was. :mod:`bigviz.checkpoint.loader` then executes the plan: each
+tensor goes straight to its device; safetensors on the CPU with no dtype change become
+zero-copy views of the memory-mapped files (no read, no anonymous memory); tensors mapped to
+``"disk"`` are not materialised at all (they stay on meta and come back as `LazyWeights` over
+the original files). Should anything fail midway, every tensor is put back as it was.
+
+Every function here takes a model or its `~bigviz.modeling.inventory.ModelInventory`, so a
+call that has one (``load_checkpoint_and_dispatch``) walks the model once.
 
 Example:
     >>> import tempfile, torch, pathlib
@@ -22,6 +26,7 @@ Example:
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -30,17 +35,20 @@ from typing import NamedTuple
 import torch
 
 from bigviz.checkpoint import hf
-from bigviz.checkpoint.convert import CheckpointView, Conversion, ConvertedWeights, checkpoint_view
-from bigviz.checkpoint.devices import device_of
+from bigviz.checkpoint.convert import CheckpointView, Conversion, checkpoint_view
 from bigviz.checkpoint.index import CheckpointIndex
-from bigviz.checkpoint.lazy import LazyWeights, WeightStores
-from bigviz.checkpoint.match import LoadOptions, LoadPlan, TensorLoad, check_plan, match_checkpoint, resolve_view
-from bigviz.checkpoint.model_tensors import ModelTensor, describe_model, tie_model
-from bigviz.checkpoint.offload import offload_problems, write_offload_folder
+from bigviz.checkpoint.load_plan import (LoadOptions, LoadPlan, TensorLoad, check_plan, load_device, locate,
+                                         match_checkpoint, resolve_view)
+from bigviz.checkpoint.loader import execute_load
+from bigviz.checkpoint.offload_folder import offload_problems
 from bigviz.core.devicemap import check_keys
+from bigviz.core.devices import execution_device, torch_name
+from bigviz.modeling.inventory import ModelInventory, tie_model
 
 __all__ = ["LoadResult", "load_checkpoint_in_model", "load_sharded_checkpoint", "check_checkpoint",
-           "checkpoint_dtypes", "device_map_in_model_names"]
+           "plan_load", "execute_load_plan", "inventory_of", "checkpoint_view_of"]
+
+ModelOrInventory = torch.nn.Module | ModelInventory
 
 
 @dataclass
@@ -107,7 +115,7 @@ class IncompatibleKeys(NamedTuple):
 
 
 def load_checkpoint_in_model(
-    model: torch.nn.Module,
+    model: ModelOrInventory,
     checkpoint: str | Path | CheckpointIndex,
     device_map: Mapping[str, int | str | torch.device] | None = None,
     *,
@@ -162,13 +170,80 @@ def load_checkpoint_in_model(
         >>> result.renamed_prefix, result.prefix_action, model.weight.dtype
         ('net.', 'stripped', torch.float16)
     """
+    index, plan = plan_load(model, checkpoint, device_map, dtype=dtype, offload_folder=offload_folder,
+                            strict=strict, keep_in_fp32_modules=keep_in_fp32_modules, key_mapping=key_mapping)
+    return execute_load_plan(inventory_of(model), index, plan, progress=progress, inplace=False)
+
+
+def plan_load(model: ModelOrInventory, checkpoint: str | Path | CheckpointIndex,
+              device_map: object = None, *, dtype: torch.dtype | str | None = None,
+              offload_folder: str | Path | None = None, strict: bool = True,
+              keep_in_fp32_modules: Sequence[str] | None = None, key_mapping: Mapping[str, str] | None = None,
+              check: bool = True) -> tuple[CheckpointIndex, LoadPlan]:
+    """The checkpoint's index and the `LoadPlan` of loading it into ``model`` (headers only:
+    nothing is read); checked unless ``check=False``. Arguments as for
+    `load_checkpoint_in_model`.
+
+    Raises:
+        CheckpointError: (with ``check``) listing every problem that forbids the load.
+
+    Example:
+        >>> import tempfile, torch, pathlib
+        >>> from bigviz.checkpoint.save import save_sharded
+        >>> folder = save_sharded(torch.nn.Linear(2, 2).half(), pathlib.Path(tempfile.mkdtemp()) / "c",
+        ...                       progress=False)
+        >>> with torch.device("meta"):
+        ...     model = torch.nn.Linear(2, 2)
+        >>> _, plan = plan_load(model, folder, {"": "disk"})
+        >>> [(t.name, t.device, t.source_dtype, t.in_place) for t in plan.loads]
+        [('weight', 'disk', 'float16', True), ('bias', 'disk', 'float16', True)]
+    """
     index = CheckpointIndex.open(checkpoint)
-    options = _options(model, index, device_map=device_map, dtype=dtype, strict=strict,
+    inventory = inventory_of(model)
+    options = _options(inventory.model, index, device_map=device_map, dtype=dtype, strict=strict,
                        offload_folder=offload_folder, keep_in_fp32_modules=keep_in_fp32_modules)
-    return _load(model, index, options, progress=progress, inplace=False, key_mapping=key_mapping)
+    plan = _plan(inventory, index, options, key_mapping)
+    if check:
+        check_plan(plan, strict=strict, where=f"'{index.path}' into {type(inventory.model).__name__}")
+    return index, plan
 
 
-def check_checkpoint(model: torch.nn.Module, checkpoint: str | Path | CheckpointIndex, *,
+def inventory_of(model: ModelOrInventory) -> ModelInventory:
+    """The model's inventory, made after letting it make the ties it declares (a
+    transformers model on meta ties ``lm_head.weight`` in ``tie_weights()``); an inventory
+    is returned as it is (whoever made it tied the model first)."""
+    if isinstance(model, ModelInventory):
+        return model
+    tie_model(model)
+    return ModelInventory.of(model)
+
+
+def _plan(inventory: ModelInventory, index: CheckpointIndex, options: LoadOptions,
+          key_mapping: Mapping[str, str] | None) -> LoadPlan:
+    view = checkpoint_view_of(inventory, index, key_mapping)
+    plan = resolve_view(match_checkpoint(inventory.tensors, view.entries, options), view)
+    plan = locate(plan, index.entries, format=index.format)
+    disk = [load for load in plan.loads if load.device == "disk"]
+    problems = tuple(view.problems) + tuple(_disk_problems(index, disk, options))
+    return replace(plan, device_problems=plan.device_problems + problems, checkpoint=str(index.path),
+                   computed=tuple(_computed(inventory, plan, options)), offload_folder=options.offload_folder)
+
+
+def execute_load_plan(inventory: ModelInventory, index: CheckpointIndex, plan: LoadPlan, *,
+                      progress: bool = True, inplace: bool = False) -> LoadResult:
+    """Execute a checked `LoadPlan` (see :func:`bigviz.checkpoint.loader.execute_load`) and
+    say what it did."""
+    done = execute_load(inventory, index, plan, progress=progress, inplace=inplace)
+    return LoadResult(
+        loaded=[load.name for load in plan.loads if load.device != "disk"],
+        ignored=list(plan.ignored), missing=list(plan.missing), unexpected=list(plan.unexpected),
+        renamed_prefix=plan.prefix, prefix_action=plan.prefix_action,
+        filled_by_tie=list(plan.filled_by_tie), disk=done.disk(), offload_folder=done.folder,
+        bytes_loaded=done.nbytes, conversions=list(plan.conversions), computed=[c.name for c in plan.computed],
+    )
+
+
+def check_checkpoint(model: ModelOrInventory, checkpoint: str | Path | CheckpointIndex, *,
                      strict: bool = True) -> LoadPlan:
     """Match ``checkpoint`` to ``model`` and check it, from headers alone: nothing is loaded.
 
@@ -191,13 +266,7 @@ def check_checkpoint(model: torch.nn.Module, checkpoint: str | Path | Checkpoint
           - shape mismatch: weight: checkpoint 'weight' has shape [2, 2], the model [3, 2]
         ...
     """
-    index = CheckpointIndex.open(checkpoint)
-    tie_model(model)
-    tensors = describe_model(model)
-    view = _view(model, index, tensors, None)
-    plan = resolve_view(match_checkpoint(tensors, view.entries, _options(model, index, strict=strict)), view)
-    check_plan(plan, strict=strict, where=f"'{index.path}' into {type(model).__name__}")
-    return plan
+    return plan_load(model, checkpoint, strict=strict)[1]
 
 
 def _options(model: torch.nn.Module, index: CheckpointIndex, *, device_map: object = None,
@@ -265,8 +334,11 @@ def load_sharded_checkpoint(model: torch.nn.Module, folder: str | Path, strict: 
         (IncompatibleKeys(missing_keys=[], unexpected_keys=[]), True)
     """
     index = CheckpointIndex.open(folder, prefer_safe=prefer_safe)
+    inventory = inventory_of(model)
     options = LoadOptions(strict=strict, can_map_disk=index.format == "safetensors")
-    result = _load(model, index, options, progress=False, inplace=True)
+    plan = _plan(inventory, index, options, None)
+    check_plan(plan, strict=strict, where=f"'{index.path}' into {type(model).__name__}")
+    result = execute_load_plan(inventory, index, plan, progress=False, inplace=True)
     return IncompatibleKeys(result.missing, result.unexpected)
 
 
@@ -283,118 +355,18 @@ def _as_device_map(device_map: object) -> Mapping[str, int | str | torch.device]
                     f"{device_map!r}; for 'auto' use bigviz.infer_auto_device_map first")
 
 
-def _load(model: torch.nn.Module, index: CheckpointIndex, options: LoadOptions, *,
-          progress: bool, inplace: bool, key_mapping: Mapping[str, str] | None = None) -> LoadResult:
-    tie_model(model)
-    tensors = describe_model(model)
-    view = _view(model, index, tensors, key_mapping)
-    plan = resolve_view(match_checkpoint(tensors, view.entries, options), view)
-    disk = [load for load in plan.loads if load.device == "disk"]
-    plan = _with_problems(plan, list(view.problems) + _disk_problems(index, disk, options))
-    check_plan(plan, strict=options.strict, where=f"'{index.path}' into {type(model).__name__}")
-    computed = _computed(model, tensors, plan, options)
-    slots = _Slots(model, [*plan.loads, *computed])
-    stores: list[Mapping[str, torch.Tensor]] = []
-    try:
-        nbytes = _materialise(slots, index, plan, progress=progress, inplace=inplace, model=model)
-        folder = _disk_weights(index, disk, options, model, stores)
-        _leave_on_meta(slots, disk)
-        stores += _compute(model, slots, computed)
-    except BaseException:
-        slots.restore()  # the model is as it was; the files opened so far are closed
-        WeightStores(stores).close()
-        raise
-    return LoadResult(
-        loaded=[load.name for load in plan.loads if load.device != "disk"],
-        ignored=list(plan.ignored), missing=list(plan.missing), unexpected=list(plan.unexpected),
-        renamed_prefix=plan.prefix, prefix_action=plan.prefix_action,
-        filled_by_tie=list(plan.filled_by_tie), disk=_one_store(stores), offload_folder=folder,
-        bytes_loaded=nbytes, conversions=list(plan.conversions), computed=[c.name for c in computed],
-    )
-
-
-def checkpoint_dtypes(model: torch.nn.Module, index: CheckpointIndex) -> dict[str, str]:
-    """Model tensor name -> the dtype the checkpoint stores it in (after conversions), for
-    every name the checkpoint fills, tied names included; headers only, nothing is loaded.
-
-    Example:
-        >>> import tempfile, torch, pathlib
-        >>> from bigviz.checkpoint.save import save_sharded
-        >>> folder = save_sharded(torch.nn.Linear(2, 2).half(), pathlib.Path(tempfile.mkdtemp()) / "c",
-        ...                       progress=False)
-        >>> with torch.device("meta"):
-        ...     model = torch.nn.Linear(2, 2)
-        >>> checkpoint_dtypes(model, CheckpointIndex.open(folder))
-        {'weight': 'float16', 'bias': 'float16'}
-    """
-    tie_model(model)
-    tensors = describe_model(model)
-    view = _view(model, index, tensors, None)
-    plan = match_checkpoint(tensors, view.entries, LoadOptions(strict=False))
-    return {alias: view.entries[load.key].dtype for load in plan.loads for alias in load.aliases}
-
-
-def device_map_in_model_names(model: torch.nn.Module, checkpoint: str | Path | CheckpointIndex,
-                              device_map: Mapping[str, object]) -> dict[str, object]:
-    """``device_map`` with keys that name checkpoint modules the model does not have (a map
-    planned from headers alone: ``embed_out`` where the model has ``lm_head``, a base-model
-    prefix) replaced by the model tensors those checkpoint keys load into.
-
-    Keys naming a module or tensor of the model are kept as they are; a key naming neither
-    the model nor the checkpoint is kept too (the map check reports it).
-
-    Example:
-        >>> import tempfile, torch, pathlib
-        >>> from bigviz.checkpoint.save import save_sharded
-        >>> folder = save_sharded({"net.weight": torch.ones(2, 2)}, pathlib.Path(tempfile.mkdtemp()) / "c",
-        ...                       progress=False)
-        >>> with torch.device("meta"):
-        ...     model = torch.nn.Linear(2, 2, bias=False)
-        >>> device_map_in_model_names(model, folder, {"net": "cpu"})
-        {'weight': 'cpu'}
-    """
-    from bigviz.core.names import owner
-
-    names = {n for n, _ in model.named_modules()} | {a for t in describe_model(model) for a in t.aliases}
-    foreign = {k for k in device_map if k not in names}
-    if not foreign:
-        return dict(device_map)
-    index = CheckpointIndex.open(checkpoint)
-    tie_model(model)
-    tensors = describe_model(model)
-    view = _view(model, index, tensors, None)
-    plan = resolve_view(match_checkpoint(tensors, view.entries, LoadOptions(strict=False)), view)
-    hits: dict[str, dict[str, None]] = {}  # foreign key -> the model names its checkpoint keys fill
-    for load in plan.loads:
-        for key in load.conversion.sources if _is_fused(load) else (load.key,):  # type: ignore[union-attr]
-            entry = owner(key, foreign)  # the longest foreign key over it wins, as in any map
-            if entry is not None:
-                hits.setdefault(entry, {}).update(dict.fromkeys(load.aliases))
-    out: dict[str, object] = {}
-    for key, device in device_map.items():
-        if key in hits:
-            out.update(dict.fromkeys(hits[key], device))
-        else:
-            out[key] = device
-    return out
-
-
-def _view(model: torch.nn.Module, index: CheckpointIndex, tensors: Sequence[ModelTensor],
-          key_mapping: Mapping[str, str] | None) -> CheckpointView:
+def checkpoint_view_of(inventory: ModelInventory, index: CheckpointIndex, key_mapping: Mapping[str, str] | None) -> CheckpointView:
     """The checkpoint as the model sees it, after transformers' conversions (if any apply)."""
+    model = inventory.model
     rules = hf.conversion_rules(model, key_mapping)
-    names = [a for t in tensors for a in t.aliases]
+    names = list(inventory.slots)
     prefix = getattr(model, "base_model_prefix", "") or ""
     return checkpoint_view(index.entries, rules, model_names=names, base_model_prefix=prefix, model=model)
 
 
-def _with_problems(plan: LoadPlan, problems: list[str]) -> LoadPlan:
-    return replace(plan, device_problems=plan.device_problems + tuple(problems))
-
-
 def _disk_problems(index: CheckpointIndex, disk: list[TensorLoad], options: LoadOptions) -> list[str]:
     """Disk tensors that cannot be read in place need an offload folder to be written to once."""
-    fused = [load.name for load in disk if _is_fused(load)]
+    fused = [load.name for load in disk if load.fused]
     if not fused and (not disk or index.format == "safetensors"):
         return []
     problems = offload_problems(options.offload_folder)
@@ -405,98 +377,23 @@ def _disk_problems(index: CheckpointIndex, disk: list[TensorLoad], options: Load
     return problems
 
 
-def _is_fused(load: TensorLoad) -> bool:
-    return load.conversion is not None and not load.conversion.is_rename
-
-
-def _materialise(slots: _Slots, index: CheckpointIndex, plan: LoadPlan, *,
-                 progress: bool, inplace: bool, model: torch.nn.Module) -> int:
-    from tqdm.auto import tqdm
-
-    todo = [load for load in plan.loads if load.device != "disk"]
-    plain = [load for load in todo if not _is_fused(load)]
-    sources = {key for load in todo if _is_fused(load) for key in load.conversion.sources}  # type: ignore[union-attr]
-    names = {load.name: load.key for load in plain} | {key: key for key in sources}
-    nbytes = 0
-    with LazyWeights(index, names) as weights, \
-            tqdm(total=sum(load.nbytes for load in todo), unit="B", unit_scale=True, desc="loading",
-                 disable=not progress) as bar:
-        for load in plain:
-            nbytes += slots.fill(load, _convert(weights[load.name], load), inplace=inplace)
-            bar.update(load.nbytes)
-        fused = [load for load in todo if _is_fused(load)]
-        converted = ConvertedWeights([load.conversion for load in fused], weights.__getitem__,  # type: ignore[misc]
-                                     dtypes={load.name: load.dtype for load in fused}, model=model)
-        for load in fused:
-            nbytes += slots.fill(load, converted[load.name].to(load.device), inplace=inplace)
-            bar.update(load.nbytes)
-    return nbytes
-
-
-def _convert(tensor: torch.Tensor, load: TensorLoad) -> torch.Tensor:
-    """Move and cast, narrowing before a device copy and widening after (fewer bytes moved)."""
-    if tensor.dtype == load.dtype or not tensor.is_floating_point():
-        return tensor.to(load.device)
-    if tensor.element_size() > load.dtype.itemsize:
-        return tensor.to(load.dtype).to(load.device)
-    return tensor.to(load.device).to(load.dtype)
-
-
-def _disk_weights(index: CheckpointIndex, disk: list[TensorLoad], options: LoadOptions,
-                  model: torch.nn.Module, stores: list[Mapping[str, torch.Tensor]]) -> Path | None:
-    """Add to ``stores`` the disk tensors' sources: the safetensors files themselves (plain and
-    renamed keys, read in place), and a one-time safetensors copy in ``offload_folder`` of what
-    cannot be read in place (other formats, fused tensors); returns that folder, if written.
-    Each tensor comes back in its load dtype."""
-    in_place = [load for load in disk if not _is_fused(load) and index.format == "safetensors"]
-    written = [load for load in disk if load not in in_place]
-    if in_place:
-        names = {alias: load.key for load in in_place for alias in load.aliases}
-        dtypes = {alias: load.dtype for load in in_place for alias in load.aliases}
-        stores.append(LazyWeights(index, names, dtypes=dtypes))
-    if not written:
-        return None
-    assert options.offload_folder is not None  # checked before loading
-    folder = Path(options.offload_folder)
-    plain = [load for load in written if not _is_fused(load)]
-    fused = [load for load in written if _is_fused(load)]
-    sources = {key for load in fused for key in load.conversion.sources}  # type: ignore[union-attr]
-    with LazyWeights(index, {load.name: load.key for load in plain} | {k: k for k in sources}) as weights:
-        converted = ConvertedWeights([load.conversion for load in fused], weights.__getitem__,  # type: ignore[misc]
-                                     dtypes={load.name: load.dtype for load in fused}, model=model)
-        source = WeightStores([{load.name: weights[load.name] for load in plain}, converted])
-        written_index = write_offload_folder(source, folder)
-    names = {alias: load.name for load in written for alias in load.aliases}
-    dtypes = {alias: load.dtype for load in written for alias in load.aliases}
-    stores.append(LazyWeights(CheckpointIndex.open(written_index), names, dtypes=dtypes))
-    return folder
-
-
-def _leave_on_meta(slots: _Slots, disk: list[TensorLoad]) -> None:
-    """Disk tensors stay on meta in the model, in the dtype they load in (so the engine casts
-    what it fetches to that dtype, and the model reports it)."""
-    for load in disk:
-        old = slots.current(load.name)
-        if not old.is_meta or old.dtype != load.dtype:
-            slots.fill(load, torch.empty(old.shape, dtype=load.dtype, device="meta"), inplace=False)
-
-
-def _computed(model: torch.nn.Module, tensors: Sequence[ModelTensor], plan: LoadPlan,
-              options: LoadOptions) -> list[TensorLoad]:
+def _computed(inventory: ModelInventory, plan: LoadPlan, options: LoadOptions) -> list[TensorLoad]:
     """Tensors on meta that no checkpoint key fills but the model computes itself, as
     ``from_pretrained`` does: non-persistent buffers, keys the class ignores when missing, and
     (with ``strict=False``) missing keys (initialised as transformers initialises them)."""
-    if not hf.is_transformers_model(model):
+    if not hf.is_transformers_model(inventory.model):
         return []
     loaded = {a for load in plan.loads for a in load.aliases}
     missing = set(plan.missing) if not options.strict else set()
     out = []
-    for t in tensors:
+    for t in inventory.tensors:
         if not t.is_meta or any(a in loaded for a in t.aliases):
             continue
         ignorable = any(_search(a, options.ignore_missing) for a in t.aliases)
         if not t.persistent or ignorable or any(a in missing for a in t.aliases):
-            device = device_of(t.name, options.device_map) or _main_device(options.device_map)
+            # what no key covers runs where offloaded modules run (one rule: bigviz.core.devices)
+            device = load_device(t.name, options.device_map) or torch_name(
+                execution_device((options.device_map or {}).values()))
             dtype = t.dtype
             if t.kind == "param" and t.dtype.is_floating_point and options.dtype is not None:
                 dtype = options.dtype
@@ -505,85 +402,4 @@ def _computed(model: torch.nn.Module, tensors: Sequence[ModelTensor], plan: Load
 
 
 def _search(name: str, patterns: Sequence[str]) -> bool:
-    import re
-
     return any(re.search(p, name) for p in patterns)
-
-
-def _main_device(device_map: Mapping[str, object] | None) -> str:
-    """Where tensors a map does not cover go: the first GPU it names, else the CPU."""
-    gpus = sorted(d for d in (device_map or {}).values() if isinstance(d, int))
-    return f"cuda:{gpus[0]}" if gpus else "cpu"
-
-
-def _compute(model: torch.nn.Module, slots: _Slots, computed: list[TensorLoad]) -> list[Mapping[str, torch.Tensor]]:
-    """Materialise and compute ``computed``; those mapped to disk are handed back in a store
-    held in RAM (they are in no file) and left on meta in the model."""
-    if not computed:
-        return []
-    for load in computed:
-        old = slots.current(load.name)
-        device = "cpu" if load.device == "disk" else load.device
-        slots.fill(load, torch.empty(old.shape, dtype=load.dtype, device=device), inplace=False)
-    hf.initialise_computed(model, [a for load in computed for a in load.aliases])
-    on_disk = [load for load in computed if load.device == "disk"]
-    store = {alias: slots.current(load.name).detach() for load in on_disk for alias in load.aliases}
-    _leave_on_meta(slots, on_disk)
-    return [store] if store else []
-
-
-def _one_store(stores: list[Mapping[str, torch.Tensor]]) -> Mapping[str, torch.Tensor] | None:
-    if not stores:
-        return None
-    return stores[0] if len(stores) == 1 else WeightStores(stores)
-
-
-class _Slots:
-    """Where each model tensor lives (module dict + key), and what was there before.
-
-    A load into a real tensor copies in place (optimizers and user references keep the same
-    objects), so the value it overwrites is saved first, on the CPU: `restore` puts back the
-    values as well as the objects. That costs up to the model's size in RAM until the load
-    ends; loading into new tensors and swapping at the end would cost the same (every new
-    tensor held at once) and would break the objects' identity.
-    """
-
-    def __init__(self, model: torch.nn.Module, loads: Sequence[TensorLoad]) -> None:
-        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor overwritten, old value)
-        self._slots: dict[str, tuple[dict, str, torch.Tensor]] = {}
-        for load in loads:
-            for alias in load.aliases:
-                module_name, _, leaf = alias.rpartition(".")
-                module = model.get_submodule(module_name)
-                store = module._parameters if leaf in module._parameters else module._buffers
-                self._slots[alias] = (store, leaf, store[leaf])
-
-    def current(self, name: str) -> torch.Tensor:
-        """What slot ``name`` holds now."""
-        store, leaf, _ = self._slots[name]
-        return store[leaf]
-
-    def fill(self, load: TensorLoad, tensor: torch.Tensor, *, inplace: bool) -> int:
-        """Put ``tensor`` under every name of ``load`` (one object: a tie survives); its bytes."""
-        store, leaf, old = self._slots[load.name]
-        nbytes = tensor.numel() * tensor.element_size()
-        if inplace and not old.is_meta:
-            with torch.no_grad():
-                self._saved.append((old, old.detach().to("cpu", copy=True)))
-                old.copy_(tensor)
-            return nbytes
-        if isinstance(old, torch.nn.Parameter):
-            grad = old.requires_grad and tensor.is_floating_point()
-            tensor = torch.nn.Parameter(tensor, requires_grad=grad)
-        for alias in load.aliases:
-            alias_store, alias_leaf, _ = self._slots[alias]
-            alias_store[alias_leaf] = tensor
-        return nbytes
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for tensor, value in reversed(self._saved):  # values first, then the objects
-                tensor.copy_(value)
-        self._saved.clear()
-        for store, leaf, old in self._slots.values():
-            store[leaf] = old

@@ -28,23 +28,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bigviz.checkpoint.errors import raise_problems
+from bigviz.core.dtypes import SAFETENSORS_CODES, tensor_nbytes, to_safetensors
 from bigviz.core.serialize import parse_json
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DTYPES", "HeaderEntry", "Header", "read_header", "check_header", "write_safetensors", "file_stamp"]
+__all__ = ["HeaderEntry", "Header", "read_header", "check_header", "write_safetensors", "file_stamp"]
 
-# safetensors dtype code -> (torch dtype name, bytes per element)
-DTYPES: dict[str, tuple[str, int]] = {
-    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
-    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1),
-    "U64": ("uint64", 8), "U32": ("uint32", 4), "U16": ("uint16", 2), "U8": ("uint8", 1),
-    "BOOL": ("bool", 1), "C64": ("complex64", 8), "C128": ("complex128", 16),
-    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
-    "F8_E8M0": ("float8_e8m0fnu", 1),
-}
-_CODES: dict[str, str] = {name: code for code, (name, _) in DTYPES.items()}
 _MAX_HEADER = 100_000_000  # the safetensors library refuses larger headers too
 _FIX = "the file is truncated or corrupt: re-download it or save it again"
 
@@ -151,22 +142,20 @@ def _parse_entry(raw: object, data_start: int) -> HeaderEntry | str:
     if not isinstance(raw, dict):
         return "has no dtype/shape/data_offsets record"
     code, shape, offsets = raw.get("dtype"), raw.get("shape"), raw.get("data_offsets")
-    if not isinstance(code, str) or code not in DTYPES:
+    if not isinstance(code, str) or code not in SAFETENSORS_CODES:
         return f"has unknown dtype {_short(code)}"
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
         return f"has invalid shape {_short(shape)}"
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets) \
             or not offsets[0] <= offsets[1]:
         return f"has invalid data_offsets {_short(offsets)}"
-    name, itemsize = DTYPES[code]
     numel = 1
     for d in shape:
         numel *= d
-    if offsets[1] - offsets[0] != numel * itemsize:
-        return (
-            f"holds {offsets[1] - offsets[0]} bytes but {code}{shape} needs {numel * itemsize}"
-        )
-    return HeaderEntry(name, tuple(shape), data_start + offsets[0], data_start + offsets[1])
+    needed = tensor_nbytes(code, numel)  # sub-byte dtypes (F4, I4) are packed
+    if offsets[1] - offsets[0] != needed:
+        return f"holds {offsets[1] - offsets[0]} bytes but {code}{shape} needs {needed}"
+    return HeaderEntry(SAFETENSORS_CODES[code].name, tuple(shape), data_start + offsets[0], data_start + offsets[1])
 
 
 def _is_count(value: object) -> bool:
@@ -220,7 +209,7 @@ def write_safetensors(
     for name in order:
         t = tensors[name]
         nbytes = t.numel() * t.element_size()
-        code = _CODES.get(str(t.dtype).removeprefix("torch."))
+        code = _code(t.dtype)
         if code is None:
             raise TypeError(f"tensor {name!r}: dtype {t.dtype} has no safetensors code")
         doc[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
@@ -234,6 +223,13 @@ def write_safetensors(
             f.write(_tensor_bytes(tensors[name]))
             if on_bytes is not None:
                 on_bytes(tensors[name].numel() * tensors[name].element_size())
+
+
+def _code(dtype: torch.dtype) -> str | None:
+    try:
+        return to_safetensors(dtype)
+    except ValueError:  # a torch dtype bigviz's table does not know (e.g. quantized)
+        return None
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
-from bigviz.core.units import parse_size
+from bigviz.core.sizes import parse_size
 
 __all__ = ["parse_size", "unique_tensors", "plan_shards"]
 

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 from bigviz.checkpoint.index import CheckpointIndex
 from bigviz.checkpoint.sharding import unique_tensors
 from bigviz.core.names import join
-from bigviz.core.tree import SizeTree, TensorSpec, canonical_dtype
+from bigviz.core.dtypes import canonical_dtype
+from bigviz.core.tree import SizeTree, TensorSpec
 
 if TYPE_CHECKING:
     import torch
@@ -58,23 +59,25 @@ def tree_from_checkpoint(path_or_index: str | Path | CheckpointIndex, *,
     if model is not None:
         tree = _model_tree(index, model)
     else:
+        names = natural_order(index.keys())
         specs = [TensorSpec(info.name, info.numel, canonical_dtype(info.dtype), info.shape)
-                 for info in (index.entries[n] for n in natural_order(index.keys()))]
+                 for info in (index.entries[n] for n in names)]
         tree = SizeTree.build(specs, ties=_pickled_ties(index))
     return tree.with_dtype(canonical_dtype(dtype)) if dtype is not None else tree
 
 
 def _model_tree(index: CheckpointIndex, model: torch.nn.Module) -> SizeTree:
     """The model's tree, each tensor the checkpoint holds in the checkpoint's dtype."""
-    from bigviz.checkpoint.load import checkpoint_dtypes
-    from bigviz.modeling.sizes import module_tree
+    from bigviz.checkpoint.model_names import checkpoint_dtypes
+    from bigviz.modeling.inventory import ModelInventory
 
-    tree = module_tree(model)
-    stored = checkpoint_dtypes(model, index)
+    inventory = ModelInventory.of(model)
+    tree = inventory.tree()
+    stored = checkpoint_dtypes(inventory, index)
     specs = [replace(spec, dtype=canonical_dtype(stored[name])) if name in stored else spec
              for name, spec in tree.tensors.items()]
     classes = {name: node.class_name for name, node in tree.nodes.items()}
-    return SizeTree.build(specs, classes, tree.ties)
+    return SizeTree.build(specs, classes, tree.ties, containers=tree.containers)
 
 
 def _pickled_ties(index: CheckpointIndex) -> list[list[str]]:

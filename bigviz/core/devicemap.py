@@ -12,11 +12,12 @@ Example:
 from __future__ import annotations
 
 import difflib
-from collections.abc import Collection, Iterable, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Collection, Mapping
+from typing import Any, TYPE_CHECKING
 
+from bigviz.core.errors import DeviceMapError
 from bigviz.core.names import ancestors, owner, parent
-from bigviz.core.units import Device, device_label, normalize_device
+from bigviz.core.devices import Device, execution_device, missing_device_problems, normalize_device
 
 if TYPE_CHECKING:
     from bigviz.core.tree import SizeTree
@@ -89,7 +90,7 @@ def _clean_with_tree(device_map: Mapping[str, Device], tree: SizeTree) -> dict[s
         if name in device_map:
             uniform[name] = device_map[name]
             continue
-        parts = [device_of(t, device_map) for t in node.tensors]
+        parts: list[object] = [device_of(t, device_map) for t in node.tensors]
         parts += [uniform[c] for c in node.children if uniform[c] is not None]
         values = {id(p) if p is _MIXED else p for p in parts}
         uniform[name] = parts[0] if len(values) == 1 and parts[0] is not None else (
@@ -108,7 +109,7 @@ def _clean_with_tree(device_map: Mapping[str, Device], tree: SizeTree) -> dict[s
     return out
 
 
-def key_problems(device_map: Mapping[object, object]) -> list[str]:
+def key_problems(device_map: Mapping[Any, object]) -> list[str]:
     """Keys that are not module names (strings), quoted: ``{0: "cpu"}`` is a slip for
     ``{"0": "cpu"}`` or ``{"": 0}``, and nothing downstream can look an int up.
 
@@ -121,15 +122,13 @@ def key_problems(device_map: Mapping[object, object]) -> list[str]:
             for key in device_map if not isinstance(key, str)]
 
 
-def check_keys(device_map: Mapping[object, object]) -> None:
-    """Raise ``ValueError`` quoting every key of ``device_map`` that is not a string.
+def check_keys(device_map: Mapping[Any, object]) -> None:
+    """Raise `DeviceMapError` (a ``ValueError``) quoting every key of ``device_map`` that is not a string.
 
     Example:
         >>> check_keys({"": "cpu"})
     """
-    problems = key_problems(device_map)
-    if problems:
-        raise ValueError("invalid device_map:\n  - " + "\n  - ".join(problems))
+    DeviceMapError.check(key_problems(device_map), "invalid device_map")
 
 
 def device_map_problems(tree: SizeTree, device_map: Mapping[str, object],
@@ -145,14 +144,11 @@ def device_map_problems(tree: SizeTree, device_map: Mapping[str, object],
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             problems.append(f"key {key!r} names no module or tensor of the model{hint}")
         try:
-            device = normalize_device(value)
+            normalize_device(value)
         except ValueError as err:
             problems.append(f"key {key!r}: {err}")
-            continue
-        if devices is not None and device not in devices and device != "disk":
-            have = ", ".join(device_label(d) for d in devices) or "none"
-            problems.append(f"key {key!r} sends it to {device_label(device)}, which this machine "
-                            f"does not have (available: {have})")
+    if devices is not None:
+        problems += missing_device_problems({k: v for k, v in device_map.items() if isinstance(k, str)}, devices)
     missing = _uncovered(tree, device_map)
     if missing:
         problems.append("not covered by any key (add them, or a parent, to the map): "
@@ -201,29 +197,13 @@ def complete_computed(tree: SizeTree, device_map: Mapping[str, object]) -> dict[
     gaps = [name for name in _uncovered(tree, out) if name != "<whole model>"]
     computed = [g for g in gaps if g and all(not tree.tensors[t].persistent for t in tree.subtree_tensors(g))]
     if computed:
-        main = _execution_device(out.values())
-        out.update(dict.fromkeys(computed, main))
+        out.update(dict.fromkeys(computed, execution_device(out.values())))
     return out
-
-
-def _execution_device(devices: Iterable[object]) -> object:
-    seen = list(devices)
-    gpus = sorted({d for d in seen if isinstance(d, int)})
-    if gpus:
-        return gpus[0]
-    for value in seen:
-        try:
-            device = normalize_device(value)  # type: ignore[arg-type]
-        except ValueError:
-            continue
-        if isinstance(device, int):
-            return device
-    return "mps" if "mps" in seen else "cpu"
 
 
 def validate_device_map(tree: SizeTree, device_map: Mapping[str, object],
                         devices: Collection[Device] | None = None) -> dict[str, Device]:
-    """The map with canonical devices, or ``ValueError`` listing every problem.
+    """The map with canonical devices, or `DeviceMapError` (a ``ValueError``) listing every problem.
 
     Tied tensors the map leaves out go with their leader (see :func:`complete_tied`), and
     non-persistent buffers it leaves out to the execution device (see :func:`complete_computed`).
@@ -235,13 +215,11 @@ def validate_device_map(tree: SizeTree, device_map: Mapping[str, object],
         >>> validate_device_map(t, {"b1": 0, "b2.l1": 1, "b2.l2": 1})
         Traceback (most recent call last):
         ...
-        ValueError: invalid device_map:
+        bigviz.core.errors.DeviceMapError: invalid device_map (1 problem):
           - not covered by any key (add them, or a parent, to the map): b2.l3
     """
     completed = complete_computed(tree, complete_tied(tree, device_map))
-    problems = device_map_problems(tree, completed, devices)
-    if problems:
-        raise ValueError("invalid device_map:\n  - " + "\n  - ".join(problems))
+    DeviceMapError.check(device_map_problems(tree, completed, devices), "invalid device_map")
     return {k: normalize_device(v) for k, v in completed.items()}
 
 

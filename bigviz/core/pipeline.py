@@ -19,14 +19,14 @@ from __future__ import annotations
 import html
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from bigviz.core.names import owner
 from bigviz.core.serialize import write_json_atomic
-from bigviz.core.strategies import PlanError
-from bigviz.core.units import format_size
+from bigviz.core.errors import PlanError
+from bigviz.core.sizes import format_size
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -53,21 +53,6 @@ class PipelineError(PlanError):
         cannot plan (1 problem):
           - stages=0: give 1 or more stages
     """
-
-    def __init__(self, headline: str, problems: Sequence[str] = (), *, fix: str = "") -> None:
-        self.problems = list(problems)
-        count = f"{len(self.problems)} problem" + ("s" if len(self.problems) != 1 else "")
-        lines = [f"{headline} ({count}):" if self.problems else headline]
-        lines += [f"  - {p}" for p in self.problems[:40]]
-        if len(self.problems) > 40:
-            lines.append(f"  ... and {len(self.problems) - 40} more (see err.problems)")
-        super().__init__("\n".join(lines + ([fix] if fix else [])))
-
-    @classmethod
-    def check(cls, problems: Sequence[str], headline: str, *, fix: str = "") -> None:
-        """Raise when ``problems`` is not empty."""
-        if problems:
-            raise cls(headline, problems, fix=fix)
 
 
 @dataclass(frozen=True)
@@ -200,7 +185,8 @@ class PipelinePlan:
         lines = [f"PipelinePlan: {self.n_stages} stage{'s' if self.n_stages != 1 else ''} of "
                  f"{root or 'the model'} ({format_size(total)}), balanced by {self.balance}"]
         for i, names in enumerate(self.stages):
-            budget = f" of {format_size(self.budgets[i])}" if self.budgets[i] is not None else ""
+            cap = self.budgets[i]
+            budget = f" of {format_size(cap)}" if cap is not None else ""
             span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
             lines.append(f"  stage {i}: {format_size(self.stage_bytes[i]):>10}{budget}  "
                          f"{span} ({len(self.blocks(i))} blocks)")
@@ -224,7 +210,7 @@ class PipelinePlan:
     def _repr_html_(self) -> str:
         rows = "".join(
             f"<tr><td>{i}</td><td style='text-align:right'>{format_size(b)}</td>"
-            f"<td>{'' if self.budgets[i] is None else format_size(self.budgets[i])}</td>"
+            f"<td>{_size_or_blank(self.budgets[i])}</td>"
             f"<td><code>{html.escape(names[0])}</code> .. <code>{html.escape(names[-1])}</code></td>"
             f"<td>{len(self.blocks(i))}</td></tr>"
             for i, (b, names) in enumerate(zip(self.stage_bytes, self.stages)))
@@ -325,3 +311,7 @@ def _shape_problems(data: object) -> list[str]:
     if len(data["cuts"]) != max(n - 1, 0):
         problems.append(f"{len(data['cuts'])} cuts for {n} stages: expected {max(n - 1, 0)}")
     return problems
+
+
+def _size_or_blank(nbytes: int | None) -> str:
+    return "" if nbytes is None else format_size(nbytes)

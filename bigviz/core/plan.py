@@ -1,12 +1,12 @@
 """A device plan as data: where each module goes, how many bytes, and why.
 
-``make_plan`` (in ``bigviz.core.strategies``) makes a :class:`DevicePlan` from a
+``make_plan`` (in ``bigviz.core.planner``) makes a :class:`DevicePlan` from a
 :class:`~bigviz.core.tree.SizeTree` and byte budgets; nothing here allocates or imports
 torch. A plan is frozen: to change it, plan again (with ``overrides``).
 
 Example:
     >>> from bigviz.core.tree import SizeTree, TensorSpec
-    >>> from bigviz.core.strategies import make_plan
+    >>> from bigviz.core.planner import make_plan
     >>> tree = SizeTree.build([TensorSpec(f"h.{i}.weight", 250, "float32") for i in range(4)])
     >>> p = make_plan(tree, {0: 3000, "cpu": 10**6})
     >>> p.device_map  # GPU 0 keeps room for two streamed-in layers (current + prefetched)
@@ -22,11 +22,15 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from bigviz.core.devicemap import clean_device_map, device_of
-from bigviz.core.units import Device, device_label, format_size
+from bigviz.core.devices import Device, device_label, streamed_devices
+from bigviz.core.sizes import format_size
 
 if TYPE_CHECKING:
     import pandas as pd
 
+    from bigviz.core.dispatch_plan import DispatchPlan
+    from bigviz.core.streaming import ForwardEstimate
+    from bigviz.core.offload_units import UnitRule
     from bigviz.core.tree import SizeTree
     from bigviz.core.workload import Workload
 
@@ -58,18 +62,25 @@ class PlanOptions:
             device keeps room for the largest step it runs.
         workload: the :class:`~bigviz.core.workload.Workload` the two above were made for
             (kept in the plan for reports).
+        preload, reads, offload_buffers, same_module: the unit rule's knobs (see
+            :class:`~bigviz.core.offload_units.UnitRule`): the offload reserve is computed
+            from the units the engine will fetch.
     """
 
     strategy: str = "auto"
     no_split: frozenset[str] = frozenset()
-    reserve: Mapping[Device, int] = field(default_factory=dict)
-    overrides: Mapping[str, Device] = field(default_factory=dict)
+    reserve: Mapping[Any, object] = field(default_factory=dict)  # any spelling: make_plan checks them
+    overrides: Mapping[str, object] = field(default_factory=dict)
     offload_reserve: bool = True
     prefetch: bool = True
     main_device: Device | None = None
     kv_cache: Mapping[str, int] = field(default_factory=dict)
     activations: Mapping[str, int] = field(default_factory=dict)
     workload: Workload | None = None
+    preload: frozenset[str] = frozenset()
+    reads: Mapping[str, str] = field(default_factory=dict)
+    offload_buffers: bool = False
+    same_module: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -130,6 +141,66 @@ class DevicePlan:
     tree: SizeTree | None = field(default=None, compare=False, repr=False)
     _cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     workload: Workload | None = None
+    rule: UnitRule | None = field(default=None, compare=False, repr=False)
+    """The unit rule the offload reserve was computed with (the dispatch fetches these units)."""
+    prefetch: bool = field(default=True, compare=False, repr=False)
+
+    def dispatch_plan(self, *, prefetch: bool | None = None) -> DispatchPlan:
+        """The dispatch this plan promises: its offload units, made by the same unit rule the
+        planner reserved room with (pure; needs the plan's tree).
+
+        Example:
+            >>> from bigviz.core.tree import SizeTree, TensorSpec
+            >>> from bigviz.core.planner import make_plan
+            >>> tree = SizeTree.build([TensorSpec(f"h.{i}.weight", 250, "float32") for i in range(4)])
+            >>> p = make_plan(tree, {0: 3000, "cpu": 10**6})
+            >>> d = p.dispatch_plan()
+            >>> [u.name for u in d.units], d.held_bytes()[0] == p.usage_of(0).offload_reserve
+            (['h.1', 'h.2', 'h.3'], True)
+        """
+        from bigviz.core.dispatch_plan import make_dispatch_plan
+        from bigviz.core.offload_units import UnitRule
+
+        if self.tree is None:
+            raise ValueError("this DevicePlan carries no size tree (read from JSON?): plan again to see its dispatch")
+        rule = self.rule if self.rule is not None else UnitRule(self.main_device)
+        return make_dispatch_plan(self.tree, self.device_map, rule,
+                                  prefetch=self.prefetch if prefetch is None else prefetch)
+
+    def cost(self, *, disk_bandwidth: float | str = "NVMe (", compute_seconds: float = 0.0,
+             link_bandwidth: float | str | None = None, depth: int | None = None) -> ForwardEstimate:
+        """Predicted time per forward pass: streamed units read from disk (and copied to a GPU)
+        overlapped with compute, resident units computed only, the resident part read once
+        before the first forward (:func:`bigviz.core.streaming.forward_estimate`; pure).
+
+        Args:
+            disk_bandwidth: bytes/s, e.g. measured by
+                ``bigviz.checkpoint.probe.measure_read_bandwidth(checkpoint).bandwidth``, or a
+                :data:`~bigviz.core.cost.DISK_BANDWIDTH` preset name (or unique start of one).
+            compute_seconds: the whole model's compute per forward (measured), spread over
+                the units by bytes.
+            link_bandwidth: host-to-GPU bytes/s or a :data:`~bigviz.core.cost.LINK_BANDWIDTH`
+                name; default: PCIe 4 x16 when a GPU executes, none for the CPU.
+            depth: streamed units read ahead (default: the engine's).
+
+        Example:
+            >>> from bigviz.core.tree import SizeTree, TensorSpec
+            >>> from bigviz.core.planner import make_plan
+            >>> tree = SizeTree.build([TensorSpec(f"h.{i}.weight", 250 * 10**6, "float32") for i in range(4)])
+            >>> p = make_plan(tree, {"cpu": 2 * 10**9, "disk": 10**10})
+            >>> e = p.cost(disk_bandwidth=1e9, compute_seconds=1.0)
+            >>> e.seconds, e.bottleneck
+            (2.25, 'disk')
+        """
+        from bigviz.core.cost import DISK_BANDWIDTH, LINK_BANDWIDTH, find_bandwidth
+        from bigviz.core.streaming import DEFAULT_DEPTH, forward_estimate
+
+        disk = find_bandwidth(disk_bandwidth, DISK_BANDWIDTH, "disk")
+        link = None
+        if self.main_device != "cpu":
+            link = find_bandwidth("PCIe 4 x16" if link_bandwidth is None else link_bandwidth, LINK_BANDWIDTH, "link")
+        return forward_estimate(self, disk_bandwidth=disk, compute_seconds=compute_seconds, link_bandwidth=link,
+                                depth=DEFAULT_DEPTH if depth is None else depth)
 
     @property
     def kv_cache(self) -> dict[Device, int]:
@@ -146,7 +217,8 @@ class DevicePlan:
         """``{unit: device}`` before cleaning: one key per planned unit."""
         if "units" not in self._cache:
             self._cache["units"] = MappingProxyType({p.name: p.device for p in self.placements})
-        return self._cache["units"]
+        units: Mapping[str, Device] = self._cache["units"]
+        return units
 
     @property
     def device_map(self) -> dict[str, Device]:
@@ -173,7 +245,7 @@ class DevicePlan:
     def offloaded_bytes(self) -> dict[str, int]:
         """Bytes streamed to the execution device per forward pass, by source (cpu, disk)."""
         out = {"cpu": 0, "disk": 0}
-        offload_from = ("cpu", "disk") if isinstance(self.main_device, int) or self.main_device == "mps" else ("disk",)
+        offload_from = streamed_devices(self.main_device)
         for p in self.placements:
             if p.device in offload_from:
                 out[str(p.device)] += p.nbytes
@@ -215,7 +287,7 @@ class DevicePlan:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data: the device map, budgets (string keys) and placements, and
         with a workload, the run and its KV cache and activation bytes per device."""
-        out = {
+        out: dict[str, Any] = {
             "strategy": self.strategy,
             "main_device": self.main_device,
             "device_map": self.device_map,

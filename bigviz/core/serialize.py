@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from bigviz.core.devicemap import check_keys
-from bigviz.core.units import Device, normalize_device, parse_max_memory
+from bigviz.core.errors import DeviceMapError
+from bigviz.core.devices import Device, normalize_device
+from bigviz.core.sizes import parse_max_memory
 
 __all__ = ["save_device_map", "load_device_map", "save_max_memory", "load_max_memory", "write_json_atomic",
            "write_text_atomic", "parse_json"]
@@ -106,7 +108,7 @@ def load_device_map(path: str | os.PathLike[str]) -> dict[str, Device]:
     a ``"device_map"`` key) or by hand.
 
     Raises:
-        ValueError: naming the file and each bad entry.
+        DeviceMapError: (a ``ValueError``) naming the file and each bad entry.
     """
     data = _read_json(path, "device map")
     if isinstance(data, dict) and isinstance(data.get("device_map"), dict):
@@ -120,8 +122,7 @@ def load_device_map(path: str | os.PathLike[str]) -> dict[str, Device]:
             out[key] = normalize_device(value)
         except ValueError as err:
             problems.append(f"{key!r}: {err}")
-    if problems:
-        raise ValueError(f"{path}: invalid device map entries:\n  " + "\n  ".join(problems))
+    DeviceMapError.check(problems, f"{path}: invalid device map entries")
     return out
 
 

@@ -30,9 +30,9 @@ from itertools import accumulate
 
 from bigviz.core.names import leaf, owner, parent
 from bigviz.core.pipeline import BALANCES, PipelineError, PipelinePlan, PipelineUnit, SharedTensor, StageCut
-from bigviz.core.strategies import _is_no_split
+from bigviz.core.nosplit import is_no_split as _is_no_split
 from bigviz.core.tree import SizeTree
-from bigviz.core.units import UNLIMITED, format_size, parse_size
+from bigviz.core.sizes import UNLIMITED, format_size, parse_size
 
 __all__ = ["pipeline_units", "make_pipeline_plan", "cut_pipeline", "unit_flops"]
 

@@ -284,7 +284,7 @@ def default_cpu_budget(tree: SizeTree, cpu_budget: int, no_split: frozenset[str]
         >>> default_cpu_budget(tree, 5000), default_cpu_budget(tree, 3000)
         (5000, 1800)
     """
-    from bigviz.core.strategies import is_no_split
+    from bigviz.core.nosplit import is_no_split
 
     units = [n.total_bytes for name, n in tree.nodes.items() if not n.children or is_no_split(tree, name, no_split)]
     return resident_budget(cpu_budget, model_bytes=tree.nodes[""].total_bytes, largest_unit=max(units, default=0),
@@ -330,7 +330,7 @@ def forward_estimate(plan: DevicePlan, *, disk_bandwidth: float, compute_seconds
 
     Example:
         >>> from bigviz.core.tree import SizeTree, TensorSpec
-        >>> from bigviz.core.strategies import make_plan
+        >>> from bigviz.core.planner import make_plan
         >>> tree = SizeTree.build([TensorSpec(f"h.{i}.weight", 250 * 10**6, "float32") for i in range(4)])
         >>> p = make_plan(tree, {"cpu": 2 * 10**9, "disk": 10**10})
         >>> print(forward_estimate(p, disk_bandwidth=1e9).explain())

@@ -18,47 +18,16 @@ Example:
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
+from bigviz.core.dtypes import FLOATING_DTYPES, canonical_dtype, tensor_nbytes
 from bigviz.core.names import ancestors, owner, parent
 
-__all__ = ["TensorSpec", "ModuleNode", "SizeTree", "DTYPE_SIZES", "FLOATING_DTYPES", "itemsize"]
+__all__ = ["TensorSpec", "ModuleNode", "SizeTree"]
 
-DTYPE_SIZES: dict[str, float] = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4,
-    "uint64": 8, "bool": 1, "complex64": 8, "complex128": 16, "int4": 0.5, "uint4": 0.5,
-}
-FLOATING_DTYPES = frozenset(
-    {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
-     "float8_e4m3fnuz", "float8_e5m2fnuz"})
-# Names users and other libraries write for the same dtypes.
-_ALIASES = {"float": "float32", "half": "float16", "double": "float64", "fp32": "float32",
-            "fp16": "float16", "bf16": "bfloat16", "long": "int64", "int": "int32",
-            "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-            "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-            "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
-
-
-def canonical_dtype(dtype: object) -> str:
-    """``"float32"`` for ``torch.float32``, ``"F32"``, ``"fp32"`` or ``"float"``.
-
-    Example:
-        >>> canonical_dtype("torch.bfloat16"), canonical_dtype("F16"), canonical_dtype("int8")
-        ('bfloat16', 'float16', 'int8')
-    """
-    text = str(dtype).removeprefix("torch.")
-    text = _ALIASES.get(text, text)
-    if text not in DTYPE_SIZES:
-        raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(sorted(DTYPE_SIZES))}")
-    return text
-
-
-def itemsize(dtype: str) -> float:
-    """Bytes per element of a dtype name (``0.5`` for 4-bit types)."""
-    return DTYPE_SIZES[canonical_dtype(dtype)]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -74,7 +43,8 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return int(self.numel * itemsize(self.dtype))
+        """Bytes of its elements (sub-byte dtypes packed, rounded up)."""
+        return tensor_nbytes(self.dtype, self.numel)
 
 
 @dataclass(frozen=True)
@@ -89,6 +59,7 @@ class ModuleNode:
     total_bytes: int
     n_params: int
     depth: int
+    container: bool = False  # its forward is never called (ModuleList, ModuleDict): never a unit
 
 
 class SizeTree:
@@ -103,12 +74,14 @@ class SizeTree:
         self.tensors = tensors
         self.ties = ties
         self.leader_of = {f: group[0] for group in ties for f in group[1:]}
+        self._memo: dict[tuple[object, ...], Any] = {}
 
     @classmethod
     def build(cls, tensors: Iterable[TensorSpec], modules: Mapping[str, str] | None = None,
-              ties: Iterable[Sequence[str]] = ()) -> SizeTree:
+              ties: Iterable[Sequence[str]] = (), *, containers: Collection[str] = ()) -> SizeTree:
         """Build the tree. ``modules`` maps module name -> class name in definition order;
-        modules it lacks are made from the tensor names (class name ``""``).
+        modules it lacks are made from the tensor names (class name ``""``). ``containers``
+        names the modules whose forward is never called (``ModuleList``, ``ModuleDict``).
 
         Raises:
             ValueError: if a tied group names a tensor that is not in ``tensors``.
@@ -127,7 +100,19 @@ class SizeTree:
         walk = {t: i for i, t in enumerate(t for name, _ in preorder for t in direct[name])}
         groups = _tie_groups(ties, walk)
         followers = {f for g in groups for f in g[1:]}
-        return cls(_assemble(preorder, children, direct, classes, specs, followers), specs, groups)
+        nodes = _assemble(preorder, children, direct, classes, specs, followers, frozenset(containers))
+        return cls(nodes, specs, groups)
+
+    def memo(self, key: tuple[object, ...], make: Callable[[], T]) -> T:
+        """``make()``, computed once per tree and ``key`` (a tree never changes)."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]  # type: ignore[no-any-return]
+
+    @property
+    def order(self) -> dict[str, int]:
+        """Module name -> its position in definition order."""
+        return self.memo(("order",), lambda: {name: i for i, name in enumerate(self.nodes)})
 
     # ---- queries -------------------------------------------------------------------
     def total(self, name: str) -> int:
@@ -180,7 +165,12 @@ class SizeTree:
                 spec = replace(spec, dtype=new)
             specs.append(spec)
         classes = {name: node.class_name for name, node in self.nodes.items()}
-        return SizeTree.build(specs, classes, self.ties)
+        return SizeTree.build(specs, classes, self.ties, containers=self.containers)
+
+    @property
+    def containers(self) -> frozenset[str]:
+        """Modules whose forward is never called (``ModuleList``, ``ModuleDict``)."""
+        return frozenset(name for name, node in self.nodes.items() if node.container)
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -222,7 +212,8 @@ def _structure(classes: Mapping[str, str], specs: Mapping[str, TensorSpec]
 
 def _assemble(preorder: list[tuple[str, int]], children: Mapping[str, list[str]],
               direct: Mapping[str, list[str]], classes: Mapping[str, str],
-              specs: Mapping[str, TensorSpec], followers: set[str]) -> dict[str, ModuleNode]:
+              specs: Mapping[str, TensorSpec], followers: set[str],
+              containers: frozenset[str]) -> dict[str, ModuleNode]:
     totals: dict[str, tuple[int, int, int]] = {}
     for name, _ in reversed(preorder):  # post-order accumulation
         counted = [specs[t] for t in direct[name] if t not in followers]
@@ -232,6 +223,6 @@ def _assemble(preorder: list[tuple[str, int]], children: Mapping[str, list[str]]
         totals[name] = (own, own + sum(s[1] for s in sub), params + sum(s[2] for s in sub))
     return {
         name: ModuleNode(name, classes[name], tuple(children[name]), tuple(direct[name]),
-                         *totals[name], depth)
+                         *totals[name], depth, name in containers)
         for name, depth in preorder
     }

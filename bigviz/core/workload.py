@@ -28,7 +28,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from bigviz.core.tree import canonical_dtype, itemsize
+from bigviz.core.errors import PlanError
+from bigviz.core.dtypes import canonical_dtype, itemsize
 
 __all__ = ["Workload", "CacheSpec", "Term", "StepSpec", "RunSpec", "CACHE_KINDS",
            "kv_cache_bytes", "activation_bytes", "longest_fit"]
@@ -71,8 +72,7 @@ class Workload:
                 object.__setattr__(self, "kv_dtype", canonical_dtype(self.kv_dtype))
             except ValueError as err:
                 problems.append(f"kv_dtype: {err}")
-        if problems:
-            raise ValueError("invalid workload:\n  - " + "\n  - ".join(problems))
+        PlanError.check(problems, "invalid workload")
 
     @property
     def active(self) -> bool:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -181,7 +180,7 @@ def _run(job: _Job) -> dict[str, Any] | None:
                   "loaded": built.loaded, "bytes_loaded": built.nbytes,
                   "planned_bytes": job.plan.stage_bytes[job.rank],
                   "rss_before_load_bytes": rss_before,
-                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+                  "peak_rss_bytes": _max_rss()}
         if built.rank == job.world - 1:
             logits = out[0] if isinstance(out, (tuple, list)) else out
             report["logits"] = logits[:, -1, :].detach().to("cpu")  # (M, vocab): the last position
@@ -194,9 +193,15 @@ def _run(job: _Job) -> dict[str, Any] | None:
 
 def _rss() -> int:
     """Resident bytes of this process now (the baseline its stage's load adds to)."""
-    import psutil
+    from bigviz.modeling.process_memory import rss
 
-    return int(psutil.Process().memory_info().rss)
+    return rss()
+
+
+def _max_rss() -> int:
+    from bigviz.modeling.process_memory import max_rss
+
+    return max_rss()
 
 
 def _write(job: _Job, result: dict[str, Any]) -> None:

@@ -28,7 +28,7 @@ from torch import nn
 
 from bigviz.checkpoint.index import CheckpointIndex
 from bigviz.core.pipeline import PipelineError
-from bigviz.core.tree import FLOATING_DTYPES
+from bigviz.core.dtypes import FLOATING_DTYPES
 from bigviz.modeling.meta import init_empty_weights
 from bigviz.models import MODEL_TYPES, from_config
 

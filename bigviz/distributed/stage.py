@@ -41,12 +41,13 @@ from torch import nn
 from bigviz.checkpoint.errors import CheckpointError
 from bigviz.checkpoint.index import CheckpointIndex
 from bigviz.checkpoint.load import LoadResult, check_checkpoint, load_checkpoint_in_model
-from bigviz.checkpoint.match import LoadPlan
+from bigviz.checkpoint.load_plan import LoadPlan
+from bigviz.modeling.inventory import ModelInventory
 from bigviz.core.names import leaf, parent
 from bigviz.core.pipeline import PipelineError, PipelinePlan
 from bigviz.core.stages import cut_pipeline
 from bigviz.core.tree import SizeTree
-from bigviz.core.units import format_size
+from bigviz.core.sizes import format_size
 from bigviz.distributed.adapters import DecoderLayout, decoder_layout
 from bigviz.modeling.sizes import module_tree
 
@@ -283,21 +284,21 @@ def _retarget(module: nn.Module, device: torch.device) -> None:
 
 
 def _meta_params_to(model: nn.Module, dtype: torch.dtype) -> None:
-    """Floating parameters still on meta become ``dtype`` (no memory), ties kept."""
-    done: dict[int, nn.Parameter] = {}
-    old = [p for p in model.parameters()]  # kept alive, so no id is reused while we walk
-    for module in model.modules():
-        for key, param in module._parameters.items():
-            if param is not None and param.is_meta and param.is_floating_point() and param.dtype != dtype:
-                if id(param) not in done:
-                    done[id(param)] = nn.Parameter(param.to(dtype), requires_grad=param.requires_grad)
-                module._parameters[key] = done[id(param)]
-    del old
+    """Floating parameters still on meta become ``dtype`` (no memory), ties kept: one new
+    parameter per tensor object, put under every one of its names."""
+    inventory = ModelInventory.of(model)
+    for t in inventory.tensors:
+        if t.kind == "param" and t.is_meta and t.dtype.is_floating_point and t.dtype != dtype:
+            old = inventory.tensor(t.name)
+            new = nn.Parameter(old.to(dtype), requires_grad=old.requires_grad)
+            for alias in t.aliases:
+                module, attr, _ = inventory.slots[alias]
+                module._parameters[attr] = new
 
 
 def _held(module: nn.Module) -> list[str]:
-    params = [n for n, _ in module.named_parameters(remove_duplicate=False)]
-    return params + [n for n, _ in module.named_buffers(remove_duplicate=False)]
+    """Every tensor name a stage module holds (each name of a tied tensor)."""
+    return list(ModelInventory.of(module).slots)
 
 
 def _model_tensor(model: nn.Module, name: str) -> torch.Tensor | None:

@@ -8,16 +8,16 @@ Modules, bottom up:
   it", moving nested arguments.
 - :mod:`~bigviz.engine.weights`: tensor slots and tie groups; stores (pinned dicts,
   ``LazyWeights`` over safetensors); the offload folder.
-- :mod:`~bigviz.engine.units`: a device map becomes offload units (one per offloaded
-  entry, never bigger than a block) and resident tensors.
+- :mod:`~bigviz.engine.binding`: a dispatch plan's units bound to the model's tensor slots
+  and stores (``BoundUnit``), and its resident tensors.
 - :mod:`~bigviz.engine.prefetch`: zero-copy CPU fetches, side-stream CUDA fetches through
   pinned staging, and the scheduler that fetches the next unit in recorded order.
 - :mod:`~bigviz.engine.readahead`: streaming for models larger than RAM: disk units read
   ahead by parallel readers, dropped from the page cache after use.
 - :mod:`~bigviz.engine.resident`: "cpu" weights of a model larger than RAM read once into
   process memory (``load_checkpoint_and_dispatch(..., resident="auto")``).
-- :mod:`~bigviz.engine.offload`: the hooks a dispatch attaches.
-- :mod:`~bigviz.engine.dispatch`: ``dispatch_model``.
+- :mod:`~bigviz.engine.offload_hooks`: the hooks a dispatch attaches.
+- :mod:`~bigviz.engine.dispatch`: ``dispatch_model`` (executes a dispatch plan).
 - :mod:`~bigviz.engine.big_modeling`: ``load_checkpoint_and_dispatch``, ``cpu_offload``,
   ``cpu_offload_with_hook``, ``disk_offload``.
 

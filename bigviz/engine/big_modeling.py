@@ -20,15 +20,24 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from bigviz.core.names import join, owner
-from bigviz.engine.devices import DeviceLike, check_devices_exist, torch_device
-from bigviz.engine.dispatch import dispatch_model
+from bigviz.checkpoint.index import CheckpointIndex
+from bigviz.checkpoint.load import execute_load_plan, inventory_of, load_checkpoint_in_model, plan_load
+from bigviz.checkpoint.load_plan import LoadPlan, check_plan, plan_problems
+from bigviz.checkpoint.model_names import device_map_in_model_names
+from bigviz.core.devices import MISSING_DEVICE_FIX
+from bigviz.core.errors import DeviceMapError
+from bigviz.core.names import owner, parent
+from bigviz.engine.devices import DeviceLike, torch_device
+from bigviz.engine.dispatch import dispatch_inventory, execute_dispatch
 from bigviz.engine.hooks import add_hook_to_module
-from bigviz.engine.offload import CpuOffload, UserCpuOffloadHook
+from bigviz.engine.offload_hooks import CpuOffload, UserCpuOffloadHook
+from bigviz.engine.weights import open_offload_folder
+from bigviz.modeling.budgets import default_execution_device
+from bigviz.modeling.inventory import ModelInventory
+from bigviz.planning.chain import INVALID_MAP, dispatch_plan_for, map_problems, resolve_device_map
 
 __all__ = ["load_checkpoint_and_dispatch", "cpu_offload", "cpu_offload_with_hook", "disk_offload"]
 
-STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 def load_checkpoint_and_dispatch(
@@ -91,78 +100,68 @@ def load_checkpoint_and_dispatch(
         >>> model(torch.ones(1, 2)).shape, model.weight.device.type
         (torch.Size([1, 2]), 'meta')
     """
-    from bigviz.checkpoint.load import device_map_in_model_names, load_checkpoint_in_model
-    from bigviz.engine.resident import check_mode, settle_residency  # issue 12: larger than RAM
-    from bigviz.planning import check_device_map
+    from bigviz.engine.resident import check_mode, settle_residency  # larger than RAM
 
     check_mode(resident)  # before anything is read
-
-    resolved = _resolve_map(model, device_map, max_memory, no_split_module_classes, dtype)
-    if resolved is not None:
-        resolved = device_map_in_model_names(model, checkpoint, resolved)  # a map planned from headers
-        check_devices_exist(resolved)  # before anything is read
-        # every tensor covered (tied duplicates join their leader): problems listed, nothing loaded
-        resolved = check_device_map(model, resolved)
-    result = load_checkpoint_in_model(
-        model, checkpoint, resolved, dtype=dtype, offload_folder=offload_folder, strict=strict, progress=False
-    )
-    if resolved is not None:
-        dispatch_model(
-            model,
-            resolved,
-            offload_folder=offload_folder,
-            offload_buffers=offload_buffers,
-            prefetch=prefetch,
-            skip_keys=skip_keys,
-            preload_module_classes=preload_module_classes,
-            no_split_module_classes=no_split_module_classes,
-            weights=result.disk,
-            force_hooks=force_hooks,
-        )
-        state = getattr(model, "_bigviz_dispatch", None)
-        if state is not None and result.disk is not None:
-            state.owned.append(result.disk)  # closed by remove_hooks
-        settle_residency(model, resident=resident)
+    inventory = inventory_of(model)  # ties made, then the model's one walk for this call
+    mapping, made = resolve_device_map(inventory, device_map, max_memory=max_memory, dtype=dtype,
+                                       no_split_module_classes=no_split_module_classes,
+                                       preload_module_classes=preload_module_classes, offload_buffers=offload_buffers)
+    if mapping is None:
+        load_checkpoint_in_model(inventory, checkpoint, None, dtype=dtype, offload_folder=offload_folder,
+                                 strict=strict, progress=False)
+        return model.eval()
+    mapping = device_map_in_model_names(inventory, checkpoint, mapping)  # a map planned from headers
+    index, loads, canonical = _checked_plans(inventory, checkpoint, mapping, dtype=dtype, strict=strict,
+                                             offload_folder=offload_folder)
+    result = execute_load_plan(inventory, index, loads, progress=False)
+    inventory = inventory.refreshed()  # same structure, the tensors the load put in
+    blocks = no_split_module_classes
+    if blocks is None and made is not None and made.rule is not None:
+        blocks = made.rule.blocks  # the planner's blocks (globs too): the units it reserved room for
+    plan = dispatch_plan_for(inventory, canonical, main_device=made.main_device if made is not None else None,
+                             no_split_module_classes=blocks, preload_module_classes=preload_module_classes,
+                             offload_buffers=offload_buffers, prefetch=prefetch)
+    stores = [result.disk] if result.disk is not None else []
+    execute_dispatch(inventory, plan, stores, skip_keys=skip_keys, force_hooks=force_hooks,
+                     offload_folder=offload_folder, owned=stores)
+    settle_residency(model, resident=resident)
     return model.eval()
 
 
-def _resolve_map(
-    model: nn.Module,
-    device_map: str | Mapping[str, Any] | Any | None,
-    max_memory: Mapping[Any, Any] | None,
-    no_split: Sequence[str] | None,
-    dtype: torch.dtype | str | None,
-) -> dict[str, Any] | None:
-    if device_map is None:
-        return None
-    if isinstance(device_map, str):
-        if device_map not in STRATEGIES:
-            raise ValueError(
-                f"device_map={device_map!r}: use one of {', '.join(STRATEGIES)}, a dict or a DevicePlan"
-            )
-        from bigviz.planning import plan
-
-        return dict(plan(model, max_memory, strategy=device_map, no_split_module_classes=no_split, dtype=dtype).device_map)
-    if hasattr(device_map, "device_map"):  # a DevicePlan
-        return dict(device_map.device_map)
-    return dict(device_map)
+def _checked_plans(inventory: ModelInventory, checkpoint: str | Path, mapping: Mapping[str, Any], *,
+                   dtype: Any, strict: bool, offload_folder: str | Path | None
+                   ) -> tuple[CheckpointIndex, LoadPlan, dict[str, Any]]:
+    """The one validation pass of a load-and-dispatch: the device map (names, devices this
+    machine has, coverage) and the checkpoint (keys, shapes, files), every problem in one
+    error, before anything is read."""
+    canonical, problems = map_problems(inventory.tree(), mapping)
+    index, loads = plan_load(inventory, checkpoint, canonical if not problems else mapping, dtype=dtype,
+                             offload_folder=offload_folder, strict=strict, check=False)
+    if problems and not plan_problems(loads, strict=strict, map_checked=True)[0]:
+        DeviceMapError.check(problems, INVALID_MAP, fix=MISSING_DEVICE_FIX)
+    check_plan(loads, strict=strict, where=f"'{index.path}' into {type(inventory.model).__name__}", more=problems,
+               map_checked=True)
+    return index, loads, canonical
 
 
-def _offload_map(model: nn.Module, storage: str, preload_module_classes: Sequence[str] | None) -> dict[str, str]:
+def _offload_map(inventory: ModelInventory, storage: str, preload_module_classes: Sequence[str] | None) -> dict[str, str]:
     """One entry per block-sized unit: instances of the model's no-split classes (its
-    transformer blocks) whole, and every other module that owns tensors directly."""
-    keep_whole = set(getattr(model, "_no_split_modules", None) or ()) | set(preload_module_classes or ())
+    transformer blocks) whole, and every other module's own tensors."""
+    keep_whole = set(inventory.no_split) | set(preload_module_classes or ())
+    own: dict[str, list[str]] = {}
+    for name in inventory.slots:
+        own.setdefault(parent(name), []).append(name)
     device_map: dict[str, str] = {}
     covered: set[str] = set()
-    for name, module in model.named_modules():
-        if owner(name, covered) is not None:
-            continue  # inside a block already mapped whole
-        if type(module).__name__ in keep_whole and name:
+    for name in inventory.modules:
+        if inventory.same_module.get(name) is not None or owner(name, covered) is not None:
+            continue  # a second name of a shared module, or inside a block already mapped whole
+        if name and inventory.classes[name] in keep_whole:
             device_map[name] = storage
             covered.add(name)
         else:
-            for table in (module._parameters, module._buffers):
-                device_map.update({join(name, attr): storage for attr, t in table.items() if t is not None})
+            device_map.update(dict.fromkeys(own.get(name, ()), storage))
     return device_map or {"": storage}
 
 
@@ -193,13 +192,13 @@ def cpu_offload(
         >>> model(torch.ones(1, 2)).shape
         torch.Size([1, 2])
     """
-    device = _execution_device(model, execution_device)
-    return dispatch_model(
-        model,
-        _offload_map(model, "cpu", preload_module_classes),
-        main_device=device,
+    inventory = ModelInventory.of(model)
+    return dispatch_inventory(
+        inventory,
+        _offload_map(inventory, "cpu", preload_module_classes),
+        main_device=_execution_device(model, execution_device),
         offload_buffers=offload_buffers,
-        state_dict=state_dict,
+        stores=[state_dict] if state_dict is not None else [],
         preload_module_classes=preload_module_classes,
         force_hooks=True,
     )
@@ -231,24 +230,20 @@ def disk_offload(
         >>> model(torch.ones(1, 2)).shape, model[0].weight.device.type
         (torch.Size([1, 2]), 'meta')
     """
-    weights = None
-    if any(t.device.type == "meta" for t in model.state_dict().values()):
-        from bigviz.engine.weights import open_offload_folder
-
-        weights = open_offload_folder(offload_dir)  # weights written by an earlier disk_offload
-    dispatch_model(
-        model,
-        _offload_map(model, "disk", preload_module_classes),
+    inventory = ModelInventory.of(model)
+    weights = open_offload_folder(offload_dir) if inventory.has_meta() else None  # an earlier disk_offload's
+    stores = [weights] if weights is not None else []
+    return dispatch_inventory(
+        inventory,
+        _offload_map(inventory, "disk", preload_module_classes),
         main_device=_execution_device(model, execution_device),
         offload_folder=offload_dir,
         offload_buffers=offload_buffers,
         preload_module_classes=preload_module_classes,
-        weights=weights,
+        stores=stores,
+        owned=stores,
         force_hooks=True,
     )
-    if weights is not None:
-        model._bigviz_dispatch.owned.append(weights)
-    return model
 
 
 def cpu_offload_with_hook(
@@ -277,11 +272,11 @@ def cpu_offload_with_hook(
 
 
 def _execution_device(model: nn.Module, execution_device: DeviceLike | None) -> torch.device:
-    """accelerate's default: the device of the model's first parameter (the default device
-    when that is ``meta``)."""
+    """accelerate's default: the device of the model's first parameter (when that is ``meta``,
+    this machine's execution device: the first GPU, else mps, else the CPU)."""
     if execution_device is not None:
         return torch_device(execution_device)
     first = next(iter(model.parameters()), None)
     if first is not None and first.device.type != "meta":
         return first.device
-    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    return torch_device(default_execution_device())

@@ -1,7 +1,7 @@
 """Devices as the engine sees them: torch devices, what this machine has, moving arguments.
 
 Device maps name devices the planner's way (``0``, ``"cpu"``, ``"disk"``, ``"mps"``; see
-:func:`bigviz.core.units.normalize_device`); the engine turns them into ``torch.device``
+:func:`bigviz.core.devices.normalize_device`); the engine turns them into ``torch.device``
 objects, checks the machine has them before anything is loaded, and moves a forward's
 arguments and outputs through nested tuples, lists and dicts.
 
@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from bigviz.core.units import device_label, normalize_device
-from bigviz.modeling.budgets import available_devices
+from bigviz.core.devices import MISSING_DEVICE_FIX, computes, normalize_device, torch_name
+from bigviz.core.errors import DeviceMapError
+from bigviz.modeling.budgets import absent_device_problems, available_devices
 
 __all__ = [
     "torch_device",
@@ -33,6 +34,7 @@ __all__ = [
 ]
 
 DeviceLike = int | str | torch.device
+MISSING_DEVICES = "this machine lacks devices the map names"
 
 
 def torch_device(device: DeviceLike) -> torch.device:
@@ -45,50 +47,28 @@ def torch_device(device: DeviceLike) -> torch.device:
     if isinstance(device, torch.device):
         return device if device.type != "cuda" or device.index is not None else torch.device("cuda", 0)
     canonical = normalize_device(device)
-    if canonical == "disk":
+    if not computes(canonical):
         raise ValueError("'disk' stores weights; it cannot execute a module (use 'cpu' or a GPU)")
-    if isinstance(canonical, int):
-        return torch.device("cuda", canonical)
-    return torch.device(canonical)
+    return torch.device(torch_name(canonical))
 
 
 def check_devices_exist(device_map: Mapping[str, Any], *, main_device: Any = None) -> None:
     """Raise before anything is loaded if the map (or ``main_device``) names absent devices.
 
     Raises:
-        ValueError: naming every missing device, the modules mapped to it and what exists.
+        DeviceMapError: (a ``ValueError``) naming every missing device, the modules mapped to
+            it and what exists.
 
     Example:
         >>> check_devices_exist({"": "cpu"})
-        >>> check_devices_exist({"h.0": 3})
+        >>> check_devices_exist({"h.0": 3})  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: device map names GPU 3 (h.0), which this machine does not have; ...
+        bigviz.core.errors.DeviceMapError: this machine lacks devices the map names (1 problem):
+          - device map names GPU 3 (h.0), which this machine does not have (cuda:3; ...
     """
-    have = set(available_devices())
-    missing: dict[Any, list[str]] = {}
-    for name, device in device_map.items():
-        canonical = normalize_device(device)
-        if canonical not in have:
-            missing.setdefault(canonical, []).append(name or "'' (whole model)")
-    if main_device is not None and normalize_device(main_device) not in have:
-        missing.setdefault(normalize_device(main_device), []).append("main_device")
-    if missing:
-        raise ValueError(_missing_message(missing, available_devices()))
-
-
-def _missing_message(missing: Mapping[Any, list[str]], have: Iterable[Any]) -> str:
-    parts = []
-    for device, names in missing.items():
-        shown = ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
-        parts.append(f"{device_label(device)} ({shown})")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return (
-        f"device map names {'; '.join(parts)}, which this machine does not have; "
-        f"available: {', '.join(device_label(d) for d in have)} (torch sees {gpus} CUDA GPU(s)). "
-        "Fix: plan again for this machine (bigviz.plan(model) or device_map='auto'), or "
-        "change those entries to an available device."
-    )
+    DeviceMapError.check(absent_device_problems(device_map, main_device=main_device), MISSING_DEVICES,
+                         fix=MISSING_DEVICE_FIX)
 
 
 def send_to_device(

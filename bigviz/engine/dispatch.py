@@ -38,18 +38,20 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from bigviz.checkpoint.offload import offload_problems
-from bigviz.core.devicemap import check_keys
-from bigviz.core.units import normalize_device
-from bigviz.engine.devices import check_devices_exist, torch_device
-from bigviz.planning import check_device_map
+from bigviz.checkpoint.offload_folder import offload_problems
+from bigviz.core.dispatch_plan import DispatchPlan
+from bigviz.core.errors import DeviceMapError
+from bigviz.engine.binding import Binding, BoundUnit, bind, called_modules
+from bigviz.engine.devices import torch_device
 from bigviz.engine.hooks import GUARDED_METHODS, add_hook_to_module, remove_hook_from_module
-from bigviz.engine.offload import AlignDevicesHook, ForwardLock, OffloadHook
+from bigviz.engine.offload_hooks import AlignDevicesHook, ForwardLock, OffloadHook
 from bigviz.engine.prefetch import CpuFetcher, CudaFetcher, Fetcher, Scheduler
-from bigviz.engine.units import Layout, Unit, called_modules, layout_model
-from bigviz.engine.weights import TensorGroup, as_slot_value, open_offload_folder, pin, set_slot, write_offload_folder
+from bigviz.engine.weights import as_slot_value, open_offload_folder, pin, set_slot, write_offload_folder
+from bigviz.modeling.inventory import ModelInventory
+from bigviz.planning.chain import dispatch_plan_for
 
-__all__ = ["dispatch_model", "DispatchOptions", "DispatchState", "DEFAULT_SKIP_KEYS"]
+__all__ = ["dispatch_model", "dispatch_inventory", "execute_dispatch", "DispatchOptions", "DispatchState",
+           "DEFAULT_SKIP_KEYS"]
 
 DEFAULT_SKIP_KEYS: tuple[str, ...] = ("cache", "past_key_values")
 
@@ -74,7 +76,8 @@ class DispatchState:
     Attributes:
         device_map: The normalised map.
         options: The options used.
-        units: Offload units, definition order.
+        plan: The dispatch plan carried out (units, storage, fetch order, resident tensors).
+        units: Offload units bound to the model, in the plan's order.
         scheduler: The prefetch scheduler (``scheduler.order``: recorded execution order).
         owned: Stores opened by the dispatch (closed by ``remove_hooks``).
         lock: Held by a forward of the model (threads calling it take turns).
@@ -82,7 +85,8 @@ class DispatchState:
 
     device_map: dict[str, int | str]
     options: DispatchOptions
-    units: list[Unit] = field(default_factory=list)
+    plan: DispatchPlan | None = None
+    units: list[BoundUnit] = field(default_factory=list)
     scheduler: Scheduler | None = None
     owned: list[Any] = field(default_factory=list)
     lock: ForwardLock = field(default_factory=ForwardLock)  # one forward at a time, whatever the thread
@@ -121,7 +125,10 @@ class _RootHook(AlignDevicesHook):
             self.state.lock.release(self)
 
     def on_forward_error(self, module: nn.Module) -> None:
+        error = sys.exc_info()[1]
         try:
+            if self.scheduler is not None and error is not None and "meta" in str(error):
+                _explain_meta_error(error, self.scheduler.not_fetched())
             super().on_forward_error(module)
         finally:
             self.state.lock.release(self)
@@ -132,14 +139,8 @@ class _RootHook(AlignDevicesHook):
             module.__dict__.pop(attr, None)
         return module
 
-    def on_forward_error(self, module: nn.Module) -> None:
-        error = sys.exc_info()[1]
-        if self.scheduler is not None and error is not None and "meta" in str(error):
-            _explain_meta_error(error, self.scheduler.not_fetched())
-        super().on_forward_error(module)
 
-
-def _explain_meta_error(error: BaseException, idle: list[Unit]) -> None:
+def _explain_meta_error(error: BaseException, idle: list[BoundUnit]) -> None:
     """A forward that touched a weight still on meta: name the offloaded modules whose hook
     never ran (their weights were read without calling them) and the fix."""
     if not idle or not hasattr(error, "add_note"):
@@ -211,46 +212,55 @@ def dispatch_model(
         >>> model.hf_device_map
         {'0': 'cpu', '1': 'cpu'}
     """
-    if getattr(model, "_bigviz_dispatch", None) is not None:
+    return dispatch_inventory(
+        ModelInventory.of(model), device_map, main_device=main_device,
+        offload_folder=offload_folder if offload_folder is not None else offload_dir, offload_buffers=offload_buffers,
+        prefetch=prefetch, skip_keys=skip_keys, preload_module_classes=preload_module_classes,
+        no_split_module_classes=no_split_module_classes, stores=[s for s in (weights, state_dict) if s is not None],
+        force_hooks=force_hooks)
+
+
+def dispatch_inventory(inventory: ModelInventory, device_map: Mapping[str, Any], *, main_device: Any = None,
+                       offload_folder: str | Path | None = None, offload_buffers: bool = False, prefetch: bool = True,
+                       skip_keys: str | Sequence[str] | None = None,
+                       preload_module_classes: Sequence[str] | None = None,
+                       no_split_module_classes: Sequence[str] | None = None,
+                       stores: Sequence[Mapping[str, Tensor]] = (), force_hooks: bool = False,
+                       owned: Sequence[Any] = ()) -> nn.Module:
+    """`dispatch_model` on a model's inventory: plan (one validation pass: names, devices,
+    coverage, all problems at once, before anything moves), then execute."""
+    if getattr(inventory.model, "_bigviz_dispatch", None) is not None:
         raise ValueError("dispatch_model: this model is already dispatched; call bigviz.remove_hooks(model) first")
-    check_keys(device_map)  # {0: "cpu"}: a ValueError quoting 0
-    cleaned = {name: normalize_device(device) for name, device in device_map.items()}
-    check_devices_exist(cleaned, main_device=main_device)  # before anything is read or moved
-    cleaned = check_device_map(model, cleaned)  # every tensor covered (ties join their leader), keys real
+    plan = dispatch_plan_for(inventory, device_map, main_device=main_device,
+                             no_split_module_classes=no_split_module_classes,
+                             preload_module_classes=preload_module_classes, offload_buffers=offload_buffers,
+                             prefetch=prefetch)
+    return execute_dispatch(inventory, plan, stores, skip_keys=skip_keys, force_hooks=force_hooks,
+                            offload_folder=offload_folder, owned=owned)
+
+
+def execute_dispatch(inventory: ModelInventory, plan: DispatchPlan, stores: Sequence[Mapping[str, Tensor]] = (),
+                     *, skip_keys: str | Sequence[str] | None = None, force_hooks: bool = False,
+                     offload_folder: str | Path | None = None, owned: Sequence[Any] = ()) -> nn.Module:
+    """Carry out a checked dispatch plan on ``inventory``'s model: bind it (every problem
+    raised at once, before anything moves), write or pin what streams from memory, place the
+    resident tensors, and hook the units. Returns the model, with ``hf_device_map`` set.
+
+    ``owned`` are stores the dispatch closes on ``remove_hooks`` (a load's disk weights).
+    """
+    model = inventory.model
     options = DispatchOptions(
-        main_device=_main_device(cleaned, main_device),
-        offload_folder=_folder(offload_folder if offload_folder is not None else offload_dir),
-        offload_buffers=offload_buffers,
-        prefetch=prefetch,
-        skip_keys=_skip_keys(model, skip_keys),
-        preload_module_classes=tuple(preload_module_classes or ()),
-        no_split_module_classes=tuple(
-            no_split_module_classes if no_split_module_classes is not None else _declared_blocks(model)
-        ),
+        main_device=torch_device(plan.main_device), offload_folder=_folder(offload_folder),
+        offload_buffers=plan.rule.offload_buffers, prefetch=plan.prefetch, skip_keys=_skip_keys(model, skip_keys),
+        preload_module_classes=tuple(sorted(plan.rule.preload)), no_split_module_classes=tuple(sorted(plan.rule.blocks)),
     )
-    stores = [s for s in (weights, state_dict) if s is not None]
-    layout = _checked_layout(model, cleaned, options, stores)
-    state = DispatchState(cleaned, options)
-    _materialise(layout, options, state)
-    if len(set(cleaned.values())) > 1 or layout.units or force_hooks:
-        _attach(model, layout, state)
-    model.hf_device_map = dict(cleaned)
+    binding = _checked_binding(inventory, plan, options, stores)
+    state = DispatchState(dict(plan.device_map), options, plan, owned=list(owned))
+    _materialise(binding, options, state)
+    if len(set(plan.device_map.values())) > 1 or binding.units or force_hooks:
+        _attach(inventory, binding, state)
+    model.hf_device_map = dict(plan.device_map)
     return model
-
-
-def _main_device(device_map: Mapping[str, int | str], main_device: Any) -> torch.device:
-    if main_device is not None:
-        return torch_device(main_device)
-    executing = [d for d in device_map.values() if d not in ("cpu", "disk")]
-    gpus = sorted(d for d in executing if isinstance(d, int))
-    if gpus:
-        return torch_device(gpus[0])
-    return torch_device(executing[0] if executing else "cpu")
-
-
-def _declared_blocks(model: nn.Module) -> tuple[str, ...]:
-    declared = getattr(model, "_no_split_modules", None) or ()
-    return (declared,) if isinstance(declared, str) else tuple(declared)
 
 
 def _folder(folder: str | Path | None) -> Path | None:
@@ -266,91 +276,80 @@ def _skip_keys(model: nn.Module, skip_keys: str | Sequence[str] | None) -> tuple
     return tuple(dict.fromkeys((*declared, *DEFAULT_SKIP_KEYS)))
 
 
-def _checked_layout(
-    model: nn.Module, device_map: dict[str, int | str], options: DispatchOptions, stores: list[Mapping[str, Tensor]]
-) -> Layout:
-    from bigviz.modeling.sizes import find_tied_parameters
-
-    layout = layout_model(
-        model,
-        device_map,
-        main_device=options.main_device,
-        offload_buffers=options.offload_buffers,
-        preload_module_classes=options.preload_module_classes,
-        block_classes=options.no_split_module_classes,
-        stores=stores,
-        ties=find_tied_parameters(model),
-    )
-    problems = list(layout.problems)
-    if layout.to_write and options.offload_folder is not None:
+def _checked_binding(inventory: ModelInventory, plan: DispatchPlan, options: DispatchOptions,
+                     stores: Sequence[Mapping[str, Tensor]]) -> Binding:
+    binding = bind(plan, inventory, stores)
+    problems = list(binding.problems)
+    if binding.to_write and options.offload_folder is not None:
         problems += offload_problems(options.offload_folder)  # files bigviz did not write: refused
-    if layout.to_write and options.offload_folder is None:
-        units = sorted({u.name for u in layout.units if u.storage == "disk" and u.materialised})
+    if binding.to_write and options.offload_folder is None:
+        units = sorted({u.name for u in binding.units if u.storage == "disk" and u.materialised})
         problems.append(
             f"modules mapped to 'disk' hold weights in memory ({', '.join(units[:5])}"
             f"{', ...' if len(units) > 5 else ''}): pass offload_folder= to write them there once "
             "as safetensors (or load them from a checkpoint with load_checkpoint_and_dispatch)"
         )
-    if problems:
-        shown = "\n  - ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
-        raise ValueError(f"dispatch_model: {len(problems)} problem(s) with this device map:\n  - {shown}")
-    return layout
+    DeviceMapError.check(problems, "dispatch_model: cannot dispatch with this device map")
+    return binding
 
 
-def _materialise(layout: Layout, options: DispatchOptions, state: DispatchState) -> None:
+def _materialise(binding: Binding, options: DispatchOptions, state: DispatchState) -> None:
     new_sources: dict[str, Mapping[str, Tensor]] = {}
-    if layout.to_write:
-        assert options.offload_folder is not None  # checked in _checked_layout
-        write_offload_folder(layout.to_write, options.offload_folder)
+    if binding.to_write:
+        assert options.offload_folder is not None  # checked in _checked_binding
+        write_offload_folder(binding.to_write, options.offload_folder)
         store = open_offload_folder(options.offload_folder)
         state.owned.append(store)
-        new_sources.update(dict.fromkeys(layout.to_write, store))
-    if layout.to_pin:
-        pinned = {key: pin(tensor) for key, tensor in layout.to_pin.items()}
+        new_sources.update(dict.fromkeys(binding.to_write, store))
+    if binding.to_pin:
+        pinned = {key: pin(tensor) for key, tensor in binding.to_pin.items()}
         new_sources.update(dict.fromkeys(pinned, pinned))
-    layout.to_write, layout.to_pin = {}, {}  # drop references: the RAM copies can be freed
-    for unit in layout.units:
+    binding.to_write, binding.to_pin = {}, {}  # drop references: the RAM copies can be freed
+    for unit in binding.units:
         for key in unit.slots:
             if key in new_sources:
                 unit.sources[key] = new_sources[key]
-    for group, device, found in layout.resident:
-        _place(group, device, found)
-    state.units = layout.units
+    for slots, tensors, device, found in binding.resident:
+        _place(slots, tensors, device, found)
+    state.units = binding.units
 
 
-def _place(group: TensorGroup, device: torch.device, found: tuple[str, Mapping[str, Tensor]] | None) -> None:
-    tensor = group.tensor
+def _place(slots: list[tuple[nn.Module, str, str]], tensors: list[Tensor], device: torch.device,
+           found: tuple[str, Mapping[str, Tensor]] | None) -> None:
     if found is None:
-        if tensor.device != device:
-            tensor.data = tensor.data.to(device)  # same object: ties and user references survive
+        for tensor in tensors:
+            if tensor.device != device:
+                tensor.data = tensor.data.to(device)  # same object: ties and user references survive
         return
     key, store = found
+    tensor = tensors[0]
     value = store[key]
     value = value.to(device=device, dtype=tensor.dtype) if value.device != device or value.dtype != tensor.dtype else value
-    new = as_slot_value(value, group.kind, requires_grad=tensor.requires_grad)
-    for slot in group.slots:
+    new = as_slot_value(value, slots[0][2], requires_grad=tensor.requires_grad)
+    for slot in slots:
         set_slot(slot, new)
 
 
-def _attach(model: nn.Module, layout: Layout, state: DispatchState) -> None:
+def _attach(inventory: ModelInventory, binding: Binding, state: DispatchState) -> None:
+    model = inventory.model
     options = state.options
     fetcher: Fetcher
     if options.main_device.type == "cuda":
-        fetcher = CudaFetcher(options.main_device, layout.units, background=options.prefetch)
+        fetcher = CudaFetcher(options.main_device, binding.units, background=options.prefetch)
     else:
         fetcher = CpuFetcher(options.main_device)
     wrap = options.main_device.type == "cpu"  # page-in hints only; GPU memory is not held between calls
-    state.scheduler = Scheduler(layout.units, fetcher, prefetch=options.prefetch, wrap=wrap)
+    state.scheduler = Scheduler(binding.units, fetcher, prefetch=options.prefetch, wrap=wrap)
     add_hook_to_module(model, _RootHook(state, skip_keys=options.skip_keys), append=True)
     several = len({_exec_device(d, options.main_device) for d in state.device_map.values()}) > 1
     if several:
-        _attach_align_hooks(model, layout.units, state)
+        _attach_align_hooks(inventory, binding.units, state)
     restored: dict[tuple[int, str], Tensor] = {}
-    for unit in layout.units:
+    for unit in binding.units:
         hook = OffloadHook(unit, state.scheduler, skip_keys=options.skip_keys, restored=restored, lock=state.lock)
         add_hook_to_module(unit.module, hook, append=True)
     model._bigviz_dispatch = state
-    if layout.units or several:
+    if binding.units or several:
         for method in GUARDED_METHODS:
             if hasattr(model, method):
                 guard = functools.partial(_refuse_move, model, method)
@@ -358,10 +357,10 @@ def _attach(model: nn.Module, layout: Layout, state: DispatchState) -> None:
                 setattr(model, method, guard)
 
 
-def _attach_align_hooks(model: nn.Module, units: list[Unit], state: DispatchState) -> None:
+def _attach_align_hooks(inventory: ModelInventory, units: list[BoundUnit], state: DispatchState) -> None:
     """With several execution devices, every module that runs moves its inputs to its device."""
     options = state.options
-    modules = dict(model.named_modules())
+    modules = inventory.modules
     hooked: set[int] = set()
     targets = [(m, d) for name, d in state.device_map.items() if name for m in called_modules(name, modules)]
     targets += [(unit.module, "disk") for unit in units]  # units may sit below their entry

@@ -18,9 +18,9 @@ fails in the background raises :class:`FetchError` in the caller, naming the uni
 
 Example:
     >>> import torch
-    >>> from bigviz.engine.units import layout_model
+    >>> from bigviz.engine.binding import bound_units
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
-    >>> units = layout_model(model, {"0": "disk", "1": "disk"}, main_device=torch.device("cpu")).units
+    >>> units = bound_units(model, {"0": "disk", "1": "disk"}, main_device="cpu")
     >>> for unit in units:
     ...     unit.sources = {k: {k: torch.ones(2)} for k in unit.slots}
     >>> with Scheduler(units, CpuFetcher(), prefetch=True) as scheduler:
@@ -41,7 +41,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from bigviz.engine.units import Unit
+from bigviz.engine.binding import BoundUnit
 from bigviz.engine.weights import nbytes
 
 __all__ = ["FetchError", "Handle", "Fetcher", "CpuFetcher", "CudaFetcher", "Scheduler"]
@@ -56,7 +56,7 @@ class FetchError(RuntimeError):
 class Handle:
     """A fetch of one unit, done or in flight; :meth:`wait` gives key -> ready tensor."""
 
-    def __init__(self, unit: Unit, result: Future, *, device: torch.device | None = None) -> None:
+    def __init__(self, unit: BoundUnit, result: Future, *, device: torch.device | None = None) -> None:
         self.unit = unit
         self._result = result
         self._device = device  # CUDA only: whose current stream must wait for the copies
@@ -86,7 +86,7 @@ class Handle:
 
 
 class Fetcher(Protocol):
-    def start(self, unit: Unit, *, background: bool) -> Handle: ...
+    def start(self, unit: BoundUnit, *, background: bool) -> Handle: ...
 
     def close(self) -> None: ...
 
@@ -102,7 +102,7 @@ def _run_now(fn: Any, *args: Any, **kwargs: Any) -> Future:
     return future
 
 
-def _verify(unit: Unit) -> None:
+def _verify(unit: BoundUnit) -> None:
     """Check the files behind the unit's tensors are unchanged (one ``fstat`` per file), so a
     shard truncated between forwards is an error here, not a SIGBUS in the compute thread."""
     for store, keys in unit.keys_by_source():
@@ -186,7 +186,7 @@ def _page_in(store: Mapping[str, Tensor], tensors: Mapping[str, Tensor]) -> None
             _pages.populate(tensors[key])  # ... and this waits for (and maps) each in turn
 
 
-def _cast(unit: Unit, key: str, tensor: Tensor) -> Tensor:
+def _cast(unit: BoundUnit, key: str, tensor: Tensor) -> Tensor:
     want = unit.dtypes.get(key)
     return tensor if want is None or tensor.dtype == want else tensor.to(want)
 
@@ -203,14 +203,14 @@ class CpuFetcher:
         self.device = device if device is not None else torch.device("cpu")
         self._executor: ThreadPoolExecutor | None = None
 
-    def start(self, unit: Unit, *, background: bool) -> Handle:
+    def start(self, unit: BoundUnit, *, background: bool) -> Handle:
         if not background:
             return Handle(unit, _run_now(self._job, unit, hint=False))
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="bigviz-prefetch")
         return Handle(unit, self._executor.submit(self._job, unit, hint=True))
 
-    def _job(self, unit: Unit, *, hint: bool) -> dict[str, Tensor]:
+    def _job(self, unit: BoundUnit, *, hint: bool) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         for store, keys in unit.keys_by_source():
             tensors = {key: _read(store, key) for key in keys}
@@ -251,7 +251,7 @@ class _StagingRing:
         self._events[slot] = event
 
 
-def staging_size(units: Sequence[Unit]) -> int:
+def staging_size(units: Sequence[BoundUnit]) -> int:
     """Bytes one staging buffer needs: the largest disk unit, each tensor aligned."""
     sizes = [sum(_aligned(n) for n in u.key_nbytes.values()) for u in units if u.storage == "disk"]
     return max(sizes, default=0)
@@ -264,20 +264,20 @@ def _aligned(n: int) -> int:
 class CudaFetcher:
     """Copies to a GPU on a side stream; disk tensors pass through pinned staging buffers."""
 
-    def __init__(self, device: torch.device, units: Sequence[Unit], *, background: bool) -> None:
+    def __init__(self, device: torch.device, units: Sequence[BoundUnit], *, background: bool) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self._ring = _StagingRing(staging_size(units))
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="bigviz-prefetch") if background else None
 
-    def start(self, unit: Unit, *, background: bool) -> Handle:
+    def start(self, unit: BoundUnit, *, background: bool) -> Handle:
         # With a worker, every fetch goes through it (even a synchronous one) so that the
         # staging ring is only ever used by one thread at a time.
         if self._executor is None:
             return Handle(unit, _run_now(self._job, unit), device=self.device)
         return Handle(unit, self._executor.submit(self._job, unit), device=self.device)
 
-    def _job(self, unit: Unit) -> tuple[dict[str, Tensor], Any]:
+    def _job(self, unit: BoundUnit) -> tuple[dict[str, Tensor], Any]:
         out: dict[str, Tensor] = {}
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             slot, buffer, offset = None, None, 0
@@ -325,7 +325,7 @@ class Scheduler:
             page-in hints only: a GPU fetcher would hold a unit's memory between calls.
     """
 
-    def __init__(self, units: Sequence[Unit], fetcher: Fetcher, *, prefetch: bool, wrap: bool = True,
+    def __init__(self, units: Sequence[BoundUnit], fetcher: Fetcher, *, prefetch: bool, wrap: bool = True,
                  depth: int = 1) -> None:
         self.units = list(units)
         self.depth = depth  # units fetched ahead of the running one (issue 12: a fetcher may want more)
@@ -335,9 +335,9 @@ class Scheduler:
         n = len(self.units)
         self._guess = {id(u): self.units[(i + 1) % n] for i, u in enumerate(self.units)}
         self._guess_pos = {id(u): i for i, u in enumerate(self.units)}
-        self._seen: list[Unit] = []
+        self._seen: list[BoundUnit] = []
         self._seen_ids: set[int] = set()
-        self._next: dict[int, Unit] | None = None  # recorded order, once a pass completed
+        self._next: dict[int, BoundUnit] | None = None  # recorded order, once a pass completed
         self._next_pos: dict[int, int] = {}
         self._pending: OrderedDict[int, Handle] = OrderedDict()
         self._depth = 0
@@ -360,7 +360,7 @@ class Scheduler:
             self._this_pass = set()
         self._depth += 1
 
-    def not_fetched(self) -> list[Unit]:
+    def not_fetched(self) -> list[BoundUnit]:
         """Units not fetched since the outermost forward began (for error messages)."""
         return [u for u in self.units if id(u) not in self._this_pass]
 
@@ -374,7 +374,7 @@ class Scheduler:
             self._next = {id(u): self._seen[(i + 1) % n] for i, u in enumerate(self._seen)}
             self._next_pos = {id(u): i for i, u in enumerate(self._seen)}
 
-    def acquire(self, unit: Unit) -> dict[str, Tensor]:
+    def acquire(self, unit: BoundUnit) -> dict[str, Tensor]:
         """Key -> tensor for ``unit``, ready on the execution device (starts the next fetch)."""
         self._this_pass.add(id(unit))
         handle = self._pending.pop(id(unit), None)
@@ -387,8 +387,8 @@ class Scheduler:
             self._prefetch_after(unit)
         return handle.wait()
 
-    def _prefetch_after(self, unit: Unit) -> None:
-        nxt: Unit | None = unit
+    def _prefetch_after(self, unit: BoundUnit) -> None:
+        nxt: BoundUnit | None = unit
         for _ in range(self.depth):
             nxt = self._next_of(nxt)  # type: ignore[arg-type]
             if nxt is None or nxt is unit:
@@ -405,13 +405,13 @@ class Scheduler:
             if id(unit) not in self._pending:
                 self._pending[id(unit)] = self.fetcher.start(unit, background=True)
 
-    def release(self, unit: Unit) -> None:
+    def release(self, unit: BoundUnit) -> None:
         """``unit``'s forward is over: a fetcher that keeps something for it may let it go."""
         release = getattr(self.fetcher, "release", None)
         if release is not None:
             release(unit)
 
-    def _next_of(self, unit: Unit) -> Unit | None:
+    def _next_of(self, unit: BoundUnit) -> BoundUnit | None:
         recorded = self._next is not None and id(unit) in self._next
         table, pos = (self._next, self._next_pos) if recorded else (self._guess, self._guess_pos)
         nxt = table[id(unit)]  # type: ignore[index]

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from bigviz.engine.prefetch import Handle, _cast, _read
-from bigviz.engine.units import Unit
+from bigviz.engine.binding import BoundUnit as Unit
 from bigviz.engine.weights import nbytes
 
 __all__ = ["FileSpan", "FileMaps", "file_span", "StreamingFetcher", "StreamStats", "populate", "drop_pages", "merge_spans"]

@@ -218,7 +218,7 @@ def write_offload_folder(tensors: Mapping[str, Tensor], folder: str | Path) -> N
 
     Always written, never reused by name: a folder left by another model with the same shapes
     would otherwise be read silently. The one writer is
-    :func:`bigviz.checkpoint.offload.write_offload_folder`: only files bigviz's record in the
+    :func:`bigviz.checkpoint.offload_folder.write_offload_folder`: only files bigviz's record in the
     folder lists are ever replaced; a folder holding anything else is refused, untouched.
 
     Example:
@@ -228,7 +228,7 @@ def write_offload_folder(tensors: Mapping[str, Tensor], folder: str | Path) -> N
         ...     open_offload_folder(d)["w"].tolist()
         [1.0, 1.0]
     """
-    from bigviz.checkpoint.offload import write_offload_folder as write
+    from bigviz.checkpoint.offload_folder import write_offload_folder as write
 
     write(tensors, folder)
 
@@ -244,6 +244,6 @@ def open_offload_folder(folder: str | Path) -> Mapping[str, Tensor]:
         ...     len(open_offload_folder(d))
         1
     """
-    from bigviz.checkpoint.offload import open_offload_folder as open_folder
+    from bigviz.checkpoint.offload_folder import open_offload_folder as open_folder
 
     return open_folder(folder)

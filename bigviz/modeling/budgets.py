@@ -12,9 +12,10 @@ from collections.abc import Mapping
 import psutil
 import torch
 
-from bigviz.core.units import Device, parse_max_memory
+from bigviz.core.devices import Device, execution_device, missing_device_problems
+from bigviz.core.sizes import parse_max_memory
 
-__all__ = ["get_max_memory", "available_devices"]
+__all__ = ["get_max_memory", "available_devices", "default_execution_device", "absent_device_problems"]
 
 RAM_SHARE = 0.9  # transformers keeps 10% of available RAM for everything else
 SINGLE_GPU_SHARE = 0.9  # with one GPU and no budget given, leave room for the CUDA context
@@ -26,6 +27,29 @@ def available_devices() -> list[Device]:
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         devices.append("mps")
     return devices + ["cpu", "disk"]
+
+
+def default_execution_device() -> Device:
+    """Where this machine runs a model when nothing says otherwise: the first GPU, else mps,
+    else the CPU (`bigviz.core.devices.execution_device` over `available_devices`).
+
+    Example:
+        >>> default_execution_device() in available_devices()
+        True
+    """
+    return execution_device(available_devices())
+
+
+def absent_device_problems(device_map: Mapping[str, object], *, main_device: object = None) -> list[str]:
+    """A sentence per device that ``device_map`` (or ``main_device``) names and this machine
+    lacks (see `bigviz.core.devices.missing_device_problems`).
+
+    Example:
+        >>> absent_device_problems({"": "cpu"})
+        []
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return missing_device_problems(device_map, available_devices(), main_device=main_device, cuda_count=gpus)
 
 
 def get_max_memory(max_memory: Mapping[object, object] | None = None) -> dict[Device, int]:

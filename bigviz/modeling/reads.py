@@ -18,12 +18,13 @@ import dis
 import functools
 import inspect
 import types
+from collections.abc import Iterable
 
 from torch import nn
 
 from bigviz.core.names import join
 
-__all__ = ["direct_reads"]
+__all__ = ["direct_reads", "reads_of"]
 
 
 def direct_reads(model: nn.Module) -> dict[str, str]:
@@ -41,8 +42,24 @@ def direct_reads(model: nn.Module) -> dict[str, str]:
         >>> direct_reads(mha)
         {'0.out_proj': '0'}
     """
+    return reads_of(model.named_modules())
+
+
+def reads_of(modules: Iterable[tuple[str, nn.Module]]) -> dict[str, str]:
+    """`direct_reads` over ``(name, module)`` pairs already walked (a model inventory's).
+
+    Example:
+        >>> import torch
+        >>> mha = torch.nn.Sequential(torch.nn.MultiheadAttention(4, 2))
+        >>> reads_of(mha.named_modules())
+        {'0.out_proj': '0'}
+    """
     out: dict[str, str] = {}
-    for name, module in model.named_modules():
+    seen: set[int] = set()
+    for name, module in modules:
+        if id(module) in seen:  # a shared module: its first name, as named_modules() gives it
+            continue
+        seen.add(id(module))
         for chain in _self_chains(type(module)):
             target, path = module, []
             for part in chain:  # down the submodules, then the first tensor name
@@ -60,7 +77,7 @@ _METADATA = frozenset({"dtype", "device", "shape", "ndim", "is_meta", "requires_
                        "size", "numel", "element_size", "is_floating_point"})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _self_chains(cls: type) -> frozenset[tuple[str, ...]]:
     """Attribute chains loaded from ``self`` at forward time, from bytecode: in ``forward`` and
     the methods it calls on ``self``, transitively (``self.a.b.weight.t()`` gives ``("a", "b",
@@ -106,7 +123,7 @@ def _codes(value: object) -> list[types.CodeType]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _code_chains(code: types.CodeType) -> tuple[tuple[str, ...], ...]:
     chains, current = [], None
     for ins in dis.get_instructions(code):

@@ -19,38 +19,18 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from bigviz.core.names import join
-from bigviz.core.tree import SizeTree, TensorSpec, canonical_dtype
+from bigviz.core.tree import SizeTree
+from bigviz.modeling.inventory import ModelInventory
 
 if TYPE_CHECKING:
     import pandas as pd
 
 __all__ = ["module_tree", "compute_module_sizes", "size_table", "find_tied_parameters"]
 
-
-def _tensor_key(tensor: torch.Tensor) -> tuple[object, ...]:
-    """Two tensors with the same key are one tensor in memory (a tie)."""
-    if tensor.device.type == "meta" or tensor.numel() == 0:
-        return ("id", id(tensor))
-    return ("mem", tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
-            tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+ModelOrInventory = nn.Module | ModelInventory
 
 
-def _walk(model: nn.Module) -> tuple[dict[str, str], list[tuple[str, torch.Tensor, str]]]:
-    """Module classes, and every (name, tensor, kind); kind is ``"param"``, ``"buffer"`` or
-    ``"computed"`` (a non-persistent buffer: the model makes it, no checkpoint holds it)."""
-    classes: dict[str, str] = {}
-    tensors: list[tuple[str, torch.Tensor, str]] = []
-    for mname, module in model.named_modules(remove_duplicate=False):
-        classes[mname] = type(module).__name__
-        tensors += [(join(mname, n), p, "param") for n, p in module._parameters.items() if p is not None]
-        computed = module._non_persistent_buffers_set
-        tensors += [(join(mname, n), b, "computed" if n in computed else "buffer")
-                    for n, b in module._buffers.items() if b is not None]
-    return classes, tensors
-
-
-def find_tied_parameters(model: nn.Module) -> list[list[str]]:
+def find_tied_parameters(model: ModelOrInventory) -> list[list[str]]:
     """Groups of parameter names that are one tensor, first-defined name first.
 
     Example:
@@ -64,30 +44,7 @@ def find_tied_parameters(model: nn.Module) -> list[list[str]]:
     return [list(g) for g in tree.ties if all(tree.tensors[n].kind == "param" for n in g)]
 
 
-def _groups(tensors: list[tuple[str, torch.Tensor, str]]) -> list[list[str]]:
-    by_key: dict[tuple[object, ...], list[str]] = {}
-    for name, tensor, _ in tensors:
-        by_key.setdefault(_tensor_key(tensor), []).append(name)
-    return [names for names in by_key.values() if len(names) > 1]
-
-
-def _declared_ties(model: nn.Module, names: set[str]) -> list[list[str]]:
-    """Ties a transformers model will make in ``tie_weights()`` but has not made yet."""
-    config = getattr(model, "config", None)
-    if not getattr(config, "tie_word_embeddings", False):
-        return []
-    try:
-        inp, out = model.get_input_embeddings(), model.get_output_embeddings()  # type: ignore[operator]
-    except (AttributeError, NotImplementedError):
-        return []
-    if inp is None or out is None or inp.weight is out.weight:
-        return []
-    where = {id(m): n for n, m in model.named_modules()}
-    a, b = join(where.get(id(inp), "?"), "weight"), join(where.get(id(out), "?"), "weight")
-    return [[a, b]] if a in names and b in names else []
-
-
-def module_tree(model: nn.Module, dtype: torch.dtype | str | None = None,
+def module_tree(model: ModelOrInventory, dtype: torch.dtype | str | None = None,
                 special_dtypes: Mapping[str, torch.dtype | str] | None = None) -> SizeTree:
     """The model's :class:`SizeTree`, optionally re-sized to ``dtype`` (floating tensors only;
     ``special_dtypes`` maps module or tensor names to a dtype that wins for them).
@@ -97,55 +54,10 @@ def module_tree(model: nn.Module, dtype: torch.dtype | str | None = None,
         >>> module_tree(nn.Linear(4, 2), dtype="float16").total("")
         20
     """
-    classes, tensors = _walk(model)
-    specs, seen = [], set()
-    for name, tensor, kind in tensors:
-        if name not in seen:  # a module reachable by two paths lists its tensors twice
-            seen.add(name)
-            specs.append(TensorSpec(name, tensor.numel(), canonical_dtype(tensor.dtype),
-                                    tuple(tensor.shape), "param" if kind == "param" else "buffer",
-                                    persistent=kind != "computed"))
-    ties = _groups(tensors) + _declared_ties(model, seen)
-    tree = SizeTree.build(specs, classes, _merge(ties))
-    if dtype is None and not special_dtypes:
-        return tree
-    special = {k: str(v) for k, v in (special_dtypes or {}).items()}
-    return tree.with_dtype(str(dtype) if dtype is not None else None, special)
+    return ModelInventory.of(model).tree(dtype, special_dtypes)
 
 
-def _merge(groups: list[list[str]]) -> list[list[str]]:
-    """Union overlapping groups (a declared tie may extend an identity tie), in linear time
-    (union-find: rescanning every merged group per group was quadratic in the ties).
-
-    Groups come out in the order of the last group that touched them, names in the order of
-    the last group naming them.
-
-    Example:
-        >>> _merge([["a", "b"], ["c", "d"], ["b", "e"]])
-        [['c', 'd'], ['a', 'b', 'e']]
-    """
-    parent: dict[str, str] = {}
-
-    def root(name: str) -> str:
-        while parent[name] != name:
-            parent[name] = parent[parent[name]]  # path halving
-            name = parent[name]
-        return name
-
-    for group in groups:
-        for name in group:
-            parent.setdefault(name, name)
-        for name in group[1:]:
-            parent[root(name)] = root(group[0])
-    order = {n: i for i, g in enumerate(groups) for n in g}
-    members: dict[str, list[str]] = {}
-    for name in parent:
-        members.setdefault(root(name), []).append(name)
-    merged = sorted(members.values(), key=lambda m: max(order[n] for n in m))
-    return [sorted(m, key=lambda n: (order[n], n)) for m in merged]
-
-
-def compute_module_sizes(model: nn.Module, dtype: torch.dtype | str | None = None,
+def compute_module_sizes(model: ModelOrInventory, dtype: torch.dtype | str | None = None,
                          special_dtypes: Mapping[str, torch.dtype | str] | None = None) -> dict[str, int]:
     """Bytes of every module (``""`` = the whole model), parameters and buffers, ties once.
 
@@ -157,7 +69,7 @@ def compute_module_sizes(model: nn.Module, dtype: torch.dtype | str | None = Non
     return module_tree(model, dtype, special_dtypes).size_map()
 
 
-def size_table(model: nn.Module | SizeTree, dtype: torch.dtype | str | None = None,
+def size_table(model: ModelOrInventory | SizeTree, dtype: torch.dtype | str | None = None,
                special_dtypes: Mapping[str, torch.dtype | str] | None = None, *,
                max_depth: int | None = None) -> pd.DataFrame:
     """A table of modules: module, class, parameters, bytes, share, tied-to, depth.

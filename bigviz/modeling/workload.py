@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from bigviz.core.tree import FLOATING_DTYPES, canonical_dtype
+from bigviz.core.dtypes import FLOATING_DTYPES, canonical_dtype
 from bigviz.core.workload import CacheSpec, RunSpec, StepSpec, Term, Workload
 from bigviz.models.gpt import GPT
 from bigviz.models.llama import Llama

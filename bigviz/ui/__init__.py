@@ -18,8 +18,8 @@ _EXPORTS: dict[str, str] = {
     "Planner": "bigviz.ui.planner",
     "save_html": "bigviz.ui.report",
     "render_report": "bigviz.ui.report",
-    "HARDWARE_PRESETS": "bigviz.ui.presets",
-    "plan_cost": "bigviz.ui.presets",
+    "HARDWARE_PRESETS": "bigviz.core.cost",
+    "plan_cost": "bigviz.core.cost",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -20,9 +20,10 @@ from typing import Any
 import ipywidgets as widgets
 
 from bigviz.core.plan import STRATEGIES
-from bigviz.core.units import Device, device_label
+from bigviz.core.devices import Device, device_label
 from bigviz.ui.palette import chip
-from bigviz.ui.presets import DISK_BANDWIDTH, DTYPE_CHOICES, HARDWARE_PRESETS, LINK_BANDWIDTH
+from bigviz.core.cost import DISK_BANDWIDTH, HARDWARE_PRESETS, LINK_BANDWIDTH
+from bigviz.ui.presets import DTYPE_CHOICES
 
 __all__ = ["GiB", "CUSTOM", "KV_DTYPES", "slider_spec", "Controls", "make_controls", "budget_row", "DeviceRows",
            "assemble"]
@@ -71,6 +72,7 @@ class Controls:
     legend: widgets.HTML
     depth: widgets.IntSlider
     table: widgets.HTML
+    dispatch: widgets.HTML
     module: widgets.Combobox
     target: widgets.Dropdown
     assign: widgets.Button
@@ -126,6 +128,7 @@ def make_controls(*, strategy: str, dtype_label: str, no_split: str, modules: li
         no_split=widgets.Text(value=no_split, description="no-split", continuous_update=False, layout=wide,
                               placeholder="classes or name globs, comma-separated"),
         usage=widgets.HTML(), legend=widgets.HTML(), cost=widgets.HTML(), table=widgets.HTML(),
+        dispatch=widgets.HTML(),
         link=widgets.Dropdown(options=list(LINK_BANDWIDTH), value="PCIe 4 x16 (~25 GB/s pinned)",
                               description="link", layout=wide),
         disk=widgets.Dropdown(options=list(DISK_BANDWIDTH), value="NVMe (~3 GB/s)", description="disk",
@@ -237,8 +240,9 @@ def assemble(c: Controls, figure: Any, *below: Any) -> widgets.VBox:
                            c.json_view])
     run = widgets.VBox([c.checkpoint, c.offload_folder, widgets.HBox([c.run, c.progress]), c.run_result])
     table = widgets.Box([c.table], layout=widgets.Layout(max_height="420px", overflow="auto"))
-    tabs = widgets.Tab(children=[table, overrides, export, run],
-                       titles=("Placements", "Overrides", "Export", "Run"))
+    dispatch = widgets.Box([c.dispatch], layout=widgets.Layout(max_height="420px", overflow="auto"))
+    tabs = widgets.Tab(children=[table, dispatch, overrides, export, run],
+                       titles=("Placements", "Dispatch", "Overrides", "Export", "Run"))
     body = widgets.HBox([left, right], layout=widgets.Layout(flex_flow="row wrap", width="100%"))
     return widgets.VBox([c.title, c.status, c.log, body, tabs])
 

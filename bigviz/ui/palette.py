@@ -14,7 +14,7 @@ from __future__ import annotations
 import html
 from collections.abc import Iterable
 
-from bigviz.core.units import Device, device_label
+from bigviz.core.devices import Device, device_label
 
 __all__ = ["OKABE_ITO", "GPU_COLORS", "SPLIT_COLOR", "device_color", "text_color", "chip", "legend_html"]
 

@@ -33,18 +33,21 @@ from dataclasses import replace
 from typing import Any
 
 from bigviz.core.pipeline import PipelinePlan
+from bigviz.core.dispatch_plan import DispatchPlan
 from bigviz.core.plan import DevicePlan
 from bigviz.core.serialize import save_device_map
 from bigviz.core.stages import make_pipeline_plan, pipeline_units
-from bigviz.core.strategies import PlanError, check_no_split
-from bigviz.core.tree import canonical_dtype
-from bigviz.core.units import Device, format_size
+from bigviz.core.planner import PlanError, check_no_split
+from bigviz.core.dtypes import canonical_dtype
+from bigviz.core.devices import Device
+from bigviz.core.sizes import format_size
 from bigviz.core.workload import Workload
 from bigviz.ui import controls as ctl
 from bigviz.ui.figure import FigureView
 from bigviz.ui.palette import chip, legend_html
-from bigviz.ui.presets import DTYPE_CHOICES, cost_html, plan_cost, preset_budgets
-from bigviz.ui.report import report_fragment, save_html, table_html, usage_html
+from bigviz.core.cost import plan_cost, preset_budgets
+from bigviz.ui.presets import DTYPE_CHOICES, cost_html
+from bigviz.ui.report import dispatch_html, report_fragment, save_html, table_html, usage_html
 from bigviz.ui.run import describe_error, run_plan
 from bigviz.ui.stages import StageControls, stage_legend_html
 from bigviz.ui.state import PlannerState
@@ -176,6 +179,13 @@ class Planner:
     @property
     def overrides(self) -> dict[str, Device]:
         return dict(self.state.overrides)
+
+    @property
+    def dispatch_plan(self) -> DispatchPlan:
+        """What a dispatch of the current plan will do: its offload units (the module each
+        hook sits on, where its weights are stored, what it fetches), in fetch order, and the
+        tensors that stay resident; the Dispatch tab shows it (see ``bigviz.dispatch_plan``)."""
+        return self.plan.dispatch_plan()
 
     @property
     def table(self) -> Any:
@@ -387,6 +397,7 @@ class Planner:
         c.cost.value = cost_html(self.cost())
         c.fit.value = self._fit_html()
         c.table.value = table_html(plan, max_rows=TABLE_ROWS)
+        c.dispatch.value = dispatch_html(plan)
         c.overrides.value = self._overrides_html()
 
     def _settings(self) -> tuple[Any, ...]:

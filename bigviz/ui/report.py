@@ -23,13 +23,15 @@ from typing import Any
 
 from bigviz.core.plan import DevicePlan, DeviceUsage
 from bigviz.core.serialize import write_text_atomic
-from bigviz.core.units import UNLIMITED, device_label, format_size
+from bigviz.core.devices import device_label
+from bigviz.core.sizes import UNLIMITED, format_size
 from bigviz.ui.palette import chip, device_color, legend_html
-from bigviz.ui.presets import cost_html, plan_cost
+from bigviz.core.cost import plan_cost
+from bigviz.ui.presets import cost_html
 from bigviz.ui.svg import figure_svg, svg_img
 from bigviz.ui.treemap import OVERRIDE_MARK, plan_of, treemap
 
-__all__ = ["usage_html", "table_html", "report_fragment", "render_report", "save_html"]
+__all__ = ["dispatch_html", "usage_html", "table_html", "report_fragment", "render_report", "save_html"]
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:18px;color:#222}
@@ -132,6 +134,45 @@ def table_html(plan: DevicePlan, *, max_rows: int | None = None) -> str:
     return f"<table class='bigviz-table'>{head}{''.join(rows)}</table>"
 
 
+def dispatch_html(plan: DevicePlan, *, max_rows: int = 200) -> str:
+    """What a dispatch of ``plan`` does, as HTML: the dispatch plan's summary (resident bytes,
+    room held for streamed units), then one row per offload unit in fetch order (the module
+    its hook sits on, where its weights are stored, its tensors, bytes and names).
+
+    Example:
+        >>> import torch.nn as nn, bigviz
+        >>> model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+        >>> text = dispatch_html(bigviz.plan(model, {0: 60_000, "cpu": "1MB"}))
+        >>> text.count("<tr>") - 1, "from CPU" in text  # a header row, then one row per unit
+        (3, True)
+    """
+    if plan.tree is None:
+        return "<i>This plan carries no size tree: plan again to see its dispatch.</i>"
+    dispatch = plan.dispatch_plan()
+    if not dispatch.units:
+        note = "<div><i>Nothing is offloaded: no weights stream at forward time.</i></div>"
+    else:
+        note = ""
+    rows = [
+        f"<tr><td {_NUM}>{r['order']}</td><td><code>{html.escape(r['unit'])}</code></td><td>{chip(r['storage'])}</td>"
+        f"<td {_NUM}>{r['tensors']}</td><td {_NUM}>{r['size']}</td>"
+        f"<td style='font-size:11px'>{html.escape(_shorten(r['fetches']))}</td></tr>"
+        for r in dispatch.rows()[:max_rows]]
+    more = len(dispatch.units) - max_rows
+    if more > 0:
+        rows.append(f"<tr><td colspan='6'>... and {more} more units (all of them: "
+                    f"planner.dispatch_plan.to_frame())</td></tr>")
+    head = ("<tr><th>fetch order</th><th>unit (hooked module)</th><th>stored on</th><th>tensors</th>"
+            "<th>size</th><th>fetches</th></tr>")
+    summary = html.escape(dispatch.summary()).replace("\n", "<br>")
+    return (f"<div class='bigviz-dispatch'><div style='font-family:monospace;font-size:12px'>{summary}</div>"
+            f"{note}<table class='bigviz-dispatch-table'>{head}{''.join(rows)}</table></div>")
+
+
+def _shorten(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _budgets_html(plan: DevicePlan) -> str:
     run = any(u.kv_cache or u.activations for u in plan.usage)
     rows = "".join(
@@ -169,9 +210,10 @@ def report_fragment(plan_or_planner: Any, *, include_plotlyjs: bool | str | None
         True
     """
     plan = plan_of(plan_or_planner)
-    if cost is None:
-        cost = getattr(plan_or_planner, "cost", lambda: plan_cost(plan.offloaded_bytes(),
-                                                                   main_device=plan.main_device))()
+    if cost is None and plan_or_planner is not plan:  # a Planner: its chosen link and disk
+        cost = plan_or_planner.cost()
+    if cost is None:  # a DevicePlan (whose .cost() is the time per forward, not this table)
+        cost = plan_cost(plan.offloaded_bytes(), main_device=plan.main_device)
     fig = figure if figure is not None else treemap(plan_or_planner, depth=depth)
     if include_plotlyjs is None:
         alt = f"treemap: {fig.layout.title.text or 'the plan'}"

@@ -28,37 +28,15 @@ from pathlib import Path
 from typing import Any
 
 from bigviz.core.plan import DevicePlan
-from bigviz.core.tree import FLOATING_DTYPES
-from bigviz.core.units import Device, format_size
+from bigviz.core.dtypes import FLOATING_DTYPES
+from bigviz.core.devices import Device
+from bigviz.core.sizes import format_size
+from bigviz.modeling.process_memory import mapped_file_bytes, resident_bytes
 from bigviz.ui.palette import chip
 
 __all__ = ["memory_snapshot", "RunReport", "run_plan"]
 
 Progress = Callable[[int, str], None]
-
-
-def _proc_status_bytes(*fields: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            values = {k: v for k, _, v in (line.partition(":") for line in f)}
-        return sum(int(values[name].split()[0]) * 1024 for name in fields)
-    except (OSError, KeyError, ValueError):
-        return None
-
-
-def _mapped_file_bytes() -> int:
-    """Bytes of regular files mapped into this process (0 where /proc is missing)."""
-    total = 0
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                if len(parts) == 6 and parts[5].startswith("/") and not parts[5].startswith(("/dev", "/proc")):
-                    start, end = (int(x, 16) for x in parts[0].split("-"))
-                    total += end - start
-    except OSError:
-        return 0
-    return total
 
 
 def memory_snapshot(devices: Sequence[Device]) -> dict[Device, int]:
@@ -70,13 +48,8 @@ def memory_snapshot(devices: Sequence[Device]) -> dict[Device, int]:
 
         for g in gpus:
             out[g] = torch.cuda.memory_allocated(g) if torch.cuda.is_available() else 0
-    rss = _proc_status_bytes("RssAnon", "RssFile")
-    if rss is None:
-        import psutil
-
-        rss = psutil.Process().memory_info().rss
-    out["cpu"] = rss
-    out["disk"] = _mapped_file_bytes()
+    out["cpu"] = resident_bytes()
+    out["disk"] = mapped_file_bytes()
     return out
 
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 from bigviz.core.names import ancestors, owner, parent
 from bigviz.core.pipeline import PipelinePlan
-from bigviz.core.units import format_size
+from bigviz.core.sizes import format_size
 from bigviz.ui.palette import SPLIT_COLOR, chip, device_color
 from bigviz.ui.treemap import TreemapLayout, TreemapStyle
 

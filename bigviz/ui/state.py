@@ -1,7 +1,7 @@
 """What the Planner's controls set, and the re-plan it triggers: no widgets here.
 
 The model is sized once; a tree per dtype is cached, so a slider move is one call of the
-pure, linear-time :func:`~bigviz.core.strategies.make_plan`.
+pure, linear-time :func:`~bigviz.core.planner.make_plan`.
 
 Example:
     >>> import torch.nn as nn
@@ -20,9 +20,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bigviz.core.plan import STRATEGIES, DevicePlan, PlanOptions
-from bigviz.core.strategies import PlanError, check_no_split, make_plan
-from bigviz.core.tree import SizeTree, canonical_dtype, itemsize
-from bigviz.core.units import UNLIMITED, Device, device_label, normalize_device, parse_max_memory, parse_size
+from bigviz.core.planner import PlanError, check_no_split, make_plan
+from bigviz.core.dtypes import canonical_dtype, itemsize
+from bigviz.core.tree import SizeTree
+from bigviz.core.errors import DeviceMapError
+from bigviz.core.devices import Device, device_label, normalize_device
+from bigviz.core.sizes import UNLIMITED, parse_max_memory, parse_size
 from bigviz.core.workload import RunSpec, Workload, longest_fit
 
 __all__ = ["PlannerState"]
@@ -67,7 +70,7 @@ class PlannerState:
 
         ``max_memory=None`` means this machine's free memory (``get_max_memory()``).
         """
-        from bigviz.planning import _position_limit, as_tree, default_no_split, model_run_spec, resolve_model
+        from bigviz.planning import position_limit as _position_limit, as_tree, default_no_split, model_run_spec, resolve_model
         from bigviz.modeling.budgets import get_max_memory
 
         model = resolve_model(model)
@@ -229,8 +232,7 @@ class PlannerState:
             if target not in self.budgets and target != "disk":
                 problems.append(f"{device_label(target)} has no budget: add it first "
                                 f"(have: {', '.join(device_label(d) for d in self.budgets)})")
-        if problems:
-            raise ValueError("cannot assign:\n  - " + "\n  - ".join(problems))
+        DeviceMapError.check(problems, "cannot assign")
         self.overrides[module] = target
 
     def unassign(self, module: str) -> None:

@@ -29,7 +29,8 @@ from bigviz.core.names import ancestors, leaf, owner, parent
 from bigviz.core.pipeline import PipelinePlan
 from bigviz.core.plan import DevicePlan
 from bigviz.core.tree import SizeTree
-from bigviz.core.units import Device, device_label, device_sort_key, format_size
+from bigviz.core.devices import Device, device_label, device_sort_key
+from bigviz.core.sizes import format_size
 from bigviz.ui.palette import device_color
 
 if TYPE_CHECKING:

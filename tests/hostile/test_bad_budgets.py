@@ -11,7 +11,7 @@ from torch import nn
 
 import bigviz
 from bigviz.cli import main
-from bigviz.core.units import parse_max_memory, parse_size
+from bigviz.core.sizes import parse_max_memory, parse_size
 from bigviz.models import GPT, GPTConfig
 
 from tests.hostile.helpers import assert_same_state, model_state, snapshot

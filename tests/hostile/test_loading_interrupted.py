@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import bigviz
-from bigviz.checkpoint import load as load_module
+from bigviz.checkpoint import loader as load_module
 from bigviz.models import GPT, GPTConfig
 
 from tests.hostile.helpers import assert_same_state, model_state

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 import bigviz
 from bigviz.models import GPT, GPTConfig

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from bigviz.core import strategies, tree as tree_module
-from bigviz.modeling import sizes
-from bigviz.core.strategies import make_plan
+from bigviz.core import devicemap, nosplit, offload_units, planner, run_charges, tree as tree_module
+from bigviz.modeling import inventory, sizes
+from bigviz.core.planner import make_plan
 from bigviz.core.tree import SizeTree, TensorSpec
 
 
@@ -26,8 +26,10 @@ def _tied_tree(pairs: int) -> SizeTree:
 
 
 def _lines_executed(fn: Callable[[], object], *modules: object) -> int:
-    """Lines of ``modules`` (default: the planner) executed by ``fn()``, loop iterations included."""
-    targets = {m.__file__ for m in modules or (strategies,)}  # type: ignore[attr-defined]
+    """Lines of ``modules`` (default: the planner's) executed by ``fn()``, loop iterations included."""
+    # the planner and every module it runs: the unit rule, map cleaning, no-split, run charges
+    planning = (planner, offload_units, devicemap, nosplit, run_charges)
+    targets = {m.__file__ for m in modules or planning}  # type: ignore[attr-defined]
     count = 0
 
     def local(frame, event, arg):
@@ -77,7 +79,7 @@ def test_sizing_a_model_grows_linearly_with_tied_pairs():
     work = {}
     for pairs in (300, 1200):
         model = _tied_model(pairs)
-        work[pairs] = _lines_executed(lambda: sizes.module_tree(model), sizes, tree_module)
+        work[pairs] = _lines_executed(lambda: sizes.module_tree(model), sizes, tree_module, inventory)
         tree = sizes.module_tree(model)
         assert len(tree.ties) == pairs and tree.total("") == pairs * (16 + 256) * 4  # each tie once
     assert work[1200] <= 4.6 * work[300], work

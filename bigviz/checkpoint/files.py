@@ -16,7 +16,7 @@ Example:
     >>> import tempfile, torch, pathlib
     >>> folder = pathlib.Path(tempfile.mkdtemp())
     >>> torch.save({"w": torch.ones(1)}, folder / "pytorch_model.bin")
-    >>> find_layout(folder).files == [folder / "pytorch_model.bin"]
+    >>> find_files(folder).files == [folder / "pytorch_model.bin"]
     True
 """
 from __future__ import annotations
@@ -28,13 +28,13 @@ from bigviz.checkpoint.errors import CheckpointError, raise_problems
 from bigviz.checkpoint.torch_io import TORCH_SUFFIXES
 from bigviz.core.serialize import parse_json
 
-__all__ = ["Layout", "find_layout", "missing_problems", "MISSING_FIX"]
+__all__ = ["CheckpointFiles", "find_files", "missing_problems", "MISSING_FIX"]
 
 _SAFE = ".safetensors"
 
 
 @dataclass(frozen=True)
-class Layout:
+class CheckpointFiles:
     """Where a checkpoint's tensors are: its format, files, and the index if there is one."""
 
     format: str  # "safetensors" | "torch"
@@ -45,14 +45,14 @@ class Layout:
     missing: tuple[Path, ...] = ()  # files the index names that are not there (check_files=False)
 
 
-def find_layout(path: str | Path, *, prefer_safe: bool = True, check_files: bool = True) -> Layout:
-    """Resolve a file, an index file or a folder into a `Layout`.
+def find_files(path: str | Path, *, prefer_safe: bool = True, check_files: bool = True) -> CheckpointFiles:
+    """Resolve a file, an index file or a folder into a `CheckpointFiles`.
 
     Args:
         path: a weights file, an index ``.json`` file, or a folder.
         prefer_safe: when a folder holds both safetensors and torch files, use safetensors.
         check_files: raise when the index names shards the folder lacks; with False they
-            are listed in ``Layout.missing`` instead (and left out of ``files``), so that a
+            are listed in ``CheckpointFiles.missing`` instead (and left out of ``files``), so that a
             caller reading the other shards can report every problem at once.
 
     Raises:
@@ -66,7 +66,7 @@ def find_layout(path: str | Path, *, prefer_safe: bool = True, check_files: bool
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist: check the path")
     if path.name.endswith(".json"):
         return _from_index_file(path, check_files=check_files)
-    return Layout(_format_of(path), path, [path])
+    return CheckpointFiles(_format_of(path), path, [path])
 
 
 def _format_of(path: Path) -> str:
@@ -142,7 +142,7 @@ def _index_format(path: Path) -> str | None:
     return None
 
 
-def _from_index_file(path: Path, *, check_files: bool = True) -> Layout:
+def _from_index_file(path: Path, *, check_files: bool = True) -> CheckpointFiles:
     try:
         doc = parse_json(path.read_bytes(), path, "checkpoint index")  # deep nesting: an error, not a crash
     except OSError as err:
@@ -164,7 +164,7 @@ def _from_index_file(path: Path, *, check_files: bool = True) -> Layout:
     if check_files:
         raise_problems(missing_problems(missing), f"incomplete checkpoint '{path.parent}'", fix=MISSING_FIX)
     weight_map = {name: path.parent / f for name, f in mapping.items()}
-    return Layout(formats.pop() if formats else "safetensors", path, [f for f in files if f not in missing],
+    return CheckpointFiles(formats.pop() if formats else "safetensors", path, [f for f in files if f not in missing],
                   weight_map, dict(metadata), missing)
 
 

@@ -30,8 +30,9 @@ from torch import Tensor, nn
 
 from bigviz.engine.devices import DeviceLike, any_tensor, find_device, map_tensors, send_to_device, torch_device
 from bigviz.engine.hooks import ModelHook
+from bigviz.modeling.budgets import default_execution_device
 from bigviz.engine.prefetch import Scheduler
-from bigviz.engine.units import Unit
+from bigviz.engine.binding import BoundUnit
 from bigviz.engine.weights import as_slot_value, set_slot
 
 __all__ = ["AlignDevicesHook", "OffloadHook", "CpuOffload", "UserCpuOffloadHook", "OffloadedTrainingError",
@@ -175,10 +176,10 @@ class OffloadHook(ModelHook):
 
     Example:
         >>> import torch
-        >>> from bigviz.engine.units import layout_model
+        >>> from bigviz.engine.binding import bound_units
         >>> from bigviz.engine.prefetch import CpuFetcher
         >>> layer = torch.nn.Linear(2, 2)
-        >>> unit = layout_model(layer, {"": "disk"}, main_device=torch.device("cpu")).units[0]
+        >>> unit = bound_units(layer, {"": "disk"}, main_device="cpu")[0]
         >>> unit.sources = {k: {"weight": torch.eye(2), "bias": torch.zeros(2)} for k in unit.slots}
         >>> hook = OffloadHook(unit, Scheduler([unit], CpuFetcher(), prefetch=False))
         >>> _ = hook.init_hook(layer)
@@ -190,7 +191,7 @@ class OffloadHook(ModelHook):
 
     def __init__(
         self,
-        unit: Unit,
+        unit: BoundUnit,
         scheduler: Scheduler,
         *,
         skip_keys: Iterable[str] = (),
@@ -309,7 +310,8 @@ class CpuOffload(ModelHook):
     def __init__(
         self, execution_device: DeviceLike | None = None, prev_module_hook: UserCpuOffloadHook | None = None
     ) -> None:
-        self.execution_device = torch_device(execution_device if execution_device is not None else _default_device())
+        self.execution_device = torch_device(execution_device if execution_device is not None
+                                             else default_execution_device())
         self.prev_module_hook = prev_module_hook
         self.on_device = False
         self.calls = 0
@@ -330,10 +332,3 @@ class CpuOffload(ModelHook):
             self.on_device = True
         return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
 
-
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", 0)
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")

@@ -20,28 +20,29 @@ Example:
 """
 from __future__ import annotations
 
-import difflib
-import fnmatch
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
+from typing import Any
 from dataclasses import dataclass, field
 
-from bigviz.core.names import ancestors, is_prefix, join, parent
+from bigviz.core.devicemap import clean_device_map
+from bigviz.core.errors import PlanError
+from bigviz.core.names import ancestors, is_prefix, parent
+from bigviz.core.nosplit import check_no_split, is_no_split, no_split_problems
+from bigviz.core.offload_units import UnitRule, above_blocks, streamed_needs, unit_sizes
+from bigviz.core.run_charges import (Run, charge_run, check_run_fits, run_bytes, run_usage, streamed_run_needs,
+                                     with_run)
 from bigviz.core.plan import STRATEGIES, DevicePlan, DeviceUsage, Placement, PlanOptions
 from bigviz.core.tree import SizeTree
-from bigviz.core.units import (UNLIMITED, Device, device_label, format_size, normalize_device,
-                               parse_max_memory, parse_size)
+from bigviz.core.devices import Device, device_label, execution_device, normalize_device, streamed_devices
+from bigviz.core.sizes import UNLIMITED, format_size, parse_max_memory, parse_size
 
-__all__ = ["make_plan", "PlanError", "is_no_split", "no_split_problems", "check_no_split"]
+__all__ = ["make_plan", "unit_rule", "PlanError", "is_no_split", "no_split_problems", "check_no_split"]
 
 _MAX_PASSES = 6
 _RUN_PASSES = 10
 """Extra passes a workload may take: the KV cache of a streamed layer lives on the execution
 device, so each layer pushed off it brings its cache back there; the reserve grows towards
 what is needed geometrically (by the ratio of a layer's cache to its weights plus cache)."""
-
-
-class PlanError(ValueError):
-    """The model cannot be placed within the budgets (or the inputs are invalid)."""
 
 
 @dataclass
@@ -56,7 +57,7 @@ class _Pass:
     # room set aside on a leader's device for the tied follower units still to come
     promised: dict[str, tuple[Device, int]] = field(default_factory=dict)
     follower_units: dict[str, int] = field(default_factory=dict)
-    run: _Run | None = None  # a workload's KV cache and activations, when one is planned
+    run: Run | None = None  # a workload's KV cache and activations, when one is planned
     ties: _Ties | None = None
 
 
@@ -81,7 +82,7 @@ class _Ties:
         return cls(by_follower, by_leader)
 
 
-def make_plan(tree: SizeTree, max_memory: Mapping[object, object],
+def make_plan(tree: SizeTree, max_memory: Mapping[Any, object],
               options: PlanOptions | None = None) -> DevicePlan:
     """Place every module of ``tree`` within ``max_memory``.
 
@@ -105,9 +106,9 @@ def make_plan(tree: SizeTree, max_memory: Mapping[object, object],
     ties = _Ties.index(tree)
     for _ in range(_MAX_PASSES + (_RUN_PASSES if options.kv_cache or options.activations else 0)):
         state = _greedy(tree, caps, reserve, offload, overrides, options, ties)
-        needed = _offload_needs(state, main, options)
-        streamed_run = _streamed_run_needs(state, main)  # a streamed layer's cache lives on main
-        needed = {d: needed[d] + streamed_run.get(d, 0) for d in budgets}
+        staging = _offload_needs(tree, state, main, options)
+        streamed_run = streamed_run_needs(state, main)  # a streamed layer's cache lives on main
+        needed = {d: staging[d] + streamed_run.get(d, 0) for d in budgets}
         if all(needed[d] <= offload[d] for d in budgets):
             break
         offload = {d: max(offload[d], needed[d]) for d in budgets}
@@ -115,19 +116,21 @@ def make_plan(tree: SizeTree, max_memory: Mapping[object, object],
         bound = _offload_bound(tree, options)
         offload = {d: max(offload[d], bound if needed[d] else 0) for d in budgets}
         state = _greedy(tree, caps, reserve, offload, overrides, options, ties)
+        staging = _offload_needs(tree, state, main, options)
     if state.unplaced:
         raise PlanError(_does_not_fit(tree, budgets, state))
-    staging = {d: offload[d] - streamed_run.get(d, 0) for d in budgets}  # room kept for weights alone
+    # the room reported kept for weights is what the final placement's units need (the unit rule,
+    # as the engine fetches them); the passes may have reserved more on the way
     notes += [f"{device_label(d)} keeps {format_size(v)} free for offloaded weights streamed in at "
               f"forward time" for d, v in staging.items() if v > 0]
-    kv, act = _run_usage(state, main)
+    kv, act = run_usage(state, main)
     usage = tuple(DeviceUsage(d, budgets[d], caps[d], reserve.get(d, 0), max(staging[d], 0), state.used[d],
                               kv.get(d, 0), act.get(d, 0)) for d in budgets)
     if state.run is not None:
-        _check_run_fits(usage, bool(overrides))
+        check_run_fits(usage, bool(overrides))
     notes += _warnings(usage, main)
     return DevicePlan(tuple(state.placements), usage, options.strategy, main, tuple(notes), tree,
-                      workload=options.workload)
+                      workload=options.workload, rule=unit_rule(options, main), prefetch=options.prefetch)
 
 
 def _warnings(usage: tuple[DeviceUsage, ...], main: Device) -> list[str]:
@@ -169,109 +172,19 @@ def _check_inputs(tree: SizeTree, budgets: dict[Device, int],
             reserve[normalize_device(device)] = parse_size(size)  # type: ignore[arg-type]
         except ValueError as err:
             problems.append(f"reserve[{device!r}]: {err}")
-    if problems:
-        raise PlanError("cannot plan:\n  - " + "\n  - ".join(problems))
+    PlanError.check(problems, "cannot plan")
     return overrides, reserve
 
 
 def _main_device(budgets: Mapping[Device, int], options: PlanOptions) -> Device:
     if options.main_device is not None:
         return normalize_device(options.main_device)
-    gpus = [d for d in budgets if isinstance(d, int) or d == "mps"]
-    return gpus[0] if gpus else "cpu"
+    return execution_device(budgets)
 
 
-def is_no_split(tree: SizeTree, name: str, patterns: frozenset[str]) -> bool:
-    """True if module ``name`` is placed whole: its class or name matches a no-split pattern,
-    or it holds a parametrized weight.
-
-    Example:
-        >>> from bigviz.core.tree import TensorSpec
-        >>> t = SizeTree.build([TensorSpec("conv.parametrizations.weight.original0", 4, "float32")])
-        >>> is_no_split(t, "conv", frozenset()), is_no_split(t, "", frozenset({"[0-9]*"}))
-        (True, False)
-    """
-    return _is_no_split(tree, name, patterns)
-
-
-def _is_glob(pattern: str) -> bool:
-    """A no-split entry is a module-name glob if it has glob or dot characters, else a class."""
-    return any(c in pattern for c in "*?[.")
-
-
-def _is_no_split(tree: SizeTree, name: str, patterns: frozenset[str]) -> bool:
-    node = tree.nodes[name]
-    if join(name, "parametrizations") in node.children:
-        return True  # torch's parametrize: the weight is computed from its parts (weight norm's g, v)
-    for pattern in patterns:
-        if _is_glob(pattern):
-            if fnmatch.fnmatchcase(name, pattern):
-                return True
-        elif node.class_name == pattern:
-            return True
-    return False
-
-
-def no_split_problems(tree: SizeTree, patterns: Collection[str]) -> list[str]:
-    """Every no-split entry that matches nothing in ``tree`` (a typo would otherwise split
-    every block silently), with the model's class names or an example pattern.
-
-    Example:
-        >>> from bigviz.core.tree import SizeTree, TensorSpec
-        >>> tree = SizeTree.build([TensorSpec("h.0.w", 4, "float32")],
-        ...                       {"": "Net", "h": "ModuleList", "h.0": "Block"})
-        >>> no_split_problems(tree, ["Block", "h.*"]), no_split_problems(tree, ["Blok"])
-        ([], ["no-split class 'Blok' is not a class of this model (did you mean 'Block'?); its classes: Block, ModuleList, Net"])
-    """
-    classes = sorted({n.class_name for n in tree.nodes.values() if n.class_name})
-    problems = []
-    for pattern in patterns:
-        if not isinstance(pattern, str):
-            problems.append(f"no-split entry {pattern!r} is not a string: give class names or module-name globs")
-        elif _is_glob(pattern):
-            if not any(fnmatch.fnmatchcase(name, pattern) for name in tree.nodes):
-                problems.append(f"no-split pattern {pattern!r} matches no module name"
-                                f"{_example_glob(tree)}")
-        elif pattern not in classes:
-            problems.append(_unknown_class(tree, pattern, classes))
-    return problems
-
-
-def _unknown_class(tree: SizeTree, pattern: str, classes: list[str]) -> str:
-    if not classes:
-        return (f"no-split class {pattern!r}: this model has no class names (a tree read from "
-                f"checkpoint headers carries none); give module-name patterns{_example_glob(tree)}")
-    close = difflib.get_close_matches(pattern, classes, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    shown = ", ".join(classes[:40]) + (f", ... ({len(classes)} in all)" if len(classes) > 40 else "")
-    return f"no-split class {pattern!r} is not a class of this model{hint}; its classes: {shown}"
-
-
-def _example_glob(tree: SizeTree) -> str:
-    """`` (e.g. 'transformer.h.*')`` from the first numbered module, or nothing."""
-    for name in tree.nodes:
-        head, _, last = name.rpartition(".")
-        if last.isdigit():
-            return f" (e.g. {(head + '.*') if head else '[0-9]*'!r})"
-    return ""
-
-
-def check_no_split(tree: SizeTree, patterns: Collection[str]) -> None:
-    """Raise `PlanError` listing every no-split entry that matches nothing (see
-    `no_split_problems`).
-
-    Example:
-        >>> from bigviz.core.tree import SizeTree, TensorSpec
-        >>> check_no_split(SizeTree.build([TensorSpec("h.0.w", 4, "float32")]), ["h.*"])  # matches
-    """
-    problems = no_split_problems(tree, patterns)
-    if problems:
-        raise PlanError("cannot plan:\n  - " + "\n  - ".join(problems))
-
-
-def _largest_unit(tree: SizeTree, patterns: frozenset[str]) -> int:
+def _largest_block(tree: SizeTree, patterns: frozenset[str]) -> int:
     """The biggest block that must move whole: a no-split module, else a leaf module."""
-    sizes = [n.total_bytes for name, n in tree.nodes.items() if _is_no_split(tree, name, patterns)]
+    sizes = [n.total_bytes for name, n in tree.nodes.items() if is_no_split(tree, name, patterns)]
     if not sizes:
         sizes = [n.total_bytes for n in tree.nodes.values() if not n.children]
     return max(sizes, default=0)
@@ -286,7 +199,7 @@ def _strategy_caps(tree: SizeTree, budgets: dict[Device, int],
         return caps, []
     low0 = options.strategy == "balanced_low_0"
     total = tree.total("") + sum(options.kv_cache.values())  # a workload's caches spread with their layers
-    buffer = int(1.25 * _largest_unit(tree, options.no_split)) + max(options.activations.values(), default=0)
+    buffer = int(1.25 * _largest_block(tree, options.no_split)) + max(options.activations.values(), default=0)
     spread = gpus[1:] if low0 else gpus
     share = -(-total // len(spread))  # ceiling division
     for g in spread[:-1]:
@@ -306,13 +219,13 @@ def _greedy(tree: SizeTree, caps: Mapping[Device, int], reserve: Mapping[Device,
                   ties=ties)
     must_split = {a for name in overrides for a in ancestors(parent(name))} if overrides else set()
     if options.kv_cache or options.activations:  # overrides are placed first: charge their run too
-        state.run = _Run.build(tree, options, _main_device(caps, options), _streamed(_main_device(caps, options)))
+        state.run = Run.build(tree, options, _main_device(caps, options), _streamed(_main_device(caps, options)))
     for name in sorted(overrides, key=lambda n: n.count(".") + bool(n)):  # outer ones first
         device = overrides[name]
         _put(tree, state, name, device, _override_charge(tree, name, overrides),
              f"override: you put it on {device_label(device)}", override=True)
-    state.follower_units = {f: _follower_unit_bytes(tree, f, l, options.no_split)
-                            for f, l in tree.leader_of.items()}
+    state.follower_units = {f: _follower_unit_bytes(tree, f, leader, options.no_split)
+                            for f, leader in tree.leader_of.items()}
     devices = list(caps)
     streamed = _streamed(_main_device(caps, options))
     index = 0
@@ -323,7 +236,7 @@ def _greedy(tree: SizeTree, caps: Mapping[Device, int], reserve: Mapping[Device,
             continue
         size = tree.total(name)
         splittable = name in tree.nodes and bool(tree.nodes[name].children) and (
-            name in must_split or not _is_no_split(tree, name, options.no_split))
+            name in must_split or not is_no_split(tree, name, options.no_split))
         leader = _outside_leader(ties, name, state.where)
         if name in must_split or (leader and splittable):
             _split(tree, name, stack)
@@ -363,23 +276,23 @@ def _fit(tree: SizeTree, state: _Pass, name: str, size: int, splittable: bool,
     extra = sum(promises.values())
     resident = [d for d in devices if d not in streamed]
     here = resident[index] if index < len(resident) else None
-    if size == 0 and not extra and not _run_bytes(tree, state, name, here):
+    if size == 0 and not extra and not run_bytes(tree, state, name, here):
         device = here if here is not None else devices[0]
         _put(tree, state, name, device, 0, f"holds no weights: stays with its neighbours on {device_label(device)}")
         return index
     miss = ""
-    if here is not None and size + extra + _run_bytes(tree, state, name, here) <= state.remaining[here]:
+    if here is not None and size + extra + run_bytes(tree, state, name, here) <= state.remaining[here]:
         _accept(tree, state, name, here, size, promises, "")
         return index
     if splittable:
         _split(tree, name, stack)  # try the parts; streamed weights are planned per block
         return index
     if here is not None:
-        need = size + _run_bytes(tree, state, name, here)
+        need = size + run_bytes(tree, state, name, here)
         miss = (f"{_what(tree, name)} did not fit {device_label(here)} ({format_size(need)} needed, "
                 f"{format_size(max(state.remaining[here], 0))} left)")
         for later in range(index + 1, len(resident)):
-            if size + extra + _run_bytes(tree, state, name, resident[later]) <= state.remaining[resident[later]]:
+            if size + extra + run_bytes(tree, state, name, resident[later]) <= state.remaining[resident[later]]:
                 _accept(tree, state, name, resident[later], size, promises, miss)
                 return later
     for device in (d for d in devices if d in streamed):
@@ -396,7 +309,7 @@ def _accept(tree: SizeTree, state: _Pass, name: str, device: Device, size: int,
     """Put a unit that fits, keeping room for the tied modules that will follow it."""
     extra = sum(promises.values())
     left = state.remaining[device]
-    room = f"{_with_run(tree, state, name, device, size)} of {format_size(left)} left on {device_label(device)}"
+    room = f"{with_run(tree, state, name, device, size)} of {format_size(left)} left on {device_label(device)}"
     text = f"{how} ({room})" if how else f"fits: {room}"
     if extra:
         text += f", with {format_size(extra)} kept for the modules tied to it"
@@ -409,7 +322,7 @@ def _follower_unit_bytes(tree: SizeTree, follower: str, leader: str, no_split: f
     """Bytes of the unit a tied follower will be placed in: its outermost no-split
     ancestor not holding the leader, else its module if that is a leaf, else itself (0)."""
     for module in reversed(list(ancestors(parent(follower)))):
-        if module and not is_prefix(module, leader) and _is_no_split(tree, module, no_split):
+        if module and not is_prefix(module, leader) and is_no_split(tree, module, no_split):
             return tree.total(module)
     module = parent(follower)
     return tree.total(module) if not tree.nodes[module].children else 0
@@ -442,7 +355,7 @@ def _put(tree: SizeTree, state: _Pass, name: str, device: Device, size: int, rea
          *, override: bool = False, tied_to: str = "", described: bool = False) -> None:
     node = tree.nodes.get(name)
     if state.run is not None:
-        reason = _charge_run(tree, state, name, device, reason, described)
+        reason = charge_run(tree, state, name, device, reason, described)
     state.placements.append(Placement(
         name, device, size, reason, node.class_name if node else "", "module" if node else "tensor",
         override, tied_to))
@@ -454,169 +367,48 @@ def _put(tree: SizeTree, state: _Pass, name: str, device: Device, size: int, rea
 
 def _streamed(main: Device) -> tuple[str, ...]:
     """Devices whose weights are streamed to the execution device at forward time."""
-    return ("disk",) if main == "cpu" else ("cpu", "disk")
+    return streamed_devices(main)
+
+
+def unit_rule(options: PlanOptions, main: Device) -> UnitRule:
+    """The unit rule's knobs for a plan made with ``options`` executing on ``main``.
+
+    Example:
+        >>> unit_rule(PlanOptions(no_split=frozenset({"Block"})), 0).blocks
+        frozenset({'Block'})
+    """
+    return UnitRule(main, options.no_split, options.preload, options.reads, options.offload_buffers,
+                    options.same_module)
 
 
 def _offload_bound(tree: SizeTree, options: PlanOptions) -> int:
-    """The most `_offload_needs` can ask of one device: streamed units are never split
-    further (no-split modules, leaf modules, single tensors), and it keeps the largest two."""
-    units = [n.total_bytes for name, n in tree.nodes.items()
-             if not n.children or _is_no_split(tree, name, options.no_split)]
-    units += [tree.tensor_bytes(t) for t in tree.tensors]
+    """The most `_offload_needs` can ask of one device: the largest two modules that can be
+    a unit (never a container or a module holding blocks), or single tensors."""
+    rule = unit_rule(options, 0)
+    above = above_blocks(tree, rule.blocks)
+    units = [n.total_bytes for name, n in tree.nodes.items() if not n.container and name not in above]
+    units += [tree.tensors[t].nbytes for t in tree.tensors]
     biggest = sorted(units, reverse=True)[:2 if options.prefetch else 1]
     return sum(biggest)
 
 
-def _offload_needs(state: _Pass, main: Device, options: PlanOptions) -> dict[Device, int]:
-    """Reserve what the engine really holds for streamed units: on a GPU (or mps) executing,
-    room for the running unit and the prefetched one, and on the cpu the pinned staging of
-    disk units on their way to it. With the CPU executing, disk units are computed on straight
-    from the memory-mapped files (page cache, not the process's memory): nothing is reserved."""
+def _offload_needs(tree: SizeTree, state: _Pass, main: Device, options: PlanOptions) -> dict[Device, int]:
+    """Reserve what the engine really holds for streamed units, as the unit rule makes them
+    from the device map this placement gives (:mod:`bigviz.core.offload_units`): on a GPU (or
+    mps) executing, room for the running unit and the prefetched one, and on the cpu the
+    pinned staging of disk units on their way to it. With the CPU executing, disk units are
+    computed on straight from the memory-mapped files (page cache, not the process's memory):
+    nothing is reserved."""
     needs = {d: 0 for d in state.remaining}
-    if not options.offload_reserve or main == "cpu":
+    streamed = _streamed(main)
+    if not options.offload_reserve or main == "cpu" or not any(p.device in streamed for p in state.placements):
         return needs
-    keep = 2 if options.prefetch else 1
-    to_main = sorted((p.nbytes for p in state.placements if p.device in _streamed(main)), reverse=True)
-    if main in needs:
-        needs[main] = sum(to_main[:keep])
-    from_disk = sorted((p.nbytes for p in state.placements if p.device == "disk"), reverse=True)
-    if "cpu" in needs:
-        needs["cpu"] = max(needs["cpu"], sum(from_disk[:keep]))
+    placed = clean_device_map({p.name: p.device for p in state.placements}, tree)
+    units = unit_sizes(tree, placed, unit_rule(options, main))
+    for device, nbytes in streamed_needs(units, main, prefetch=options.prefetch).items():
+        if device in needs:
+            needs[device] = nbytes
     return needs
-
-
-@dataclass
-class _Run:
-    """A workload's bytes per module and what one pass has charged of them.
-
-    A layer's KV cache is charged once, with the unit that holds it (or, for a layer split
-    into parts, with its first part); a device keeps room for the largest step it runs. A
-    unit streamed in from cpu or disk runs on the execution device: its cache and its step
-    are charged there, outside the pass's fill, and the next pass reserves them.
-    """
-
-    kv_own: Mapping[str, int]
-    kv_sub: dict[str, int]  # module -> cache bytes of the layers inside it
-    act_own: Mapping[str, int]
-    act_sub: dict[str, int]  # module -> the largest step inside it
-    overrides: frozenset[str]
-    main: Device
-    streamed: tuple[str, ...]
-    charged: set[str] = field(default_factory=set)
-    kv: dict[Device, int] = field(default_factory=dict)
-    act: dict[Device, int] = field(default_factory=dict)
-    stream_kv: int = 0
-    stream_act: int = 0
-
-    @classmethod
-    def build(cls, tree: SizeTree, options: PlanOptions, main: Device, streamed: tuple[str, ...]) -> _Run:
-        unknown = [n for n in [*options.kv_cache, *options.activations] if n not in tree.nodes]
-        if unknown:
-            raise PlanError(f"cannot plan: KV cache or activation bytes given for names that are no module "
-                            f"of the model: {', '.join(repr(n) for n in unknown[:8])}; key them by module name")
-        kv_sub, act_sub = {}, {}
-        for name, node in reversed(tree.nodes.items()):  # post-order: children before parents
-            kv_sub[name] = options.kv_cache.get(name, 0) + sum(kv_sub[c] for c in node.children)
-            act_sub[name] = max([options.activations.get(name, 0), *(act_sub[c] for c in node.children)])
-        return cls(options.kv_cache, kv_sub, options.activations, act_sub, frozenset(options.overrides),
-                   main, streamed)
-
-    def unit(self, name: str) -> tuple[int, list[str], int]:
-        """Cache bytes a unit brings, the split layers it charges for the first time, and its step."""
-        inside = self.kv_sub.get(name, 0)
-        if name in self.overrides:  # nested overrides carry their own caches to their own devices
-            nested = [o for o in self.overrides if o != name and is_prefix(name, o)]
-            inside -= sum(self.kv_sub.get(o, 0) for o in nested if not any(
-                m != o and is_prefix(m, o) for m in nested))
-        step = self.act_sub.get(name, 0)
-        first = []
-        for holder in ancestors(parent(name)) if name else ():
-            if holder in self.kv_own and holder not in self.charged:
-                first.append(holder)
-                inside += self.kv_own[holder]
-            step = max(step, self.act_own.get(holder, 0))
-        return inside, first, step
-
-    def resident_bytes(self, name: str, device: Device) -> int:
-        """Room a unit's run takes on a resident device besides its weights."""
-        kv, _, step = self.unit(name)
-        return kv + max(0, step - self.act.get(device, 0))
-
-
-def _run_bytes(tree: SizeTree, state: _Pass, name: str, device: Device | None) -> int:
-    """Bytes of KV cache and activations a unit adds to ``device`` (0 without a workload,
-    and on a streamed device: what a streamed unit runs is reserved on the execution device)."""
-    run = state.run
-    if run is None or device is None or device in run.streamed:
-        return 0
-    return run.resident_bytes(name, device)
-
-
-def _with_run(tree: SizeTree, state: _Pass, name: str, device: Device, size: int) -> str:
-    """``"1.1 GiB weights + 0.4 GiB KV cache + 52 MiB activations"`` (just the size without
-    a workload; a streamed unit's cache is told about in :func:`_charge_run`)."""
-    run = state.run
-    if run is None:
-        return format_size(size)
-    if device in run.streamed:
-        return f"{format_size(size)} weights"
-    kv, _, step = run.unit(name)
-    grow = max(0, step - run.act.get(device, 0))
-    return (f"{format_size(size)} weights + {format_size(kv)} KV cache"
-            + (f" + {format_size(grow)} activations" if grow else ""))
-
-
-def _charge_run(tree: SizeTree, state: _Pass, name: str, device: Device, reason: str, described: bool) -> str:
-    """Charge a placed unit's KV cache and step on the device it runs on; returns the reason,
-    completed with where its run lives when the reason does not say it yet."""
-    run = state.run
-    assert run is not None
-    kv, first, step = run.unit(name)
-    run.charged.update(first)
-    if device in run.streamed:
-        run.stream_kv += kv
-        run.stream_act = max(run.stream_act, step)
-        return reason + (f"; its {format_size(kv)} KV cache and {format_size(step)} of activations live on "
-                         f"{device_label(run.main)}, where it runs")
-    state.remaining[device] -= kv + max(0, step - run.act.get(device, 0))
-    run.kv[device] = run.kv.get(device, 0) + kv
-    run.act[device] = max(run.act.get(device, 0), step)
-    if described or not (kv or step):
-        return reason
-    return reason + f" (+ {format_size(kv)} KV cache, up to {format_size(step)} of activations there)"
-
-
-def _check_run_fits(usage: tuple[DeviceUsage, ...], overridden: bool) -> None:
-    """A run that does not fit is not a plan: its cache or activations would run out of memory."""
-    over = [u for u in usage if u.free < 0 and (u.kv_cache or u.activations)]
-    if not over:
-        return
-    lines = [f"{device_label(u.device)} needs {format_size(u.used)} weights + {format_size(u.kv_cache)} KV cache + "
-             f"{format_size(u.activations)} activations + {format_size(u.reserve + u.offload_reserve)} reserved, "
-             f"{format_size(-u.free)} over its {format_size(u.budget)}" for u in over]
-    hint = " or move your overrides" if overridden else ""
-    raise PlanError("the run does not fit:\n  - " + "\n  - ".join(lines) + "\nShorten the context or the "
-                    f"batch, use a smaller KV cache dtype, give the device more memory{hint}.")
-
-
-def _streamed_run_needs(state: _Pass, main: Device) -> dict[Device, int]:
-    """Room streamed units need on the execution device for their caches and steps."""
-    run = state.run
-    if run is None or not (run.stream_kv or run.stream_act):
-        return {}
-    return {main: run.stream_kv + max(0, run.stream_act - run.act.get(main, 0))}
-
-
-def _run_usage(state: _Pass, main: Device) -> tuple[dict[Device, int], dict[Device, int]]:
-    """KV cache and activation bytes per device, streamed units' counted on the execution device."""
-    run = state.run
-    if run is None:
-        return {}, {}
-    kv, act = dict(run.kv), dict(run.act)
-    if run.stream_kv or run.stream_act:
-        kv[main] = kv.get(main, 0) + run.stream_kv
-        act[main] = max(act.get(main, 0), run.stream_act)
-    return kv, act
 
 
 def _does_not_fit(tree: SizeTree, budgets: Mapping[Device, int], state: _Pass) -> str:

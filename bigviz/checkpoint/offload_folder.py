@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     import torch
 
     from bigviz.checkpoint.index import CheckpointIndex
-    from bigviz.checkpoint.match import TensorLoad
+    from bigviz.checkpoint.load_plan import TensorLoad
 
 __all__ = ["RECORD", "OffloadFolderError", "OffloadRecord", "offload_problems", "write_offload_folder",
            "open_offload_folder", "write_offload", "read_record"]
@@ -101,10 +101,10 @@ def read_record(folder: str | Path) -> OffloadRecord | None:
     try:
         doc = parse_json(raw, path, "bigviz offload record")
     except ValueError as err:
-        raise OffloadFolderError(f"{err}; {_FIX}", [str(err)]) from None
+        raise OffloadFolderError(f"{err}; {_FIX}") from None
     record, problem = _parse_record(doc)
     if record is None:
-        raise OffloadFolderError(f"{path}: not a bigviz offload record ({problem}); {_FIX}", [problem])
+        raise OffloadFolderError(f"{path}: not a bigviz offload record ({problem}); {_FIX}")
     return record
 
 
@@ -194,9 +194,7 @@ def write_offload_folder(tensors: Mapping[str, torch.Tensor], folder: str | Path
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     old = read_record(folder) or OffloadRecord()
-    problems = _ownership_problems(folder, old)
-    if problems:
-        raise OffloadFolderError("\n".join(problems), problems)
+    OffloadFolderError.check(_ownership_problems(folder, old), f"cannot write into offload folder {folder}")
     stem = f"offload-{secrets.token_hex(6)}"
     _save_record(folder, OffloadRecord(old.index, old.files, (*old.pending, stem)))
     written = write_checkpoint_files(tensors, folder, max_shard_size=max_shard_size, stem=stem)

@@ -1,4 +1,4 @@
-"""Byte sizes, device names and ``max_memory`` budgets, parsed the way users write them.
+"""Byte sizes and ``max_memory`` budgets, parsed the way users write them.
 
 ``"10GiB"`` is 10 * 2**30 bytes and ``"10GB"`` is 10 * 10**9. Accelerate reads a lowercase
 ``b`` (``"10Gb"``) as *bits*; that surprises people, so bigviz refuses it and says why.
@@ -9,25 +9,21 @@ Example:
     >>> parse_max_memory({"0": "10GiB", "cpu": "30GB"})
     {0: 10737418240, 'cpu': 30000000000}
 """
+
 from __future__ import annotations
 
 import math
 import re
 from collections.abc import Mapping
-from typing import Union
+from typing import Any
 
-__all__ = [
-    "Device", "parse_size", "format_size", "normalize_device", "device_label",
-    "device_sort_key", "parse_max_memory", "OFFLOAD_DEVICES", "UNLIMITED",
-]
+from bigviz.core.devices import Device, device_label, device_sort_key, normalize_device
+from bigviz.core.errors import PlanError
 
-Device = Union[int, str]
-"""A placement target: a GPU index (int), ``"cpu"``, ``"disk"`` or ``"mps"``."""
+__all__ = ["parse_size", "format_size", "parse_max_memory", "max_memory_problems", "UNLIMITED"]
 
-OFFLOAD_DEVICES = ("cpu", "disk")
 UNLIMITED = 2**62
 """The budget of a device with no limit (disk, when ``max_memory`` does not name it)."""
-_NAMED_DEVICES = ("mps", "cpu", "disk")
 
 _UNITS = {
     "": 1, "b": 1,
@@ -93,71 +89,15 @@ def format_size(nbytes: int | float) -> str:
     return f"{size:.1f} TiB"  # pragma: no cover - loop always returns
 
 
-def normalize_device(device: object) -> Device:
-    """The canonical form of a device name: GPU index (int), ``"cpu"``, ``"disk"`` or ``"mps"``.
-
-    Accepts ints, digit strings (``"0"``, as JSON gives them back), ``"cuda"``, ``"cuda:1"``
-    and ``torch.device`` objects.
-
-    Raises:
-        ValueError: quoting the value, for anything else.
-
-    Example:
-        >>> normalize_device("cuda:1"), normalize_device("0"), normalize_device("disk")
-        (1, 0, 'disk')
-    """
-    if isinstance(device, bool):
-        raise ValueError(f"unknown device {device!r}")
-    if isinstance(device, int):
-        if device < 0:
-            raise ValueError(f"unknown device {device!r}: GPU indices are >= 0")
-        return device
-    text = str(device).strip()  # torch.device("cuda:1") prints as "cuda:1"
-    if text.isdigit():
-        return int(text)
-    if text == "cuda":
-        return 0
-    if text.startswith("cuda:") and text[5:].isdigit():
-        return int(text[5:])
-    if text in _NAMED_DEVICES:
-        return text
-    raise ValueError(
-        f"unknown device {device!r}: use a GPU index (0, 1, ...), 'cuda:N', 'cpu', 'disk' or 'mps'"
-    )
-
-
-def device_label(device: Device) -> str:
-    """How a person reads a device: ``"GPU 0"``, ``"CPU"``, ``"disk"``, ``"MPS"``.
-
-    Example:
-        >>> device_label(0), device_label("cpu")
-        ('GPU 0', 'CPU')
-    """
-    if isinstance(device, int):
-        return f"GPU {device}"
-    return {"cpu": "CPU", "mps": "MPS"}.get(device, device)
-
-
-def device_sort_key(device: Device) -> tuple[int, int]:
-    """Order in which devices fill: GPUs by index, then mps, cpu, disk.
-
-    Example:
-        >>> sorted(["disk", "cpu", 1, 0], key=device_sort_key)
-        [0, 1, 'cpu', 'disk']
-    """
-    if isinstance(device, int):
-        return (0, device)
-    return (1, _NAMED_DEVICES.index(device))
-
-
-def parse_max_memory(max_memory: Mapping[object, object]) -> dict[Device, int]:
+def parse_max_memory(max_memory: Mapping[Any, object]) -> dict[Device, int]:
     """Normalise a ``max_memory`` mapping: canonical device keys, byte values, fill order.
 
     Every bad key and value is reported in one error; two keys naming one device (``0`` and
     ``"cuda:0"``) are an error too, rather than one silently winning.
 
     Raises:
-        ValueError: listing each unknown key, duplicate device and unparseable value, quoted.
+        PlanError: (a ``ValueError``) listing each unknown key, duplicate device and
+            unparseable value, quoted.
 
     Example:
         >>> parse_max_memory({"cpu": "1GB", 1: "2GiB", "cuda:0": 10})
@@ -165,11 +105,24 @@ def parse_max_memory(max_memory: Mapping[object, object]) -> dict[Device, int]:
         >>> parse_max_memory("10GiB")
         Traceback (most recent call last):
         ...
-        ValueError: max_memory must be a dict {device: size}, got '10GiB' (a str); e.g. {0: '10GiB', 'cpu': '30GiB'}
+        bigviz.core.errors.PlanError: max_memory must be a dict {device: size}, got '10GiB' (a str); e.g. {0: '10GiB', 'cpu': '30GiB'}
+    """
+    budgets, problems = max_memory_problems(max_memory)
+    PlanError.check(problems, "invalid max_memory")
+    return budgets
+
+
+def max_memory_problems(max_memory: object) -> tuple[dict[Device, int], list[str]]:
+    """The budgets that parse, in fill order, and a sentence for each key or value that does
+    not (for entry points that report every problem of a call at once).
+
+    Example:
+        >>> max_memory_problems({"gpu": "1GB", "cpu": "2GB"})
+        ({'cpu': 2000000000}, ["key 'gpu': unknown device 'gpu': use a GPU index (0, 1, ...), 'cuda:N', 'cpu', 'disk' or 'mps'"])
     """
     if not isinstance(max_memory, Mapping):
-        raise ValueError(f"max_memory must be a dict {{device: size}}, got {max_memory!r} "
-                         f"(a {type(max_memory).__name__}); e.g. {{0: '10GiB', 'cpu': '30GiB'}}")
+        raise PlanError(f"max_memory must be a dict {{device: size}}, got {max_memory!r} "
+                        f"(a {type(max_memory).__name__}); e.g. {{0: '10GiB', 'cpu': '30GiB'}}")
     out: dict[Device, int] = {}
     keys: dict[Device, object] = {}
     problems: list[str] = []
@@ -185,9 +138,7 @@ def parse_max_memory(max_memory: Mapping[object, object]) -> dict[Device, int]:
             continue
         keys[device] = key
         try:
-            out[device] = parse_size(value)  # type: ignore[arg-type]
+            out[device] = parse_size(value)  # type: ignore[arg-type,unused-ignore]
         except ValueError as err:
             problems.append(f"max_memory[{key!r}]: {err}")
-    if problems:
-        raise ValueError("invalid max_memory:\n  " + "\n  ".join(problems))
-    return {d: out[d] for d in sorted(out, key=device_sort_key)}
+    return {d: out[d] for d in sorted(out, key=device_sort_key)}, problems

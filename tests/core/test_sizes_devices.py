@@ -1,10 +1,10 @@
-"""Sizes, devices and max_memory parsing (bigviz.core.units)."""
+"""Sizes, devices and max_memory parsing (bigviz.core.sizes, bigviz.core.devices)."""
 from __future__ import annotations
 
 import pytest
 
-from bigviz.core.units import (UNLIMITED, device_sort_key, format_size, normalize_device,
-                               parse_max_memory, parse_size)
+from bigviz.core.devices import device_sort_key, normalize_device
+from bigviz.core.sizes import UNLIMITED, format_size, parse_max_memory, parse_size
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -1,0 +1,119 @@
+"""One error type: a headline, every problem found, and how to fix them, formatted once.
+
+Every check in bigviz collects all it finds before raising (three shards missing, a GPU this
+machine lacks *and* a module no key covers), so each error carries ``problems``, one line
+each, and prints them the same way. The layers' own errors subclass :class:`BigvizError`
+with the builtin base their users catch: :class:`PlanError` and :class:`DeviceMapError` are
+``ValueError`` s, as are ``bigviz.checkpoint.CheckpointError`` and its ``OffloadFolderError``.
+
+Example:
+    >>> err = PlanError("cannot plan", ["unknown strategy 'fast'", "reserve['x']: not a size"])
+    >>> print(err)
+    cannot plan (2 problems):
+      - unknown strategy 'fast'
+      - reserve['x']: not a size
+    >>> isinstance(err, ValueError), err.problems[0]
+    (True, "unknown strategy 'fast'")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "MAX_LINES",
+    "BigvizError",
+    "PlanError",
+    "DeviceMapError",
+    "format_problems",
+    "raise_problems",
+]
+
+MAX_LINES = 40
+"""Problems shown in a message; the rest stay in ``err.problems`` (thousands of missing keys
+would bury the first, most useful ones)."""
+
+
+def format_problems(headline: str, problems: Sequence[str], *, fix: str = "") -> str:
+    """``headline (N problems):`` then one ``  - problem`` line each, then ``fix``.
+
+    Without problems the headline stands alone (an error that is one sentence).
+
+    Example:
+        >>> print(format_problems("cannot load 'ckpt'", ["missing: a.weight"], fix="Fix: re-save it"))
+        cannot load 'ckpt' (1 problem):
+          - missing: a.weight
+        Fix: re-save it
+        >>> format_problems("refused", [])
+        'refused'
+    """
+    if not problems:
+        return "\n".join([headline, fix]) if fix else headline
+    count = f"{len(problems)} problem" + ("s" if len(problems) != 1 else "")
+    lines = [f"{headline} ({count}):"]
+    lines += [f"  - {p}" for p in problems[:MAX_LINES]]
+    if len(problems) > MAX_LINES:
+        lines.append(f"  ... and {len(problems) - MAX_LINES} more (see err.problems)")
+    if fix:
+        lines.append(fix)
+    return "\n".join(lines)
+
+
+class BigvizError(Exception):
+    """Base of bigviz's errors: a message made by :func:`format_problems`, and the problems.
+
+    Args:
+        headline: what was being done (``"cannot plan"``), or the whole message when
+            ``problems`` is empty.
+        problems: one line per problem, each saying where, what, and the fix (none: the
+            headline is the whole message).
+        fix: a closing line saying how to fix the whole group.
+
+    Attributes:
+        problems: every problem found (the message may show fewer); an error made of one
+            sentence is its own single problem.
+        headline: the first argument.
+    """
+
+    def __init__(self, headline: str, problems: Sequence[str] = (), *, fix: str = "") -> None:
+        listed = [str(p) for p in problems]
+        super().__init__(format_problems(headline, listed, fix=fix))
+        self.headline = headline
+        self.problems: list[str] = listed or [headline]  # a one-sentence error is its own problem
+
+    @classmethod
+    def check(cls, problems: Sequence[str], headline: str, *, fix: str = "") -> None:
+        """Raise ``cls(headline, problems)`` when there are problems; else return None.
+
+        Example:
+            >>> PlanError.check([], "cannot plan")  # nothing wrong: returns None
+        """
+        if problems:
+            raise cls(headline, problems, fix=fix)
+
+
+class PlanError(BigvizError, ValueError):
+    """The model cannot be placed within the budgets, or the planner's inputs are invalid."""
+
+
+class DeviceMapError(BigvizError, ValueError):
+    """A device map that does not fit the model or this machine (every problem listed)."""
+
+
+def raise_problems(
+    problems: Sequence[str],
+    headline: str,
+    *,
+    fix: str = "",
+    error: type[BigvizError] = DeviceMapError,
+) -> None:
+    """Raise ``error(headline, problems)`` when there are problems (else do nothing).
+
+    Example:
+        >>> raise_problems(["key 0 is not a module name"], "invalid device_map")
+        Traceback (most recent call last):
+        ...
+        bigviz.core.errors.DeviceMapError: invalid device_map (1 problem):
+          - key 0 is not a module name
+    """
+    error.check(problems, headline, fix=fix)

@@ -1,0 +1,162 @@
+"""What a planned workload charges per device during a planner pass: each layer's KV cache,
+and room for the largest step's activations, on the device the layer runs on.
+
+A layer's KV cache is charged once, with the unit that holds it (or, for a layer split into
+parts, with its first part); a device keeps room for the largest step it runs. A unit
+streamed in from cpu or disk runs on the execution device: its cache and its step are
+charged there, outside the pass's fill, and the next pass reserves them. Used by
+:mod:`bigviz.core.planner` only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from bigviz.core.devices import Device, device_label
+from bigviz.core.errors import PlanError
+from bigviz.core.names import ancestors, is_prefix, parent
+from bigviz.core.plan import DeviceUsage, PlanOptions
+from bigviz.core.sizes import format_size
+from bigviz.core.tree import SizeTree
+
+if TYPE_CHECKING:
+    from bigviz.core.planner import _Pass
+
+__all__ = ["Run", "run_bytes", "with_run", "charge_run", "check_run_fits", "streamed_run_needs", "run_usage"]
+
+
+@dataclass
+class Run:
+    """A workload's bytes per module and what one pass has charged of them.
+
+    A layer's KV cache is charged once, with the unit that holds it (or, for a layer split
+    into parts, with its first part); a device keeps room for the largest step it runs. A
+    unit streamed in from cpu or disk runs on the execution device: its cache and its step
+    are charged there, outside the pass's fill, and the next pass reserves them.
+    """
+
+    kv_own: Mapping[str, int]
+    kv_sub: dict[str, int]  # module -> cache bytes of the layers inside it
+    act_own: Mapping[str, int]
+    act_sub: dict[str, int]  # module -> the largest step inside it
+    overrides: frozenset[str]
+    main: Device
+    streamed: tuple[str, ...]
+    charged: set[str] = field(default_factory=set)
+    kv: dict[Device, int] = field(default_factory=dict)
+    act: dict[Device, int] = field(default_factory=dict)
+    stream_kv: int = 0
+    stream_act: int = 0
+
+    @classmethod
+    def build(cls, tree: SizeTree, options: PlanOptions, main: Device, streamed: tuple[str, ...]) -> Run:
+        unknown = [n for n in [*options.kv_cache, *options.activations] if n not in tree.nodes]
+        if unknown:
+            raise PlanError(f"cannot plan: KV cache or activation bytes given for names that are no module "
+                            f"of the model: {', '.join(repr(n) for n in unknown[:8])}; key them by module name")
+        kv_sub: dict[str, int] = {}
+        act_sub: dict[str, int] = {}
+        for name, node in reversed(tree.nodes.items()):  # post-order: children before parents
+            kv_sub[name] = options.kv_cache.get(name, 0) + sum(kv_sub[c] for c in node.children)
+            act_sub[name] = max([options.activations.get(name, 0), *(act_sub[c] for c in node.children)])
+        return cls(options.kv_cache, kv_sub, options.activations, act_sub, frozenset(options.overrides),
+                   main, streamed)
+
+    def unit(self, name: str) -> tuple[int, list[str], int]:
+        """Cache bytes a unit brings, the split layers it charges for the first time, and its step."""
+        inside = self.kv_sub.get(name, 0)
+        if name in self.overrides:  # nested overrides carry their own caches to their own devices
+            nested = [o for o in self.overrides if o != name and is_prefix(name, o)]
+            inside -= sum(self.kv_sub.get(o, 0) for o in nested if not any(
+                m != o and is_prefix(m, o) for m in nested))
+        step = self.act_sub.get(name, 0)
+        first = []
+        for holder in ancestors(parent(name)) if name else ():
+            if holder in self.kv_own and holder not in self.charged:
+                first.append(holder)
+                inside += self.kv_own[holder]
+            step = max(step, self.act_own.get(holder, 0))
+        return inside, first, step
+
+    def resident_bytes(self, name: str, device: Device) -> int:
+        """Room a unit's run takes on a resident device besides its weights."""
+        kv, _, step = self.unit(name)
+        return kv + max(0, step - self.act.get(device, 0))
+
+
+def run_bytes(tree: SizeTree, state: _Pass, name: str, device: Device | None) -> int:
+    """Bytes of KV cache and activations a unit adds to ``device`` (0 without a workload,
+    and on a streamed device: what a streamed unit runs is reserved on the execution device)."""
+    run = state.run
+    if run is None or device is None or device in run.streamed:
+        return 0
+    return run.resident_bytes(name, device)
+
+
+def with_run(tree: SizeTree, state: _Pass, name: str, device: Device, size: int) -> str:
+    """``"1.1 GiB weights + 0.4 GiB KV cache + 52 MiB activations"`` (just the size without
+    a workload; a streamed unit's cache is told about in :func:`_charge_run`)."""
+    run = state.run
+    if run is None:
+        return format_size(size)
+    if device in run.streamed:
+        return f"{format_size(size)} weights"
+    kv, _, step = run.unit(name)
+    grow = max(0, step - run.act.get(device, 0))
+    return (f"{format_size(size)} weights + {format_size(kv)} KV cache"
+            + (f" + {format_size(grow)} activations" if grow else ""))
+
+
+def charge_run(tree: SizeTree, state: _Pass, name: str, device: Device, reason: str, described: bool) -> str:
+    """Charge a placed unit's KV cache and step on the device it runs on; returns the reason,
+    completed with where its run lives when the reason does not say it yet."""
+    run = state.run
+    assert run is not None
+    kv, first, step = run.unit(name)
+    run.charged.update(first)
+    if device in run.streamed:
+        run.stream_kv += kv
+        run.stream_act = max(run.stream_act, step)
+        return reason + (f"; its {format_size(kv)} KV cache and {format_size(step)} of activations live on "
+                         f"{device_label(run.main)}, where it runs")
+    state.remaining[device] -= kv + max(0, step - run.act.get(device, 0))
+    run.kv[device] = run.kv.get(device, 0) + kv
+    run.act[device] = max(run.act.get(device, 0), step)
+    if described or not (kv or step):
+        return reason
+    return reason + f" (+ {format_size(kv)} KV cache, up to {format_size(step)} of activations there)"
+
+
+def check_run_fits(usage: tuple[DeviceUsage, ...], overridden: bool) -> None:
+    """A run that does not fit is not a plan: its cache or activations would run out of memory."""
+    over = [u for u in usage if u.free < 0 and (u.kv_cache or u.activations)]
+    if not over:
+        return
+    lines = [f"{device_label(u.device)} needs {format_size(u.used)} weights + {format_size(u.kv_cache)} KV cache + "
+             f"{format_size(u.activations)} activations + {format_size(u.reserve + u.offload_reserve)} reserved, "
+             f"{format_size(-u.free)} over its {format_size(u.budget)}" for u in over]
+    hint = " or move your overrides" if overridden else ""
+    raise PlanError("the run does not fit", lines, fix="Shorten the context or the batch, use a smaller KV "
+                                                      f"cache dtype, give the device more memory{hint}.")
+
+
+def streamed_run_needs(state: _Pass, main: Device) -> dict[Device, int]:
+    """Room streamed units need on the execution device for their caches and steps."""
+    run = state.run
+    if run is None or not (run.stream_kv or run.stream_act):
+        return {}
+    return {main: run.stream_kv + max(0, run.stream_act - run.act.get(main, 0))}
+
+
+def run_usage(state: _Pass, main: Device) -> tuple[dict[Device, int], dict[Device, int]]:
+    """KV cache and activation bytes per device, streamed units' counted on the execution device."""
+    run = state.run
+    if run is None:
+        return {}, {}
+    kv, act = dict(run.kv), dict(run.act)
+    if run.stream_kv or run.stream_act:
+        kv[main] = kv.get(main, 0) + run.stream_kv
+        act[main] = max(act.get(main, 0), run.stream_act)
+    return kv, act

@@ -1,0 +1,81 @@
+"""What a planning call takes: an ``nn.Module``, its inventory, a size tree, a checkpoint path
+or a ``config.json``, and how each becomes a size tree.
+
+Example:
+    >>> import torch.nn as nn
+    >>> as_tree(nn.Linear(4, 2)).total(""), default_no_split(nn.Linear(4, 2), as_tree(nn.Linear(4, 2)))
+    (40, [])
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Union
+
+import torch
+import torch.nn as nn
+
+from bigviz.checkpoint.hf import meta_model_from_folder
+from bigviz.checkpoint.tree import detect_no_split, tree_from_checkpoint
+from bigviz.core.tree import SizeTree
+from bigviz.modeling.inventory import ModelInventory
+from bigviz.modeling.sizes import module_tree
+from bigviz.modeling.workload import is_config_source, model_from_config
+
+__all__ = ["ModelLike", "resolve_model", "as_tree", "default_no_split", "inventory_or_none"]
+
+ModelLike = Union[nn.Module, ModelInventory, SizeTree, str, "os.PathLike[str]"]
+
+
+def resolve_model(model: ModelLike) -> ModelLike:
+    """A ``config.json`` path, or a folder holding only one, becomes its model built on
+    ``meta``; anything else is returned as it is."""
+    return model_from_config(model) if is_config_source(model) else model
+
+
+def as_tree(model: ModelLike, dtype: torch.dtype | str | None = None,
+            special_dtypes: Mapping[str, torch.dtype | str] | None = None) -> SizeTree:
+    """A size tree from a model, a tree, or a checkpoint path (headers only, no weights).
+
+    A checkpoint folder with a transformers ``config.json`` is described in the model's names
+    (built on meta from the config; checkpoint keys converted as the loader converts them,
+    tied duplicates and computed buffers included), so a map planned on it names what the
+    model has and runs in ``from_pretrained(device_map=...)`` as in bigviz. Without one, the
+    tree has the checkpoint's own names.
+    """
+    if isinstance(model, SizeTree):
+        special = {k: str(v) for k, v in (special_dtypes or {}).items()}
+        return model.with_dtype(str(dtype) if dtype is not None else None, special)
+    if isinstance(model, (nn.Module, ModelInventory)):
+        return module_tree(model, dtype, special_dtypes)
+    if isinstance(model, (str, os.PathLike)):
+        if is_config_source(model):
+            return as_tree(model_from_config(model), dtype, special_dtypes)
+        meta = meta_model_from_folder(os.fspath(model))
+        return as_tree(tree_from_checkpoint(os.fspath(model), model=meta), dtype, special_dtypes)
+    raise TypeError(f"expected an nn.Module, a SizeTree or a checkpoint path, got {type(model).__name__}")
+
+
+def default_no_split(model: ModelLike, tree: SizeTree) -> list[str]:
+    """The model's own no-split classes (``_no_split_modules``), or, for a checkpoint, those
+    of the transformers model its ``config.json`` names, else the repeated numbered blocks
+    found in its tensor names."""
+    declared = getattr(model.model if isinstance(model, ModelInventory) else model, "_no_split_modules", None)
+    if declared:
+        return list(declared)
+    if isinstance(model, (str, os.PathLike)):
+        meta = meta_model_from_folder(os.fspath(model))
+        declared = getattr(meta, "_no_split_modules", None)
+        return list(declared) if declared else list(detect_no_split(list(tree.tensors)))
+    return []
+
+
+def inventory_or_none(model: ModelLike) -> ModelInventory | None:
+    """The inventory of a model (a checkpoint: of the model its config.json builds on meta),
+    or None for a bare size tree or a checkpoint without a known model."""
+    if isinstance(model, (nn.Module, ModelInventory)):
+        return ModelInventory.of(model)
+    if isinstance(model, (str, os.PathLike)):
+        meta = meta_model_from_folder(os.fspath(model))
+        return None if meta is None else ModelInventory.of(meta)
+    return None
