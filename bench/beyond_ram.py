@@ -54,7 +54,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 warnings.filterwarnings("ignore")
 
-import dispatch as bench_dispatch  # noqa: E402  (bench/dispatch.py: RssAnon sampler, eviction)
 
 WORK = HERE / "_work"
 TOKENS = 16
@@ -322,10 +321,11 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
     with bigviz.init_empty_weights():
         model = GPT(GPTConfig(**spec["config"]))
-    base = bench_dispatch.rss_anon()
+    from bigviz.modeling.process_memory import PeakMemory
+
     out: dict[str, Any] = {"phase": "dispatch"}
     idx = torch.randint(0, spec["config"]["vocab_size"], (1, TOKENS), generator=torch.Generator().manual_seed(1))
-    with bench_dispatch.AnonPeak() as peak:
+    with PeakMemory(("RssAnon",)) as peak:  # sampled every 2 ms
         try:
             start = time.perf_counter()
             model = _dispatch(spec, model)
@@ -346,7 +346,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         except Exception as exc:  # what a peer does wrong is a result, not a crash of the bench
             out["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             out["failed_after_s"] = time.perf_counter() - start
-    out["anon_peak"] = peak.peak - base
+    out["anon_peak"] = peak.peak["RssAnon"] - peak.base["RssAnon"]
     return out
 
 

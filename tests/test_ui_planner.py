@@ -317,8 +317,15 @@ def test_dispatch_tab_lists_the_units_a_dispatch_fetches_and_follows_the_sliders
     assert all(u.nbytes == LAYER for u in dispatch.units)  # one Linear per unit, weight + bias
     # what the planner reserved on GPU 0 is what the dispatch holds: running + prefetched unit
     assert planner.plan.usage_of(0).offload_reserve == dispatch.held_bytes()[0] == 2 * LAYER
+    assert planner.controls.dispatch.value == ""  # made only when someone opens the tab
+    planner.widget.children[-1].selected_index = 1  # open the Dispatch tab
     text = planner.controls.dispatch.value
     assert text.count("<code>") == len(offloaded) and f"<code>{offloaded[-1]}</code>" in text
     assert "from CPU" in text and "fetch order" in text
     planner.budget_sliders[0].value = 10 * LAYER / GiB  # everything fits: nothing streams
     assert planner.dispatch_plan.units == () and "Nothing is offloaded" in planner.controls.dispatch.value
+    planner.widget.children[-1].selected_index = 0  # closed: a move does not redraw it ...
+    planner.budget_sliders[0].value = 3 * LAYER / GiB
+    assert "Nothing is offloaded" in planner.controls.dispatch.value
+    planner.widget.children[-1].selected_index = 1  # ... until it is opened again
+    assert "from CPU" in planner.controls.dispatch.value

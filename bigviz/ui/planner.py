@@ -56,6 +56,7 @@ from bigviz.ui.treemap import TreemapLayout, layout_of, treemap
 
 __all__ = ["Planner"]
 
+DISPATCH_TAB = 1  # index of the Dispatch tab (ui/controls.assemble)
 TABLE_ROWS = 300  # rows drawn in the widget; planner.table has them all
 
 
@@ -126,6 +127,9 @@ class Planner:
         self.reserve_inputs: dict[Device, Any] = self._rows.reserves
         self._sync_device_rows()
         self.widget = ctl.assemble(self.controls, self.view.box, self.stage_controls.widget)
+        self._tabs = self.widget.children[-1]
+        self._dispatch_shown: DevicePlan | None = None  # the plan the Dispatch tab shows
+        self._tabs.observe(lambda _: self._show_dispatch(), names="selected_index")
         self._wire()
         if w.active:
             self.find_longest_context()
@@ -397,8 +401,16 @@ class Planner:
         c.cost.value = cost_html(self.cost())
         c.fit.value = self._fit_html()
         c.table.value = table_html(plan, max_rows=TABLE_ROWS)
-        c.dispatch.value = dispatch_html(plan)
+        self._show_dispatch()
         c.overrides.value = self._overrides_html()
+
+    def _show_dispatch(self) -> None:
+        """Fill the Dispatch tab when it is open (a slider move re-plans in milliseconds; the
+        dispatch plan of a thousand modules is made only when someone looks at it)."""
+        if self._tabs.selected_index != DISPATCH_TAB or self._error or self._dispatch_shown is self._plan:
+            return
+        self.controls.dispatch.value = dispatch_html(self._plan)
+        self._dispatch_shown = self._plan
 
     def _settings(self) -> tuple[Any, ...]:
         """What the longest context depends on (to tell when a result is out of date)."""
