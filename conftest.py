@@ -5,6 +5,7 @@ for a result that only takes longer under load. nbval's defaults do: 60 s for a 
 start and 5 s between two messages of a finished cell. Both are raised (they are only ever
 reached when the machine is slow; a fast run never waits for them).
 """
+
 from __future__ import annotations
 
 import pytest

@@ -33,6 +33,7 @@ figures go to ``bench/_work/beyond-ram-results.json``.
 The page cache is dropped with ``sync; echo 3 > /proc/sys/vm/drop_caches`` when run as root
 (``--drop files`` to only evict the checkpoint's own files: the default when not root).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,8 +77,13 @@ class Shape:
     def config(self) -> Any:
         from bigviz.models import GPTConfig
 
-        return GPTConfig(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
-                         vocab_size=self.vocab_size, block_size=self.block_size)
+        return GPTConfig(
+            n_layer=self.n_layer,
+            n_head=self.n_head,
+            n_embd=self.n_embd,
+            vocab_size=self.vocab_size,
+            block_size=self.block_size,
+        )
 
     @property
     def block_bytes(self) -> int:
@@ -121,14 +127,19 @@ def choose_shape(args: argparse.Namespace, free: int) -> Shape | str:
         shape = Shape(n_layer=n_layer, ram=int(shape.model_bytes / args.ram_multiple), **base)
     if "accelerate" not in args.skip and disk_need(shape, accelerate=True) > free:
         args.skip.append("accelerate")
-        print(f"bench/beyond_ram.py: accelerate left out: it would rewrite {accelerate_copy(shape) / 1e9:.1f} GB "
-              f"into its offload folder and the disk has {(free - shape.model_bytes) / 1e9:.1f} GB free beside "
-              "the checkpoint (it needs that plus 10% headroom)", file=sys.stderr)
+        print(
+            f"bench/beyond_ram.py: accelerate left out: it would rewrite {accelerate_copy(shape) / 1e9:.1f} GB "
+            f"into its offload folder and the disk has {(free - shape.model_bytes) / 1e9:.1f} GB free beside "
+            "the checkpoint (it needs that plus 10% headroom)",
+            file=sys.stderr,
+        )
     need = disk_need(shape, accelerate=False)
     if need > free:
-        return (f"the disk has {free / 1e9:.1f} GB free; this {shape.model_bytes / 1e9:.1f} GB model "
-                f"({shape.model_bytes / shape.ram:.2f}x RAM) needs {need / 1e9:.1f} GB: itself and 10% headroom. "
-                "Free some space, or pass a smaller --size / --ram-multiple.")
+        return (
+            f"the disk has {free / 1e9:.1f} GB free; this {shape.model_bytes / 1e9:.1f} GB model "
+            f"({shape.model_bytes / shape.ram:.2f}x RAM) needs {need / 1e9:.1f} GB: itself and 10% headroom. "
+            "Free some space, or pass a smaller --size / --ram-multiple."
+        )
     return shape
 
 
@@ -173,10 +184,20 @@ def tensor_shapes(shape: Shape, layer: int | None) -> dict[str, tuple[int, ...]]
         return {"transformer.wte.weight": (shape.vocab_size, c), "transformer.wpe.weight": (shape.block_size, c)}
     if layer < 0:
         return {"transformer.ln_f.weight": (c,), "transformer.ln_f.bias": (c,)}
-    return {p + "ln_1.weight": (c,), p + "ln_1.bias": (c,), p + "attn.c_attn.weight": (3 * c, c),
-            p + "attn.c_attn.bias": (3 * c,), p + "attn.c_proj.weight": (c, c), p + "attn.c_proj.bias": (c,),
-            p + "ln_2.weight": (c,), p + "ln_2.bias": (c,), p + "mlp.c_fc.weight": (4 * c, c),
-            p + "mlp.c_fc.bias": (4 * c,), p + "mlp.c_proj.weight": (c, 4 * c), p + "mlp.c_proj.bias": (c,)}
+    return {
+        p + "ln_1.weight": (c,),
+        p + "ln_1.bias": (c,),
+        p + "attn.c_attn.weight": (3 * c, c),
+        p + "attn.c_attn.bias": (3 * c,),
+        p + "attn.c_proj.weight": (c, c),
+        p + "attn.c_proj.bias": (c,),
+        p + "ln_2.weight": (c,),
+        p + "ln_2.bias": (c,),
+        p + "mlp.c_fc.weight": (4 * c, c),
+        p + "mlp.c_fc.bias": (4 * c,),
+        p + "mlp.c_proj.weight": (c, 4 * c),
+        p + "mlp.c_proj.bias": (c,),
+    }
 
 
 def make_tensor(name: str, dims: tuple[int, ...]) -> Any:
@@ -215,8 +236,10 @@ def build_checkpoint(shape: Shape, folder: Path) -> float:
         total += sum(t.numel() * 4 for t in tensors.values())
         del tensors  # one shard in RAM at a time
         print(f"  wrote {name} ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
-    index = {"metadata": {"total_size": total, "total_parameters": total // 4},
-             "weight_map": dict(sorted(weight_map.items()))}
+    index = {
+        "metadata": {"total_size": total, "total_parameters": total // 4},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
     (stage / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (stage / "config.json").write_text(json.dumps(shape.config().to_dict(), indent=2, sort_keys=True) + "\n")
     os.sync()
@@ -276,11 +299,15 @@ def read_floor(files: list[Path], readers: int, drop: str, *, full: bool = False
 
     ranges = [(p, 0, p.stat().st_size) for p in files]
     out: dict[str, Any] = {}
-    runs = [("parallel", dict(readers=readers, chunk_bytes=16 * 2**20)),
-            ("parallel", dict(readers=readers, chunk_bytes=16 * 2**20))]
+    runs = [
+        ("parallel", dict(readers=readers, chunk_bytes=16 * 2**20)),
+        ("parallel", dict(readers=readers, chunk_bytes=16 * 2**20)),
+    ]
     if full:
-        runs += [("sequential", dict(readers=1, chunk_bytes=16 * 2**20)),
-                 ("direct", dict(readers=readers, chunk_bytes=16 * 2**20, direct=True))]
+        runs += [
+            ("sequential", dict(readers=1, chunk_bytes=16 * 2**20)),
+            ("direct", dict(readers=readers, chunk_bytes=16 * 2**20, direct=True)),
+        ]
     for name, knobs in runs:
         drop_caches(files, drop)
         try:
@@ -290,8 +317,11 @@ def read_floor(files: list[Path], readers: int, drop: str, *, full: bool = False
             continue
         if name not in out or timing.seconds < out[name]["seconds"]:
             out[name] = {"seconds": timing.seconds, "bytes": timing.bytes, "cpu_seconds": timing.cpu_seconds}
-        print(f"  floor {name}: {timing.seconds:.1f} s ({timing.bandwidth / 1e9:.2f} GB/s), "
-              f"load {load_average()}", file=sys.stderr, flush=True)
+        print(
+            f"  floor {name}: {timing.seconds:.1f} s ({timing.bandwidth / 1e9:.2f} GB/s), load {load_average()}",
+            file=sys.stderr,
+            flush=True,
+        )
     out["probe"] = run_probe(files, readers, drop)
     return out
 
@@ -305,8 +335,14 @@ def run_probe(files: list[Path], readers: int, drop: str) -> dict[str, Any]:
     probe = measure_read_bandwidth(files[0].parent, parallel=readers, cache=False)
     took = time.perf_counter() - start
     print(f"  probe: {probe} in {took:.1f} s", file=sys.stderr, flush=True)
-    return {"seconds": took, "parallel": probe.parallel, "sequential": probe.sequential, "method": probe.method,
-            "sample_bytes": probe.sample_bytes, "chunk_bytes": probe.chunk_bytes}
+    return {
+        "seconds": took,
+        "parallel": probe.parallel,
+        "sequential": probe.sequential,
+        "method": probe.method,
+        "sample_bytes": probe.sample_bytes,
+        "chunk_bytes": probe.chunk_bytes,
+    }
 
 
 # ------------------------------------------------------------------------ scenarios
@@ -356,13 +392,19 @@ def _dispatch(spec: dict[str, Any], model: Any) -> Any:
     if spec["engine"] == "bigviz":
         import bigviz
 
-        return bigviz.load_checkpoint_and_dispatch(model, spec["ckpt"], device_map, max_memory=budget,
-                                                   resident=spec.get("resident", "auto"))
+        return bigviz.load_checkpoint_and_dispatch(
+            model, spec["ckpt"], device_map, max_memory=budget, resident=spec.get("resident", "auto")
+        )
     import accelerate
 
     return accelerate.load_checkpoint_and_dispatch(
-        model, str(Path(spec["ckpt"]) / "model.safetensors.index.json"), device_map=device_map,
-        max_memory=budget, offload_folder=spec["offload"], no_split_module_classes=["Block"])
+        model,
+        str(Path(spec["ckpt"]) / "model.safetensors.index.json"),
+        device_map=device_map,
+        max_memory=budget,
+        offload_folder=spec["offload"],
+        no_split_module_classes=["Block"],
+    )
 
 
 def compute_child(spec: dict[str, Any]) -> dict[str, Any]:
@@ -396,8 +438,13 @@ def _best(fn: Any, repeat: int = 3) -> float:
 
 def run_child(spec: dict[str, Any], *, timeout: float) -> dict[str, Any]:
     """Run one scenario in a fresh process, killing it if the machine runs low on memory."""
-    proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=HERE.parent)
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--child", json.dumps(spec)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=HERE.parent,
+    )
     guard = _Guard(proc)
     guard.start()
     start = time.perf_counter()
@@ -411,15 +458,19 @@ def run_child(spec: dict[str, Any], *, timeout: float) -> dict[str, Any]:
         guard.stop()
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if guard.killed:
-        return {"error": f"killed by the bench's memory guard (MemAvailable < 1 GiB) at "
-                         f"{guard.anon / GiB:.1f} GiB RssAnon", "failed_after_s": time.perf_counter() - start,
-                "anon_peak": guard.anon}
+        return {
+            "error": f"killed by the bench's memory guard (MemAvailable < 1 GiB) at {guard.anon / GiB:.1f} GiB RssAnon",
+            "failed_after_s": time.perf_counter() - start,
+            "anon_peak": guard.anon,
+        }
     if proc.returncode != 0 or not lines:
         last = (stderr.strip().splitlines() or ["no output"])[-1]
         why = ""
         if proc.returncode == -7:  # SIGBUS: a memory-mapped file could not be backed
-            why = (f"SIGBUS (a memory-mapped file could not be written or read: the disk full? "
-                   f"{shutil.disk_usage(HERE).free / 1e9:.1f} GB free now); ")
+            why = (
+                f"SIGBUS (a memory-mapped file could not be written or read: the disk full? "
+                f"{shutil.disk_usage(HERE).free / 1e9:.1f} GB free now); "
+            )
         return {"error": f"exit {proc.returncode}: {why}{last[:200]}", "failed_after_s": time.perf_counter() - start}
     return json.loads(lines[-1])
 
@@ -484,8 +535,9 @@ def split_bytes(shape: Shape, device_map: dict[str, str]) -> tuple[int, int, lis
     return resident, streamed, placed
 
 
-def predict(shape: Shape, device_map: dict[str, str], compute: dict[str, float], bandwidth: float,
-            depth: int = 2) -> Any:
+def predict(
+    shape: Shape, device_map: dict[str, str], compute: dict[str, float], bandwidth: float, depth: int = 2
+) -> Any:
     """bigviz.core.streaming's prediction of a later forward, at the floor's bandwidth, with the
     engine's read-ahead depth."""
     from bigviz.core.streaming import UnitCost, predict_forward
@@ -508,12 +560,21 @@ def ratio(num: float | None, den: float | None) -> str:
     return "-" if not num or not den else f"{num / den:.2f}x"
 
 
-def report(shape: Shape, floor: dict[str, Any], results: dict[str, dict[str, Any]], compute: dict[str, Any],
-           info: dict[str, Any]) -> str:
+def report(
+    shape: Shape,
+    floor: dict[str, Any],
+    results: dict[str, dict[str, Any]],
+    compute: dict[str, Any],
+    info: dict[str, Any],
+) -> str:
     best = floor.get("parallel", {}).get("seconds")
     bandwidth = shape.model_bytes / best if best else None
-    lines = [_header(shape, info), "", "| measurement | time | / floor | anonymous RAM peak | notes |",
-             "|---|---|---|---|---|"]
+    lines = [
+        _header(shape, info),
+        "",
+        "| measurement | time | / floor | anonymous RAM peak | notes |",
+        "|---|---|---|---|---|",
+    ]
     lines += _floor_rows(floor, shape, info["readers"], best)
     for name, r in results.items():
         lines += _scenario_rows(name, r, shape, best, bandwidth, compute, floor.get("probe"))
@@ -522,88 +583,125 @@ def report(shape: Shape, floor: dict[str, Any], results: dict[str, dict[str, Any
 
 
 def _header(shape: Shape, info: dict[str, Any]) -> str:
-    return (f"## Larger than RAM (`python bench/beyond_ram.py{info['argv']}`, {datetime.date.today()})\n\n"
-            f"bigviz GPT, n_embd {shape.n_embd}, {shape.n_layer} blocks of {gb(shape.block_bytes)} + "
-            f"embeddings {gb(shape.embedding_bytes)}: {gb(shape.model_bytes)} fp32, "
-            f"{shape.model_bytes / shape.ram:.2f}x the RAM ({shape.ram / GiB:.1f} GiB"
-            f"{', pretend: --small' if info['small'] else ''}); cpu budget for \"auto\": "
-            f"{shape.cpu_budget / GiB:.1f} GiB (2/3 of RAM). {TOKENS}-token forwards. Page cache dropped "
-            f"({info['drop']}) before each line. Checkpoint {'written in ' + format(info['build_s'], '.0f') + ' s' if info['build_s'] else 'reused'}. "
-            f"Load average (1/5/15 min) at the start: {info['load_start']}, at the end: {info['load_end']}.")
+    return (
+        f"## Larger than RAM (`python bench/beyond_ram.py{info['argv']}`, {datetime.date.today()})\n\n"
+        f"bigviz GPT, n_embd {shape.n_embd}, {shape.n_layer} blocks of {gb(shape.block_bytes)} + "
+        f"embeddings {gb(shape.embedding_bytes)}: {gb(shape.model_bytes)} fp32, "
+        f"{shape.model_bytes / shape.ram:.2f}x the RAM ({shape.ram / GiB:.1f} GiB"
+        f'{", pretend: --small" if info["small"] else ""}); cpu budget for "auto": '
+        f"{shape.cpu_budget / GiB:.1f} GiB (2/3 of RAM). {TOKENS}-token forwards. Page cache dropped "
+        f"({info['drop']}) before each line. Checkpoint {'written in ' + format(info['build_s'], '.0f') + ' s' if info['build_s'] else 'reused'}. "
+        f"Load average (1/5/15 min) at the start: {info['load_start']}, at the end: {info['load_end']}."
+    )
 
 
 def _floor_rows(floor: dict[str, Any], shape: Shape, readers: int, best: float | None) -> list[str]:
     rows = []
-    labels = {"parallel": f"read floor: all shards, {readers} parallel readers (best of two)",
-              "sequential": "one sequential reader", "direct": f"{readers} parallel readers, O_DIRECT"}
+    labels = {
+        "parallel": f"read floor: all shards, {readers} parallel readers (best of two)",
+        "sequential": "one sequential reader",
+        "direct": f"{readers} parallel readers, O_DIRECT",
+    }
     probe = floor.get("probe")
     if probe:
-        rows.append(f"| bigviz disk probe: {probe['sample_bytes'] >> 20} MiB by 1 reader, then by {readers} "
-                    f"({probe['method']}, {probe['chunk_bytes'] >> 20} MiB requests) | {fmt_s(probe['seconds'])} | - | - | "
-                    f"{probe['sequential'] / 1e9:.2f} GB/s with 1 reader, {probe['parallel'] / 1e9:.2f} GB/s with "
-                    f"{readers}: {probe['parallel'] * best / shape.model_bytes if best else 0:.2f}x the floor's |")
+        rows.append(
+            f"| bigviz disk probe: {probe['sample_bytes'] >> 20} MiB by 1 reader, then by {readers} "
+            f"({probe['method']}, {probe['chunk_bytes'] >> 20} MiB requests) | {fmt_s(probe['seconds'])} | - | - | "
+            f"{probe['sequential'] / 1e9:.2f} GB/s with 1 reader, {probe['parallel'] / 1e9:.2f} GB/s with "
+            f"{readers}: {probe['parallel'] * best / shape.model_bytes if best else 0:.2f}x the floor's |"
+        )
     for key, label in labels.items():
         if key not in floor:
             if key + "_error" in floor:
                 rows.append(f"| {label} | - | - | - | {floor[key + '_error']} |")
             continue
         r = floor[key]
-        rows.append(f"| {label} | {fmt_s(r['seconds'])} | {ratio(r['seconds'], best)} | - | "
-                    f"{r['bytes'] / r['seconds'] / 1e9:.2f} GB/s, CPU {r['cpu_seconds']:.1f} s |")
+        rows.append(
+            f"| {label} | {fmt_s(r['seconds'])} | {ratio(r['seconds'], best)} | - | "
+            f"{r['bytes'] / r['seconds'] / 1e9:.2f} GB/s, CPU {r['cpu_seconds']:.1f} s |"
+        )
     return rows
 
 
-def _scenario_rows(name: str, r: dict[str, Any], shape: Shape, best: float | None, bandwidth: float | None,
-                   compute: dict[str, Any], probe: dict[str, Any] | None) -> list[str]:
+def _scenario_rows(
+    name: str,
+    r: dict[str, Any],
+    shape: Shape,
+    best: float | None,
+    bandwidth: float | None,
+    compute: dict[str, Any],
+    probe: dict[str, Any] | None,
+) -> list[str]:
     anon = f"{r['anon_peak'] / GiB:.2f} GiB" if "anon_peak" in r else "-"
     if "error" in r and "first_s" not in r:
         where = f"dispatch {fmt_s(r.get('dispatch_s'))}, then " if "dispatch_s" in r else ""
-        return [f"| {name} | {fmt_s(r.get('failed_after_s'))} | {ratio(r.get('failed_after_s'), best)} | {anon} | "
-                f"{where}failed in {r.get('phase', '?')}: `{r['error']}` |"]
+        return [
+            f"| {name} | {fmt_s(r.get('failed_after_s'))} | {ratio(r.get('failed_after_s'), best)} | {anon} | "
+            f"{where}failed in {r.get('phase', '?')}: `{r['error']}` |"
+        ]
     resident, streamed, _ = split_bytes(shape, r.get("map", {}))
     split = f"resident {gb(resident)}, streamed {gb(streamed)}"
     first = r["first_s"] + r["dispatch_s"]
-    rows = [f"| {name}: dispatch + first forward | {fmt_s(first)} | {ratio(first, best)} | {anon} | "
-            f"dispatch {fmt_s(r['dispatch_s'])}; {split} |"]
+    rows = [
+        f"| {name}: dispatch + first forward | {fmt_s(first)} | {ratio(first, best)} | {anon} | "
+        f"dispatch {fmt_s(r['dispatch_s'])}; {split} |"
+    ]
     if "next_s" in r:
         floor_part = streamed / bandwidth if bandwidth else None
         note = f"read of the streamed part at the floor's speed: {fmt_s(floor_part)} ({ratio(r['next_s'], floor_part)})"
         if compute and bandwidth:
             depth = r.get("depth", 2)
             guess = predict(shape, r["map"], compute, bandwidth, depth)
-            note += (f"; predicted {guess.seconds:.1f} s ({guess.bottleneck}-bound, {depth} unit(s) read ahead) "
-                     f"at the floor's bandwidth ({ratio(r['next_s'], guess.seconds)} of it)")
+            note += (
+                f"; predicted {guess.seconds:.1f} s ({guess.bottleneck}-bound, {depth} unit(s) read ahead) "
+                f"at the floor's bandwidth ({ratio(r['next_s'], guess.seconds)} of it)"
+            )
             if probe:
                 note += f", {predict(shape, r['map'], compute, probe['parallel'], depth).seconds:.1f} s at the probe's"
         rows.append(f"| {name}: next forward | {fmt_s(r['next_s'])} | {ratio(r['next_s'], best)} | | {note} |")
     return rows
 
 
-def _goals(shape: Shape, results: dict[str, dict[str, Any]], best: float | None, bandwidth: float | None,
-           compute: dict[str, Any]) -> list[str]:
+def _goals(
+    shape: Shape,
+    results: dict[str, dict[str, Any]],
+    best: float | None,
+    bandwidth: float | None,
+    compute: dict[str, Any],
+) -> list[str]:
     lines = []
     disk = results.get("bigviz all-disk", {})
     if "first_s" in disk and best:
-        lines.append(f"- bigviz all-disk, cold dispatch + first forward / read floor: "
-                     f"**{ratio(disk['first_s'] + disk['dispatch_s'], best)}** (goal <= 1.1x)")
+        lines.append(
+            f"- bigviz all-disk, cold dispatch + first forward / read floor: "
+            f"**{ratio(disk['first_s'] + disk['dispatch_s'], best)}** (goal <= 1.1x)"
+        )
     auto = results.get("bigviz auto", {})
     if "next_s" in auto and bandwidth:
         _, streamed, _ = split_bytes(shape, auto["map"])
-        lines.append(f"- bigviz auto, next forward / time to read the streamed part at the floor's speed: "
-                     f"**{ratio(auto['next_s'], streamed / bandwidth)}** (goal <= 1.1x)")
+        lines.append(
+            f"- bigviz auto, next forward / time to read the streamed part at the floor's speed: "
+            f"**{ratio(auto['next_s'], streamed / bandwidth)}** (goal <= 1.1x)"
+        )
         if compute:
             guess = predict(shape, auto["map"], compute, bandwidth, auto.get("depth", 2))
-            lines.append(f"- bigviz auto, next forward / predicted ({guess.bottleneck}-bound, floor's bandwidth, "
-                         f"compute measured): **{ratio(auto['next_s'], guess.seconds)}** (when compute is the "
-                         "bottleneck on this machine, the disk goals cannot be reached: this one says whether "
-                         "reads were hidden)")
+            lines.append(
+                f"- bigviz auto, next forward / predicted ({guess.bottleneck}-bound, floor's bandwidth, "
+                f"compute measured): **{ratio(auto['next_s'], guess.seconds)}** (when compute is the "
+                "bottleneck on this machine, the disk goals cannot be reached: this one says whether "
+                "reads were hidden)"
+            )
         over = auto["anon_peak"] - shape.cpu_budget
-        lines.append(f"- bigviz auto, anonymous RAM peak {auto['anon_peak'] / GiB:.2f} GiB against the cpu budget "
-                     f"{shape.cpu_budget / GiB:.1f} GiB + 2 GiB: {'met' if over <= 2 * GiB else 'not met'}")
+        lines.append(
+            f"- bigviz auto, anonymous RAM peak {auto['anon_peak'] / GiB:.2f} GiB against the cpu budget "
+            f"{shape.cpu_budget / GiB:.1f} GiB + 2 GiB: {'met' if over <= 2 * GiB else 'not met'}"
+        )
     if compute:
-        lines.append(f"- compute, weights in RAM: one block {compute['block_s'] * 1e3:.0f} ms, the head "
-                     f"{compute['head_s'] * 1e3:.0f} ms; all blocks + head "
-                     f"{(shape.n_layer * compute['block_s'] + compute['head_s']):.1f} s per forward")
+        lines.append(
+            f"- compute, weights in RAM: one block {compute['block_s'] * 1e3:.0f} ms, the head "
+            f"{compute['head_s'] * 1e3:.0f} ms; all blocks + head "
+            f"{(shape.n_layer * compute['block_s'] + compute['head_s']):.1f} s per forward"
+        )
     return lines
 
 
@@ -624,8 +722,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=900, help="seconds a scenario may take")
     parser.add_argument("--full-floor", action="store_true", help="also time one sequential reader and O_DIRECT")
     parser.add_argument("--rebuild", action="store_true", help="build the checkpoint again for this machine's RAM")
-    parser.add_argument("--only", action="append", default=[], choices=["disk", "auto", "accelerate"],
-                        help="run only these scenarios (repeatable)")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        choices=["disk", "auto", "accelerate"],
+        help="run only these scenarios (repeatable)",
+    )
     parser.add_argument("--no-results", action="store_true", help="do not write bench/RESULTS.md")
     parser.add_argument("--report", type=Path, help="print the report of a saved run (its -results.json)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -671,8 +774,13 @@ def _ours(folder: Path) -> int:
 
 
 def measure(args: argparse.Namespace, shape: Shape, folder: Path) -> str | None:
-    info = {"small": args.small, "readers": args.readers, "drop": drop_mode(args.drop, args.small),
-            "load_start": load_average(), "argv": "".join(" " + a for a in sys.argv[1:])}
+    info = {
+        "small": args.small,
+        "readers": args.readers,
+        "drop": drop_mode(args.drop, args.small),
+        "load_start": load_average(),
+        "argv": "".join(" " + a for a in sys.argv[1:]),
+    }
     verb = "reusing" if _complete(folder, shape) else "building"
     print(f"{verb} {folder} ({shape.model_bytes / 1e9:.1f} GB, {shape.n_layer} blocks) ...", file=sys.stderr)
     info["build_s"] = build_checkpoint(shape, folder)
@@ -680,14 +788,20 @@ def measure(args: argparse.Namespace, shape: Shape, folder: Path) -> str | None:
         return None
     files = shard_files(folder)
     floor = {} if "floor" in args.skip else read_floor(files, args.readers, info["drop"], full=args.full_floor)
-    spec = {"config": shape.config().to_dict(), "ckpt": str(folder), "budget": shape.cpu_budget,
-            "offload": str(folder.parent / "beyond-ram-offload"),
-            "resident": "copy" if args.small else "auto"}  # --small: the pretend RAM is smaller than the model
+    spec = {
+        "config": shape.config().to_dict(),
+        "ckpt": str(folder),
+        "budget": shape.cpu_budget,
+        "offload": str(folder.parent / "beyond-ram-offload"),
+        "resident": "copy" if args.small else "auto",
+    }  # --small: the pretend RAM is smaller than the model
     spec["config"].pop("model_type", None)
     compute = {} if "compute" in args.skip else run_child({**spec, "engine": "compute"}, timeout=args.timeout)
-    scenarios = {"bigviz all-disk": {"engine": "bigviz", "map": "disk"},
-                 "bigviz auto": {"engine": "bigviz", "map": "auto"},
-                 "accelerate auto": {"engine": "accelerate", "map": "auto"}}
+    scenarios = {
+        "bigviz all-disk": {"engine": "bigviz", "map": "disk"},
+        "bigviz auto": {"engine": "bigviz", "map": "auto"},
+        "accelerate auto": {"engine": "accelerate", "map": "auto"},
+    }
     results = {}
     for name, extra in scenarios.items():
         short = "accelerate" if extra["engine"] == "accelerate" else extra["map"]
@@ -695,8 +809,11 @@ def measure(args: argparse.Namespace, shape: Shape, folder: Path) -> str | None:
             continue
         free = shutil.disk_usage(folder.parent).free  # a shared disk: what others left now
         if extra["engine"] == "accelerate" and free < accelerate_copy(shape) * 1.1:
-            results[name] = {"error": f"left out: it rewrites {gb(accelerate_copy(shape))} into its offload folder "
-                                      f"and the disk has {gb(free)} free now", "failed_after_s": 0.0}
+            results[name] = {
+                "error": f"left out: it rewrites {gb(accelerate_copy(shape))} into its offload folder "
+                f"and the disk has {gb(free)} free now",
+                "failed_after_s": 0.0,
+            }
             continue
         drop_caches(files, info["drop"])
         print(f"  {name} (load {load_average()}) ...", file=sys.stderr, flush=True)

@@ -15,6 +15,7 @@ RAM: load + dispatch time, greedy decode per token (batch 1, KV cache, 16 new to
 an 8-token prompt), one 128-token forward; prefetch on against off, also with the disk
 blocks evicted from the page cache first (cold); peak RssAnon with everything on disk.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,7 +62,7 @@ def ensure_checkpoint() -> Path:
 
 
 def device_map(kind: str) -> dict[str, str]:
-    """"ram": everything on the CPU; "half": the last half of the blocks on disk; "disk": all."""
+    """ "ram": everything on the CPU; "half": the last half of the blocks on disk; "disk": all."""
     if kind == "disk":
         return {"": "disk"}
     dm = {"transformer.wte": "cpu", "transformer.wpe": "cpu", "transformer.drop": "cpu"}
@@ -154,7 +155,10 @@ def _load(spec: dict[str, Any], model: Any) -> Any:
 
     shutil.rmtree(ACC_OFFLOAD, ignore_errors=True)  # accelerate rewrites its offload every time
     return accelerate.load_checkpoint_and_dispatch(
-        model, str(CKPT / "model.safetensors.index.json"), device_map=dm, offload_folder=str(ACC_OFFLOAD),
+        model,
+        str(CKPT / "model.safetensors.index.json"),
+        device_map=dm,
+        offload_folder=str(ACC_OFFLOAD),
         no_split_module_classes=["Block"],
     )
 
@@ -233,8 +237,10 @@ def fmt(value: Any, unit: str = "s") -> str:
 
 
 def report(results: dict[str, dict[str, Any]], model_bytes: int) -> None:
-    print("| scenario | load + dispatch | decode / token, best (median) | 128-token forward | "
-          "peak RssAnon above runtime | tokens |")
+    print(
+        "| scenario | load + dispatch | decode / token, best (median) | 128-token forward | "
+        "peak RssAnon above runtime | tokens |"
+    )
     print("|---|---|---|---|---|---|")
     reference = results.get("bigviz RAM", {}).get("tokens")
     for name, r in results.items():
@@ -245,8 +251,10 @@ def report(results: dict[str, dict[str, Any]], model_bytes: int) -> None:
         token = fmt(r.get("token_s"), "ms")
         if r.get("token_median_s") is not None:
             token += f" ({fmt(r['token_median_s'], 'ms')})"
-        print(f"| {name} | {fmt(r.get('dispatch_s'))} | {token} | "
-              f"{fmt(r.get('forward_s'))} | {fmt(r.get('anon_above_base'), 'GB')} | {same} |")
+        print(
+            f"| {name} | {fmt(r.get('dispatch_s'))} | {token} | "
+            f"{fmt(r.get('forward_s'))} | {fmt(r.get('anon_above_base'), 'GB')} | {same} |"
+        )
     print()
     ratios(results, model_bytes)
 
@@ -261,25 +269,54 @@ def ratios(results: dict[str, dict[str, Any]], model_bytes: int) -> None:
 
     in_ram = [t for t in (get("bigviz RAM", "token_s"), get("accelerate RAM", "token_s")) if t]
     ram = min(in_ram) if in_ram else None  # the faster all-in-RAM run: the stricter reference
-    line("bigviz half-disk decode / all-in-RAM decode (best RAM engine)", get("bigviz half-disk", "token_s"), ram, "<= 1.2x")
+    line(
+        "bigviz half-disk decode / all-in-RAM decode (best RAM engine)",
+        get("bigviz half-disk", "token_s"),
+        ram,
+        "<= 1.2x",
+    )
     line("accelerate half-disk decode / all-in-RAM decode", get("accelerate half-disk", "token_s"), ram, "about 2x")
-    line("bigviz / accelerate 128-token forward, half-disk", get("bigviz half-disk", "forward_s"),
-         get("accelerate half-disk", "forward_s"), "<= 1x")
-    line("bigviz / accelerate load + dispatch, half-disk", get("bigviz half-disk", "dispatch_s"),
-         get("accelerate half-disk", "dispatch_s"), "<= 0.2x")
-    line("prefetch on / off, decode (warm page cache)", get("bigviz half-disk", "token_s"),
-         get("bigviz half-disk, prefetch off", "token_s"), "< 1x helps")
-    line("prefetch on / off, cold 128-token forward", get("bigviz half-disk cold", "forward_s"),
-         get("bigviz half-disk cold, prefetch off", "forward_s"), "< 1x helps")
-    line("bigviz all-disk peak RssAnon above runtime / model bytes", get("bigviz all-disk", "anon_above_base"),
-         model_bytes, "<= 0.3x")
+    line(
+        "bigviz / accelerate 128-token forward, half-disk",
+        get("bigviz half-disk", "forward_s"),
+        get("accelerate half-disk", "forward_s"),
+        "<= 1x",
+    )
+    line(
+        "bigviz / accelerate load + dispatch, half-disk",
+        get("bigviz half-disk", "dispatch_s"),
+        get("accelerate half-disk", "dispatch_s"),
+        "<= 0.2x",
+    )
+    line(
+        "prefetch on / off, decode (warm page cache)",
+        get("bigviz half-disk", "token_s"),
+        get("bigviz half-disk, prefetch off", "token_s"),
+        "< 1x helps",
+    )
+    line(
+        "prefetch on / off, cold 128-token forward",
+        get("bigviz half-disk cold", "forward_s"),
+        get("bigviz half-disk cold, prefetch off", "forward_s"),
+        "< 1x helps",
+    )
+    line(
+        "bigviz all-disk peak RssAnon above runtime / model bytes",
+        get("bigviz all-disk", "anon_above_base"),
+        model_bytes,
+        "<= 0.3x",
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats, skip the slowest runs")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="runs of each scenario (accelerate's half- and all-disk ones run once); best kept")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="runs of each scenario (accelerate's half- and all-disk ones run once); best kept",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -299,8 +336,10 @@ def main() -> None:
                 print(f"  {name}: {runs[name][-1]}", file=sys.stderr)
     results = {name: best(found) for name, found in runs.items()}
     shutil.rmtree(ACC_OFFLOAD, ignore_errors=True)
-    print(f"## Dispatch and offload: {PRESET} ({model_bytes / 1e9:.2f} GB fp32), "
-          f"{os.cpu_count()} CPUs, torch threads default\n")
+    print(
+        f"## Dispatch and offload: {PRESET} ({model_bytes / 1e9:.2f} GB fp32), "
+        f"{os.cpu_count()} CPUs, torch threads default\n"
+    )
     report(results, model_bytes)
     print(f"\n(total bench time {time.perf_counter() - start:.0f} s)")
 

@@ -11,6 +11,7 @@ step must copy all block weights host-to-device. The floor is those bytes over t
 host-to-device bandwidth measured here; accelerate (no pinned memory, no side stream, no
 prefetch) runs the same map; disk-mapped blocks (warm page cache, pinned staging) too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,8 +70,11 @@ def load(engine: str, device_map: dict[str, Any], *, prefetch: bool = True) -> A
     import accelerate
 
     return accelerate.load_checkpoint_and_dispatch(
-        build_meta(), str(bench_dispatch.CKPT / "model.safetensors.index.json"), device_map=device_map,
-        offload_folder=str(bench_dispatch.ACC_OFFLOAD), no_split_module_classes=["Block"],
+        build_meta(),
+        str(bench_dispatch.CKPT / "model.safetensors.index.json"),
+        device_map=device_map,
+        offload_folder=str(bench_dispatch.ACC_OFFLOAD),
+        no_split_module_classes=["Block"],
     )
 
 
@@ -146,8 +150,10 @@ def main() -> None:
             rows.append((name, None, None, f"failed: {type(exc).__name__}: {str(exc)[:80]}"))
         print(f"  {rows[-1]}", file=sys.stderr)
     print(f"## CPU offload to {torch.cuda.get_device_name(0)}: {bench_dispatch.PRESET}\n")
-    print(f"pinned H2D {pinned / 1e9:.1f} GB/s, pageable {pageable / 1e9:.1f} GB/s; "
-          f"streamed per token: {offloaded / 1e9:.2f} GB; floor {floor * 1e3:.1f} ms/token\n")
+    print(
+        f"pinned H2D {pinned / 1e9:.1f} GB/s, pageable {pageable / 1e9:.1f} GB/s; "
+        f"streamed per token: {offloaded / 1e9:.2f} GB; floor {floor * 1e3:.1f} ms/token\n"
+    )
     print("| scenario | decode / token, best (median) | / floor | tokens |")
     print("|---|---|---|---|")
     for name, best, median, note in rows:

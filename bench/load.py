@@ -17,6 +17,7 @@ peak are kept. Prints a markdown table and the ratios against the goals of issue
 Usage:
     .venv/bin/python bench/load.py [--repeat 2] [--shard 500MB]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,9 +40,11 @@ def build_model():
 
     try:
         from bigviz.models import GPT, GPTConfig
+
         return GPT(GPTConfig.preset("gpt2-large")).eval()
     except ImportError:  # pragma: no cover - bigviz.models is written by another engineer
         from transformers import GPT2Config, GPT2LMHeadModel
+
         torch.manual_seed(0)
         return GPT2LMHeadModel(GPT2Config(n_layer=36, n_head=20, n_embd=1280)).eval()
 
@@ -89,9 +92,11 @@ def child(which: str, folder: Path) -> dict:
     start = time.perf_counter()
     if which == "bigviz":
         from bigviz.checkpoint.load import load_checkpoint_in_model
+
         load_checkpoint_in_model(model, folder, progress=False)
     else:
         from accelerate.utils import load_checkpoint_in_model
+
         load_checkpoint_in_model(model, str(folder), device_map={"": "cpu"})
     loaded = time.perf_counter()
     load_peak = sampler.take()
@@ -105,15 +110,22 @@ def child(which: str, folder: Path) -> dict:
     total_peak["RssAnon"] = max(total_peak["RssAnon"], load_peak["RssAnon"])
     assert torch.isfinite(logits).all()
     return {
-        "load_s": loaded - start, "first_forward_s": first - start,
-        "load_rss": load_peak["VmRSS"] - baseline["VmRSS"], "load_anon": load_peak["RssAnon"] - baseline["RssAnon"],
-        "peak_rss": total_peak["VmRSS"] - baseline["VmRSS"], "peak_anon": total_peak["RssAnon"] - baseline["RssAnon"],
+        "load_s": loaded - start,
+        "first_forward_s": first - start,
+        "load_rss": load_peak["VmRSS"] - baseline["VmRSS"],
+        "load_anon": load_peak["RssAnon"] - baseline["RssAnon"],
+        "peak_rss": total_peak["VmRSS"] - baseline["VmRSS"],
+        "peak_anon": total_peak["RssAnon"] - baseline["RssAnon"],
     }
 
 
 def run_child(which: str, folder: Path) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--child", which, "--folder", str(folder)],
-                          capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", which, "--folder", str(folder)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{which} run failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -128,33 +140,47 @@ def best(runs: list[dict]) -> dict:
 
 def report(results: dict[str, dict], model_bytes: int, cat_s: float) -> str:
     gb = 1e9
-    lines = [f"gpt2-large checkpoint: {model_bytes / gb:.2f} GB fp32, page cache warm "
-             f"(cat of all shards: {cat_s:.2f} s)", "",
-             "| library | load to CPU (s) | first forward (s) | peak RSS load (GB) | peak RssAnon load (GB) "
-             "| peak RSS to 1st output (GB) | peak RssAnon to 1st output (GB) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"gpt2-large checkpoint: {model_bytes / gb:.2f} GB fp32, page cache warm (cat of all shards: {cat_s:.2f} s)",
+        "",
+        "| library | load to CPU (s) | first forward (s) | peak RSS load (GB) | peak RssAnon load (GB) "
+        "| peak RSS to 1st output (GB) | peak RssAnon to 1st output (GB) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, r in results.items():
-        lines.append(f"| {name} | {r['load_s']:.3f} | {r['first_forward_s']:.3f} | {r['load_rss'] / gb:.2f} | "
-                     f"{r['load_anon'] / gb:.2f} | {r['peak_rss'] / gb:.2f} | {r['peak_anon'] / gb:.2f} |")
+        lines.append(
+            f"| {name} | {r['load_s']:.3f} | {r['first_forward_s']:.3f} | {r['load_rss'] / gb:.2f} | "
+            f"{r['load_anon'] / gb:.2f} | {r['peak_rss'] / gb:.2f} | {r['peak_anon'] / gb:.2f} |"
+        )
     b, a = results["bigviz"], results["accelerate"]
     lines += ["", "| ratio | value | goal | met |", "|---|---|---|---|"]
     for key, label in (("load_s", "load"), ("first_forward_s", "first_forward")):
         ratio = b[key] / a[key]
-        lines.append(f"| {label} bigviz/accelerate | {ratio:.2f}x | <= {GOALS[label]}x | "
-                     f"{'yes' if ratio <= GOALS[label] else 'NO'} |")
+        lines.append(
+            f"| {label} bigviz/accelerate | {ratio:.2f}x | <= {GOALS[label]}x | "
+            f"{'yes' if ratio <= GOALS[label] else 'NO'} |"
+        )
     for key, label in (("load_rss", "peak RSS during load"), ("load_anon", "peak RssAnon during load")):
         ratio = b[key] / model_bytes
         lines.append(f"| bigviz {label} / model bytes | {ratio:.2f}x | <= 1.0x | {'yes' if ratio <= 1.0 else 'NO'} |")
-    lines += ["", "Through the first forward every loader must have the weights resident (file-backed "
-              "page cache for mmap loaders), so RSS is about 1x the model for both; RssAnon is what "
-              "cannot be reclaimed:", "",
-              "| up to the first output | bigviz | accelerate |", "|---|---|---|"]
+    lines += [
+        "",
+        "Through the first forward every loader must have the weights resident (file-backed "
+        "page cache for mmap loaders), so RSS is about 1x the model for both; RssAnon is what "
+        "cannot be reclaimed:",
+        "",
+        "| up to the first output | bigviz | accelerate |",
+        "|---|---|---|",
+    ]
     for key, label in (("peak_rss", "peak RSS / model bytes"), ("peak_anon", "peak RssAnon / model bytes")):
         lines.append(f"| {label} | {b[key] / model_bytes:.2f}x | {a[key] / model_bytes:.2f}x |")
     if a["load_anon"] < 0.5 * model_bytes:
-        lines += ["", "Note: accelerate's loader, with safetensors >= 0.8, now also maps tensors without "
-                  "copying, so its load RAM here is near 0 as well (FIELD_NOTES recorded 0.89x with an "
-                  "older stack). bigviz's lead here is time, and it checks every name and shape first."]
+        lines += [
+            "",
+            "Note: accelerate's loader, with safetensors >= 0.8, now also maps tensors without "
+            "copying, so its load RAM here is near 0 as well (FIELD_NOTES recorded 0.89x with an "
+            "older stack). bigviz's lead here is time, and it checks every name and shape first.",
+        ]
     return "\n".join(lines)
 
 
@@ -177,8 +203,12 @@ def main() -> None:
     for i in range(args.repeat):
         for which in runs:
             runs[which].append(run_child(which, folder))
-            print(f"run {i + 1} {which}: {runs[which][-1]['load_s']:.3f} s load, "
-                  f"{runs[which][-1]['first_forward_s']:.3f} s to first output", file=sys.stderr, flush=True)
+            print(
+                f"run {i + 1} {which}: {runs[which][-1]['load_s']:.3f} s load, "
+                f"{runs[which][-1]['first_forward_s']:.3f} s to first output",
+                file=sys.stderr,
+                flush=True,
+            )
     print(report({k: best(v) for k, v in runs.items()}, model_bytes, cat_s))
 
 

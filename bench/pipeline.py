@@ -18,6 +18,7 @@ model's bytes; and the logits of both runs, which must be equal.
 Usage:
     .venv/bin/python bench/pipeline.py [--preset gpt2-medium] [--shard 500MB]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,8 +84,7 @@ def naive_worker(checkpoint: str, out: str) -> None:
     stage = PipelineStage(pipe.get_stage_module(rank), rank, 2, torch.device("cpu"))
     with torch.no_grad():
         logits = ScheduleGPipe(stage, 2).step(batch) if rank == 0 else ScheduleGPipe(stage, 2).step()
-    report = {"rank": rank, "rss_before_load_bytes": before,
-              "peak_rss_bytes": max_rss()}
+    report = {"rank": rank, "rss_before_load_bytes": before, "peak_rss_bytes": max_rss()}
     if rank == 1:
         report["logits"] = logits[:, -1].tolist()
     gathered = [None, None] if rank == 0 else None
@@ -110,27 +110,53 @@ def main() -> None:
     ckpt = ensure_checkpoint(args.preset, args.shard)
     total = bigviz.CheckpointIndex.open(ckpt).total_bytes
     with tempfile.TemporaryDirectory() as tmp:
-        torchrun("-m", "bigviz.distributed", str(ckpt), "--stages", "2", "--input-ids", IDS, "--microbatches", "2",
-                 "--split", "wrap", "--out", f"{tmp}/logits.pt", "--report", f"{tmp}/bigviz.json")
+        torchrun(
+            "-m",
+            "bigviz.distributed",
+            str(ckpt),
+            "--stages",
+            "2",
+            "--input-ids",
+            IDS,
+            "--microbatches",
+            "2",
+            "--split",
+            "wrap",
+            "--out",
+            f"{tmp}/logits.pt",
+            "--report",
+            f"{tmp}/bigviz.json",
+        )
         torchrun(__file__, "--naive-worker", str(ckpt), f"{tmp}/naive.json")
         ours = json.loads(Path(f"{tmp}/bigviz.json").read_text())
         theirs = json.loads(Path(f"{tmp}/naive.json").read_text())
-        same = torch.equal(torch.load(f"{tmp}/logits.pt"), torch.tensor(next(r["logits"] for r in theirs["ranks"]
-                                                                             if "logits" in r)))
-    print(f"{args.preset} checkpoint: {total / 1e9:.2f} GB fp32; two ranks on this CPU (gloo), 2 micro-batches of "
-          f"8 tokens; logits of both runs equal: {same}\n")
-    print("| rank | stage bytes (GB) | bigviz peak above baseline (GB) | whole checkpoint per rank (GB) | "
-          "bigviz / model | whole / model |")
+        same = torch.equal(
+            torch.load(f"{tmp}/logits.pt"), torch.tensor(next(r["logits"] for r in theirs["ranks"] if "logits" in r))
+        )
+    print(
+        f"{args.preset} checkpoint: {total / 1e9:.2f} GB fp32; two ranks on this CPU (gloo), 2 micro-batches of "
+        f"8 tokens; logits of both runs equal: {same}\n"
+    )
+    print(
+        "| rank | stage bytes (GB) | bigviz peak above baseline (GB) | whole checkpoint per rank (GB) | "
+        "bigviz / model | whole / model |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     worst = 0.0
-    for mine, other in zip(sorted(ours["ranks"], key=lambda r: r["rank"]), sorted(theirs["ranks"], key=lambda r: r["rank"])):
+    for mine, other in zip(
+        sorted(ours["ranks"], key=lambda r: r["rank"]), sorted(theirs["ranks"], key=lambda r: r["rank"])
+    ):
         a = mine["peak_rss_bytes"] - mine["rss_before_load_bytes"]
         b = other["peak_rss_bytes"] - other["rss_before_load_bytes"]
         worst = max(worst, a / total)
-        print(f"| {mine['rank']} | {mine['planned_bytes'] / 1e9:.2f} | {a / 1e9:.2f} | {b / 1e9:.2f} | "
-              f"{a / total:.2f}x | {b / total:.2f}x |")
-    print(f"\nbigviz's largest rank holds {worst:.2f}x the model above its baseline (goal <= {GOAL}x for 2 stages: "
-          f"{'met' if worst <= GOAL else 'not met'}). RSS counts the stage's memory-mapped weights once read.")
+        print(
+            f"| {mine['rank']} | {mine['planned_bytes'] / 1e9:.2f} | {a / 1e9:.2f} | {b / 1e9:.2f} | "
+            f"{a / total:.2f}x | {b / total:.2f}x |"
+        )
+    print(
+        f"\nbigviz's largest rank holds {worst:.2f}x the model above its baseline (goal <= {GOAL}x for 2 stages: "
+        f"{'met' if worst <= GOAL else 'not met'}). RSS counts the stage's memory-mapped weights once read."
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ Cases (issue 2):
   the model: bytes each planner keeps in RAM (the CPU computes on the memory-mapped pages of
   disk blocks, so bigviz reserves no RAM for them; accelerate keeps room for a block).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -86,8 +87,10 @@ def main() -> None:
     theirs_map = acc_infer(small, budget)
     sizes = bigviz.compute_module_sizes(small)
     leaves = [f"layers.{i}" for i in range(10)] + ["head"]
-    fill = {name: sum(sizes[leaf] for leaf in leaves if bigviz.core.device_of(leaf, dm) == 0)
-            for name, dm in (("bigviz", ours_map), ("accelerate", dict(theirs_map)))}
+    fill = {
+        name: sum(sizes[leaf] for leaf in leaves if bigviz.core.device_of(leaf, dm) == 0)
+        for name, dm in (("bigviz", ours_map), ("accelerate", dict(theirs_map)))
+    }
 
     ram_rows = _ram_and_disk(acc_infer)
 
@@ -95,15 +98,21 @@ def main() -> None:
     print("| case | bigviz (s) | accelerate (s) | result |\n|---|---:|---:|---|")
     for case, a, b, note in rows:
         print(f"| {case} | {a:.3f} | {'' if b != b else f'{b:.3f}'} | {note} |")
-    print(f"\nGPU 0 fill with nothing offloaded (10 x 40 KB layers + 400 KB head, GPU 0 = 560 KB): "
-          f"bigviz {fill['bigviz'] / 560_000:.0%} (`{ours_map}`), accelerate {fill['accelerate'] / 560_000:.0%} "
-          f"(`{dict(theirs_map)}`); goal >= 70%.")
-    print("\nRAM and disk only, gpt2-large (3.1 GB fp32) on meta, `infer_auto_device_map` with the same "
-          "budgets: bytes kept in RAM (the rest streams from disk)\n")
+    print(
+        f"\nGPU 0 fill with nothing offloaded (10 x 40 KB layers + 400 KB head, GPU 0 = 560 KB): "
+        f"bigviz {fill['bigviz'] / 560_000:.0%} (`{ours_map}`), accelerate {fill['accelerate'] / 560_000:.0%} "
+        f"(`{dict(theirs_map)}`); goal >= 70%."
+    )
+    print(
+        "\nRAM and disk only, gpt2-large (3.1 GB fp32) on meta, `infer_auto_device_map` with the same "
+        "budgets: bytes kept in RAM (the rest streams from disk)\n"
+    )
     print("| CPU budget | bigviz in RAM | accelerate in RAM | ratio |\n|---:|---:|---:|---:|")
     for budget, ours_ram, theirs_ram in ram_rows:
-        print(f"| {budget / 1e9:.2f} GB | {ours_ram / 1e9:.2f} GB | {theirs_ram / 1e9:.2f} GB | "
-              f"{ours_ram / theirs_ram:.2f}x |")
+        print(
+            f"| {budget / 1e9:.2f} GB | {ours_ram / 1e9:.2f} GB | {theirs_ram / 1e9:.2f} GB | "
+            f"{ours_ram / theirs_ram:.2f}x |"
+        )
 
 
 def _ram_and_disk(acc_infer) -> list[tuple[int, int, int]]:
@@ -117,10 +126,11 @@ def _ram_and_disk(acc_infer) -> list[tuple[int, int, int]]:
     for share in (0.25, 0.5, 0.75):
         budget = int(sizes[""] * share)
         out = []
-        for device_map in (bigviz.infer_auto_device_map(model, {"cpu": budget}),
-                           dict(acc_infer(model, {"cpu": budget}, no_split_module_classes=["Block"]))):
-            out.append(sum(tree.tensor_bytes(t) for t in tree.tensors
-                           if bigviz.core.device_of(t, device_map) == "cpu"))
+        for device_map in (
+            bigviz.infer_auto_device_map(model, {"cpu": budget}),
+            dict(acc_infer(model, {"cpu": budget}, no_split_module_classes=["Block"])),
+        ):
+            out.append(sum(tree.tensor_bytes(t) for t in tree.tensors if bigviz.core.device_of(t, device_map) == "cpu"))
         rows.append((budget, out[0], out[1]))
     return rows
 

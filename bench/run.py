@@ -8,6 +8,7 @@ Each bench is its own script (planning.py, load.py, dispatch.py, slider.py, work
 a markdown section with ratios against accelerate and the goals; run one alone to see it.
 The peers come from the `bench` extra: pip install -e ".[bench]".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,10 +23,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 BENCHES = ["planning", "load", "dispatch", "slider", "workload", "gpu", "pipeline"]
 QUICK = {"dispatch"}  # benches that take --quick
-TITLES = {"planning": "Planning", "load": "Checkpoint loading", "dispatch": "Dispatch and offload",
-          "slider": "Planner slider latency", "workload": "KV cache and activations",
-          "gpu": "GPU: CPU offload against the transfer floor",
-          "pipeline": "Pipeline stages: memory per rank"}
+TITLES = {
+    "planning": "Planning",
+    "load": "Checkpoint loading",
+    "dispatch": "Dispatch and offload",
+    "slider": "Planner slider latency",
+    "workload": "KV cache and activations",
+    "gpu": "GPU: CPU offload against the transfer floor",
+    "pipeline": "Pipeline stages: memory per rank",
+}
 
 
 def machine() -> str:
@@ -35,6 +41,7 @@ def machine() -> str:
     try:
         import accelerate
         import transformers
+
         peers = f"accelerate {accelerate.__version__}, transformers {transformers.__version__}"
     except ImportError:
         peers = "peers not installed (pip install -e '.[bench]')"
@@ -44,8 +51,10 @@ def machine() -> str:
     except (OSError, StopIteration):
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{os.cpu_count()} cores ({cpu}), {psutil.virtual_memory().total / 2**30:.0f} GiB RAM, {gpu}; "
-            f"Python {platform.python_version()}, torch {torch.__version__}, {peers}")
+    return (
+        f"{os.cpu_count()} cores ({cpu}), {psutil.virtual_memory().total / 2**30:.0f} GiB RAM, {gpu}; "
+        f"Python {platform.python_version()}, torch {torch.__version__}, {peers}"
+    )
 
 
 def run(name: str, quick: bool) -> tuple[str, float]:
@@ -75,9 +84,11 @@ def main() -> None:
         sections.append(f"{text}\n_(bench/{name}.py took {took:.0f} s)_\n")
     if args.only:
         return
-    header = (f"# Benchmark results\n\nWritten by `python bench/run.py` on {datetime.date.today()}.\n"
-              f"Machine: {machine()}.\nThe machine is shared and noisy: ratios from one run, side by side, "
-              f"are what to compare.\n")
+    header = (
+        f"# Benchmark results\n\nWritten by `python bench/run.py` on {datetime.date.today()}.\n"
+        f"Machine: {machine()}.\nThe machine is shared and noisy: ratios from one run, side by side, "
+        f"are what to compare.\n"
+    )
     (HERE / "RESULTS.md").write_text(header + "\n" + "\n".join(sections))
     print(f"wrote {HERE / 'RESULTS.md'}")
 

@@ -8,6 +8,7 @@ Run:
     .venv/bin/python bench/slider.py            # ~20 moves per model, markdown table
     .venv/bin/python bench/slider.py --moves 40
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,9 +64,14 @@ def measure(model: nn.Module, moves: int) -> dict[str, float]:
         times.append(elapsed * 1000)
     times.sort()
     return {
-        "modules": len(planner.state.base_tree.nodes), "tiles": len(planner.view.layout.ids),
-        "median": statistics.median(times), "p90": times[int(0.9 * (len(times) - 1))],
-        "max": times[-1], "changed": changed, "moves": moves, "live": planner.view.live,
+        "modules": len(planner.state.base_tree.nodes),
+        "tiles": len(planner.view.layout.ids),
+        "median": statistics.median(times),
+        "p90": times[int(0.9 * (len(times) - 1))],
+        "max": times[-1],
+        "changed": changed,
+        "moves": moves,
+        "live": planner.view.live,
     }
 
 
@@ -79,8 +85,10 @@ def main() -> None:
     for name, build in MODELS.items():
         r = measure(build(), args.moves)
         ok = "met" if r["p90"] <= GOAL_MS else "MISSED"
-        print(f"| {name} | {r['modules']} | {r['tiles']} | {r['median']:.1f} | {r['p90']:.1f} | {r['max']:.1f} "
-              f"| {r['changed']}/{r['moves']} | {ok} (p90 <= {GOAL_MS:.0f}) |")
+        print(
+            f"| {name} | {r['modules']} | {r['tiles']} | {r['median']:.1f} | {r['p90']:.1f} | {r['max']:.1f} "
+            f"| {r['changed']}/{r['moves']} | {ok} (p90 <= {GOAL_MS:.0f}) |"
+        )
     print("\nFigureWidget live updates:", "yes" if r["live"] else "no (static fallback)")
 
 

@@ -5,6 +5,7 @@ The studies run on the checkpoint `bench/beyond_ram.py --keep` leaves in bench/_
 does not expose directly: ``mmap`` with ``madvise``/``mlock`` on a known address (ctypes),
 ``mincore`` residency of any mapping, the process's anonymous / file / locked memory.
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -21,6 +21,7 @@ Overlap efficiency = (read + compute - overlapped) / min(read, compute): 1 when 
 one is hidden entirely, 0 when nothing is. The compute's own slowdown while reads run (CPU
 taken by the readers and the kernel) is reported too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -129,17 +130,22 @@ def efficiency(read: float, comp: float, total: float) -> float:
 
 def report(rows: list[dict[str, Any]], units: list[Path], way: Way) -> str:
     size = sum(p.stat().st_size for p in units) / 1e9
-    lines = [f"{len(units)} block shards ({size:.1f} GB) streamed with `{way.label}`; each block's forward "
-             "computed on views into its read buffer. Efficiency: (read + compute - total) / min(read, compute).", "",
-             "| tokens | read only | compute only (2 threads / 1) | read, then compute | overlapped, 2 threads "
-             "(efficiency; compute inside) | overlapped, 1 thread (efficiency; compute inside) | load |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{len(units)} block shards ({size:.1f} GB) streamed with `{way.label}`; each block's forward "
+        "computed on views into its read buffer. Efficiency: (read + compute - total) / min(read, compute).",
+        "",
+        "| tokens | read only | compute only (2 threads / 1) | read, then compute | overlapped, 2 threads "
+        "(efficiency; compute inside) | overlapped, 1 thread (efficiency; compute inside) | load |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         e2 = efficiency(r["read"], r["compute"], r["overlap2"])
         e1 = efficiency(r["read"], r["compute1"], r["overlap1"])
-        lines.append(f"| {r['tokens']} | {r['read']:.1f} s | {r['compute']:.1f} s / {r['compute1']:.1f} s | "
-                     f"{r['serial']:.1f} s | {r['overlap2']:.1f} s ({e2:.2f}; {r['overlap2_compute']:.1f} s) | "
-                     f"{r['overlap1']:.1f} s ({e1:.2f}; {r['overlap1_compute']:.1f} s) | {r['load']} |")
+        lines.append(
+            f"| {r['tokens']} | {r['read']:.1f} s | {r['compute']:.1f} s / {r['compute1']:.1f} s | "
+            f"{r['serial']:.1f} s | {r['overlap2']:.1f} s ({e2:.2f}; {r['overlap2_compute']:.1f} s) | "
+            f"{r['overlap1']:.1f} s ({e1:.2f}; {r['overlap1_compute']:.1f} s) | {r['load']} |"
+        )
     return "\n".join(lines)
 
 
@@ -160,7 +166,7 @@ def main() -> None:
     config = json.loads((CHECKPOINT / "config.json").read_text())
     config.pop("model_type", None)
     config = GPTConfig(**config)
-    units = files[1:1 + args.units]  # block shards (the first holds the embeddings)
+    units = files[1 : 1 + args.units]  # block shards (the first holds the embeddings)
     drop_all(files)
     way = Way(args.reader, args.readers, args.depth)
     rows = []

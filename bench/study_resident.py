@@ -21,6 +21,7 @@ MADV_POPULATE_READ, 4 threads), ``map_populate`` (mmap with MAP_POPULATE), ``mlo
 memory, filled by 4 buffered readers: the page cache holds a second copy for a while),
 ``anon_direct`` (anonymous memory, 4 O_DIRECT readers: no page cache at all).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,21 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from study_common import (CHECKPOINT, GiB, MAP_POPULATE, Clock, Region, drop_all, gb, meminfo,  # noqa: E402
-                          note_load, proc_status, run_all, shards, split_resident)
+from study_common import (
+    CHECKPOINT,
+    GiB,
+    MAP_POPULATE,
+    Clock,
+    Region,
+    drop_all,
+    gb,
+    meminfo,  # noqa: E402
+    note_load,
+    proc_status,
+    run_all,
+    shards,
+    split_resident,
+)
 
 from bigviz.checkpoint.probe import ALIGN, split_ranges, timed_read  # noqa: E402
 
@@ -59,8 +73,11 @@ def make_resident(method: str, files: list[Path]) -> list[Region]:
         for r in regions:
             r.touch()
     elif method in ("populate", "mlock"):
-        jobs = [lambda r=r, b=b: r.madvise(22, b, min(64 * 2**20, r.length - b))
-                for r in regions for b in range(0, r.length, 64 * 2**20)]
+        jobs = [
+            lambda r=r, b=b: r.madvise(22, b, min(64 * 2**20, r.length - b))
+            for r in regions
+            for b in range(0, r.length, 64 * 2**20)
+        ]
         run_all(jobs, READERS)  # MADV_POPULATE_READ, 64 MiB per call, 4 at a time
         if method == "mlock":
             for r in regions:
@@ -88,7 +105,7 @@ def _read_into(part: list[tuple[Path, int, int]], fds: dict[Path, int], targets:
         end = offset + length
         while offset < end:
             want = min(CHUNK, end - offset)
-            n = os.preadv(fds[path], [targets[path][offset: offset + -(-want // ALIGN) * ALIGN]], offset)
+            n = os.preadv(fds[path], [targets[path][offset : offset + -(-want // ALIGN) * ALIGN]], offset)
             if n <= 0:
                 break
             offset += n
@@ -101,9 +118,15 @@ def child(method: str, resident: list[Path], streamed: list[Path]) -> dict[str, 
     with Clock() as made:
         regions = make_resident(method, resident)
     status = proc_status()
-    out.update(make_s=made.wall, make_cpu_s=made.cpu, anon=status["RssAnon"] - base["RssAnon"],
-               file=status["RssFile"] - base["RssFile"], locked=status.get("VmLck", 0),
-               resident_before=_resident(regions), cached_after_make=meminfo("Cached")["Cached"])
+    out.update(
+        make_s=made.wall,
+        make_cpu_s=made.cpu,
+        anon=status["RssAnon"] - base["RssAnon"],
+        file=status["RssFile"] - base["RssFile"],
+        locked=status.get("VmLck", 0),
+        resident_before=_resident(regions),
+        cached_after_make=meminfo("Cached")["Cached"],
+    )
     timing = timed_read([(p, 0, p.stat().st_size) for p in streamed], readers=READERS, chunk_bytes=CHUNK)
     out.update(stream_s=timing.seconds, stream_gbps=timing.bandwidth / 1e9, resident_after=_resident(regions))
     with Clock() as again:
@@ -133,11 +156,15 @@ def run(method: str, budget: int) -> dict[str, Any]:
 def report(rows: list[dict[str, Any]], resident: list[Path], streamed: list[Path], drop: str) -> str:
     size_r = sum(p.stat().st_size for p in resident)
     size_s = sum(p.stat().st_size for p in streamed)
-    lines = [f"Resident part: {len(resident)} shards, {gb(size_r)}; streamed through the page cache after it: "
-             f"{len(streamed)} shards, {gb(size_s)} (4 buffered readers). Page cache dropped ({drop}) before "
-             "each way; each in a fresh process.", "",
-             "| way | make resident | GB/s | CPU s | RssAnon | RssFile | locked | resident after streaming | "
-             "stream GB/s | read it all again |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Resident part: {len(resident)} shards, {gb(size_r)}; streamed through the page cache after it: "
+        f"{len(streamed)} shards, {gb(size_s)} (4 buffered readers). Page cache dropped ({drop}) before "
+        "each way; each in a fresh process.",
+        "",
+        "| way | make resident | GB/s | CPU s | RssAnon | RssFile | locked | resident after streaming | "
+        "stream GB/s | read it all again |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['method']} | failed: `{r['error']}` |||||||||")
@@ -146,7 +173,8 @@ def report(rows: list[dict[str, Any]], resident: list[Path], streamed: list[Path
             f"| {r['method']} | {r['make_s']:.1f} s | {size_r / r['make_s'] / 1e9:.2f} | {r['make_cpu_s']:.1f} | "
             f"{r['anon'] / GiB:.1f} GiB | {r['file'] / GiB:.1f} GiB | {r['locked'] / GiB:.1f} GiB | "
             f"{r['resident_after']:.0%} (was {r['resident_before']:.0%}) | {r['stream_gbps']:.2f} | "
-            f"{r['retouch_s']:.1f} s |")
+            f"{r['retouch_s']:.1f} s |"
+        )
     return "\n".join(lines)
 
 

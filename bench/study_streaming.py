@@ -24,6 +24,7 @@ reusable buffers of one unit each):
 
 The disk drifts over minutes: ``direct k=4 d=1`` runs first and last as a reference.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,19 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from study_common import (CHECKPOINT, GiB, Clock, Region, drop, drop_all, gb, meminfo, note_load,  # noqa: E402
-                          shards, split_resident)
+from study_common import (
+    CHECKPOINT,
+    GiB,
+    Clock,
+    Region,
+    drop,
+    drop_all,
+    gb,
+    meminfo,
+    note_load,  # noqa: E402
+    shards,
+    split_resident,
+)
 
 from bigviz.checkpoint.probe import ALIGN, split_ranges  # noqa: E402
 
@@ -60,11 +72,24 @@ class Way:
         return f"{self.name} k={self.readers} d={self.depth}{mib}"
 
 
-GRID = [Way("direct", 4, 1), Way("mmap_fault", 1, 0), Way("mmap_populate"), Way("mmap_populate_dontneed"),
-        Way("buffered", 4, 1), Way("buffered_dontneed", 1, 1), Way("buffered_dontneed", 4, 1),
-        Way("buffered_dontneed", 8, 1), Way("buffered_dontneed", 4, 2), Way("direct", 1, 1), Way("direct", 2, 1),
-        Way("direct", 8, 1), Way("direct", 16, 1), Way("direct", 8, 2), Way("direct", 8, 1, 4 * 2**20),
-        Way("direct", 4, 1)]
+GRID = [
+    Way("direct", 4, 1),
+    Way("mmap_fault", 1, 0),
+    Way("mmap_populate"),
+    Way("mmap_populate_dontneed"),
+    Way("buffered", 4, 1),
+    Way("buffered_dontneed", 1, 1),
+    Way("buffered_dontneed", 4, 1),
+    Way("buffered_dontneed", 8, 1),
+    Way("buffered_dontneed", 4, 2),
+    Way("direct", 1, 1),
+    Way("direct", 2, 1),
+    Way("direct", 8, 1),
+    Way("direct", 16, 1),
+    Way("direct", 8, 2),
+    Way("direct", 8, 1, 4 * 2**20),
+    Way("direct", 4, 1),
+]
 
 
 # ------------------------------------------------------------------------ buffered / direct
@@ -76,7 +101,7 @@ class Pipeline:
         size = max(-(-p.stat().st_size // ALIGN) * ALIGN for p in units)
         self.buffers = [Region(size) for _ in range(way.depth + 1)]
         for b in self.buffers:  # fault the buffers in once: they are reused, as a fetcher would
-            b.buffer()[:: 4096] = bytes(len(range(0, b.length, 4096)))
+            b.buffer()[::4096] = bytes(len(range(0, b.length, 4096)))
         self.pool = ThreadPoolExecutor(way.readers * max(1, way.depth))
         flags = os.O_RDONLY | (os.O_DIRECT if way.name == "direct" else 0)
         self.fds = [os.open(p, flags) for p in units]
@@ -91,7 +116,7 @@ class Pipeline:
             end = offset + length
             while offset < end:
                 want = min(self.way.chunk, end - offset)
-                n = os.preadv(fd, [target[offset: offset + -(-want // ALIGN) * ALIGN]], offset)
+                n = os.preadv(fd, [target[offset : offset + -(-want // ALIGN) * ALIGN]], offset)
                 if n <= 0:
                     break
                 offset += n
@@ -166,20 +191,31 @@ def measure(way: Way, resident: list[Region], streamed: list[Path]) -> dict[str,
     with Clock() as clock:
         stream(streamed, way)
     total = sum(p.stat().st_size for p in streamed)
-    return {"way": way.label, "seconds": clock.wall, "gbps": total / clock.wall / 1e9, "cpu": clock.cpu,
-            "survived": sum(r.resident() * r.length for r in resident) / sum(r.length for r in resident),
-            "cache_growth": meminfo("Cached")["Cached"] - cached, "load": note_load()}
+    return {
+        "way": way.label,
+        "seconds": clock.wall,
+        "gbps": total / clock.wall / 1e9,
+        "cpu": clock.cpu,
+        "survived": sum(r.resident() * r.length for r in resident) / sum(r.length for r in resident),
+        "cache_growth": meminfo("Cached")["Cached"] - cached,
+        "load": note_load(),
+    }
 
 
 def report(rows: list[dict[str, Any]], resident: list[Path], streamed: list[Path], drop_note: str) -> str:
-    lines = [f"Resident part: {len(resident)} shards, {gb(sum(p.stat().st_size for p in resident))} (mapped, read in); "
-             f"streamed: {len(streamed)} shards of one block, {gb(sum(p.stat().st_size for p in streamed))}, "
-             f"cold. Page cache dropped ({drop_note}) once at the start.", "",
-             "| way | time | GB/s | CPU s | resident part still in memory | page cache growth | load |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Resident part: {len(resident)} shards, {gb(sum(p.stat().st_size for p in resident))} (mapped, read in); "
+        f"streamed: {len(streamed)} shards of one block, {gb(sum(p.stat().st_size for p in streamed))}, "
+        f"cold. Page cache dropped ({drop_note}) once at the start.",
+        "",
+        "| way | time | GB/s | CPU s | resident part still in memory | page cache growth | load |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['way']} | {r['seconds']:.1f} s | {r['gbps']:.2f} | {r['cpu']:.1f} | {r['survived']:.0%} | "
-                     f"{r['cache_growth'] / GiB:+.1f} GiB | {r['load']} |")
+        lines.append(
+            f"| {r['way']} | {r['seconds']:.1f} s | {r['gbps']:.2f} | {r['cpu']:.1f} | {r['survived']:.0%} | "
+            f"{r['cache_growth'] / GiB:+.1f} GiB | {r['load']} |"
+        )
     return "\n".join(lines)
 
 

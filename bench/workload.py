@@ -11,6 +11,7 @@ accelerate's weights-only map leaves for the run.
    (weights only, with its default margins) and by bigviz with the run; the run's KV cache and
    activations are then charged on accelerate's map to show where it runs out of memory.
 """
+
 from __future__ import annotations
 
 import sys
@@ -45,50 +46,135 @@ def tiny_models() -> dict[str, tuple[str, torch.nn.Module]]:
         return build(name, vocab_size=160, **kw).eval()
 
     return {
-        "GPT-2": ("full, 4 heads", hf(T.GPT2Config(n_layer=3, n_head=4, n_embd=48, vocab_size=160, n_positions=128,
-                                                        bos_token_id=0, eos_token_id=0))),
-        "Llama": ("grouped-query 4/2", hf(T.LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-                                                        num_attention_heads=4, num_key_value_heads=2,
-                                                        vocab_size=160))),
-        "Mistral": (f"sliding window {WINDOW}", hf(T.MistralConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=8,
-            num_key_value_heads=2, vocab_size=160, sliding_window=WINDOW))),
-        "Gemma 2": ("sliding / full, eager", hf(T.Gemma2Config(
-            hidden_size=48, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, vocab_size=160, sliding_window=WINDOW))),
-        "Mixtral": ("grouped-query 4/1, 4 experts", hf(T.MixtralConfig(
-            hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=1, vocab_size=160, num_local_experts=4, num_experts_per_tok=2))),
-        "DeepSeek-V3": ("latent 24 + rope 8, 8 experts", hf(T.DeepseekV3Config(
-            hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=4, vocab_size=160, kv_lora_rank=24, q_lora_rank=48,
-            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
-            n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=1))),
-        "Mamba": ("conv + SSM state", hf(T.MambaConfig(hidden_size=48, num_hidden_layers=3, vocab_size=160,
-                                                       state_size=8, expand=2, conv_kernel=4))),
+        "GPT-2": (
+            "full, 4 heads",
+            hf(
+                T.GPT2Config(
+                    n_layer=3, n_head=4, n_embd=48, vocab_size=160, n_positions=128, bos_token_id=0, eos_token_id=0
+                )
+            ),
+        ),
+        "Llama": (
+            "grouped-query 4/2",
+            hf(
+                T.LlamaConfig(
+                    hidden_size=64,
+                    intermediate_size=160,
+                    num_hidden_layers=3,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    vocab_size=160,
+                )
+            ),
+        ),
+        "Mistral": (
+            f"sliding window {WINDOW}",
+            hf(
+                T.MistralConfig(
+                    hidden_size=64,
+                    intermediate_size=128,
+                    num_hidden_layers=3,
+                    num_attention_heads=8,
+                    num_key_value_heads=2,
+                    vocab_size=160,
+                    sliding_window=WINDOW,
+                )
+            ),
+        ),
+        "Gemma 2": (
+            "sliding / full, eager",
+            hf(
+                T.Gemma2Config(
+                    hidden_size=48,
+                    intermediate_size=96,
+                    num_hidden_layers=4,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    head_dim=16,
+                    vocab_size=160,
+                    sliding_window=WINDOW,
+                )
+            ),
+        ),
+        "Mixtral": (
+            "grouped-query 4/1, 4 experts",
+            hf(
+                T.MixtralConfig(
+                    hidden_size=48,
+                    intermediate_size=96,
+                    num_hidden_layers=3,
+                    num_attention_heads=4,
+                    num_key_value_heads=1,
+                    vocab_size=160,
+                    num_local_experts=4,
+                    num_experts_per_tok=2,
+                )
+            ),
+        ),
+        "DeepSeek-V3": (
+            "latent 24 + rope 8, 8 experts",
+            hf(
+                T.DeepseekV3Config(
+                    hidden_size=64,
+                    intermediate_size=128,
+                    moe_intermediate_size=32,
+                    num_hidden_layers=3,
+                    num_attention_heads=4,
+                    num_key_value_heads=4,
+                    vocab_size=160,
+                    kv_lora_rank=24,
+                    q_lora_rank=48,
+                    qk_rope_head_dim=8,
+                    qk_nope_head_dim=16,
+                    v_head_dim=16,
+                    n_routed_experts=8,
+                    num_experts_per_tok=2,
+                    n_group=2,
+                    topk_group=1,
+                    first_k_dense_replace=1,
+                    n_shared_experts=1,
+                )
+            ),
+        ),
+        "Mamba": (
+            "conv + SSM state",
+            hf(
+                T.MambaConfig(
+                    hidden_size=48, num_hidden_layers=3, vocab_size=160, state_size=8, expand=2, conv_kernel=4
+                )
+            ),
+        ),
         "bigviz GPT": ("full, 2 heads", own("gpt-tiny", n_layer=3)),
         "bigviz Llama": ("grouped-query 4/2", own("llama-tiny", n_layers=3)),
     }
 
 
 def accuracy(folder: Path) -> list[str]:
-    rows = ["| model | cache | KV predicted | KV measured | activations predicted | measured | ratio |",
-            "|---|---|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| model | cache | KV predicted | KV measured | activations predicted | measured | ratio |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     ids = torch.randint(3, 160, (BATCH, PROMPT), generator=torch.Generator().manual_seed(1))
     for name, (layout, model) in tiny_models().items():
         layers = sorted(bigviz.kv_cache_bytes(model, 1, 1))
-        plan = bigviz.plan(model, {"cpu": "2GB"}, batch_size=BATCH, context_length=PROMPT + NEW - 1,
-                           overrides={layers[1]: "disk"})
+        plan = bigviz.plan(
+            model, {"cpu": "2GB"}, batch_size=BATCH, context_length=PROMPT + NEW - 1, overrides={layers[1]: "disk"}
+        )
         prefill = bigviz.plan(model, {"cpu": "2GB"}, batch_size=BATCH, context_length=PROMPT)
         dispatched = bigviz.dispatch_model(model, plan.device_map, offload_folder=folder / name)
         own = type(model).__module__.startswith("bigviz.models")
-        kwargs = {} if own else dict(do_sample=False, pad_token_id=0, min_new_tokens=NEW,
-                                     attention_mask=torch.ones_like(ids))
+        kwargs = (
+            {}
+            if own
+            else dict(do_sample=False, pad_token_id=0, min_new_tokens=NEW, attention_mask=torch.ones_like(ids))
+        )
         run = measure_generate(dispatched, ids, NEW, **kwargs)
         kv_p, kv_m = plan.kv_cache["cpu"], run.cache_bytes.get("cpu", 0)
         act_p, act_m = prefill.activations["cpu"], run.prefill_activations
-        rows.append(f"| {name} | {layout} | {kv_p:,} B | {kv_m:,} B | {format_size(act_p)} | {format_size(act_m)} "
-                    f"| {act_p / act_m:.2f} |")
+        rows.append(
+            f"| {name} | {layout} | {kv_p:,} B | {kv_m:,} B | {format_size(act_p)} | {format_size(act_m)} "
+            f"| {act_p / act_m:.2f} |"
+        )
     return rows
 
 
@@ -99,24 +185,36 @@ def will_it_fit() -> list[str]:
 
     logging.getLogger("accelerate").setLevel(logging.ERROR)  # "Device 0 is not available": we plan for it
 
-    cases = [("llama-3.1-70b", 1, 32768, {0: 80 * GiB, 1: 80 * GiB, "cpu": 340 * GiB}),
-             ("llama-3.1-8b", 8, 8192, {0: 24 * GiB, "cpu": 64 * GiB}),
-             ("mixtral-8x7b", 4, 32768, {0: 80 * GiB, 1: 80 * GiB, "cpu": 340 * GiB}),
-             ("qwen2.5-72b", 1, 32768, {0: 80 * GiB, 1: 80 * GiB, "cpu": 340 * GiB})]
-    rows = ["| model, run | hardware | accelerate's map: free after weights | the run needs there | "
-            "bigviz plan | longest context (no offload) |", "|---|---|---|---|---|---:|"]
+    cases = [
+        ("llama-3.1-70b", 1, 32768, {0: 80 * GiB, 1: 80 * GiB, "cpu": 340 * GiB}),
+        ("llama-3.1-8b", 8, 8192, {0: 24 * GiB, "cpu": 64 * GiB}),
+        ("mixtral-8x7b", 4, 32768, {0: 80 * GiB, 1: 80 * GiB, "cpu": 340 * GiB}),
+        ("qwen2.5-72b", 1, 32768, {0: 80 * GiB, 1: 80 * GiB, "cpu": 340 * GiB}),
+    ]
+    rows = [
+        "| model, run | hardware | accelerate's map: free after weights | the run needs there | "
+        "bigviz plan | longest context (no offload) |",
+        "|---|---|---|---|---|---:|",
+    ]
     for name, batch, context, budgets in cases:
         model = bigviz.resolve_model(bigviz.config_path(name))
         no_split = list(model._no_split_modules)
         acc_map = infer_auto_device_map(model, max_memory=dict(budgets), no_split_module_classes=no_split)
         acc_map = {k: ("cpu" if v == "cpu" else v) for k, v in acc_map.items()}
         weights = bigviz.plan(model, budgets, overrides=acc_map)  # accelerate's placement, weights only
-        on_acc = bigviz.plan(model, {**budgets, **{d: 10**15 for d in budgets}}, overrides=acc_map,
-                             batch_size=batch, context_length=context)  # its run, budgets lifted
+        on_acc = bigviz.plan(
+            model,
+            {**budgets, **{d: 10**15 for d in budgets}},
+            overrides=acc_map,
+            batch_size=batch,
+            context_length=context,
+        )  # its run, budgets lifted
         gpus = [d for d in budgets if isinstance(d, int)]
         free = ", ".join(f"{device_label(d)} {format_size(weights.usage_of(d).free)}" for d in gpus)
-        need = ", ".join(f"{device_label(d)} {format_size(on_acc.usage_of(d).kv_cache + on_acc.usage_of(d).activations)}"
-                         for d in gpus)
+        need = ", ".join(
+            f"{device_label(d)} {format_size(on_acc.usage_of(d).kv_cache + on_acc.usage_of(d).activations)}"
+            for d in gpus
+        )
         ours = bigviz.plan(model, budgets, batch_size=batch, context_length=context)
         offloaded = sum(ours.offloaded_bytes().values())
         verdict = "fits on the GPUs" if not offloaded else f"offloads {format_size(offloaded)} to fit"
@@ -130,9 +228,11 @@ def main() -> None:
     import tempfile
 
     print("## KV cache and activations (`python bench/workload.py`)\n")
-    print(f"Tiny models, batch {BATCH}, prompt {PROMPT}, {NEW} new tokens, one layer on disk; measured on "
-          f"this CPU after `generate` (KV: storages per device; activations: the prefill's peak of live "
-          f"tensors without the cache).\n")
+    print(
+        f"Tiny models, batch {BATCH}, prompt {PROMPT}, {NEW} new tokens, one layer on disk; measured on "
+        f"this CPU after `generate` (KV: storages per device; activations: the prefill's peak of live "
+        f"tensors without the cache).\n"
+    )
     with tempfile.TemporaryDirectory() as folder:
         print("\n".join(accuracy(Path(folder))))
     print("\nShipped configs on meta (bf16): accelerate's weights-only map against the run it must hold.\n")

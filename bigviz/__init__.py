@@ -12,6 +12,7 @@ Example:
     >>> bigviz.parse_size("1.5GiB")
     1610612736
 """
+
 from __future__ import annotations
 
 from bigviz.core.lazy import lazy_exports

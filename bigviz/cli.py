@@ -6,6 +6,7 @@ Example:
     $ bigviz plan llama-70b --dtype float16 --max-memory 0=24GiB,cpu=64GiB --html report.html
     $ bigviz plan llama-3.1-70b --batch 4 --context 8192 --max-memory 0=80GiB,1=80GiB
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,9 @@ def parse_max_memory_arg(text: str) -> dict[str, str]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         device, sep, size = part.partition("=")
         if not sep or not device.strip() or not size.strip():
-            raise argparse.ArgumentTypeError(f"cannot read {part!r} in --max-memory: write DEVICE=SIZE, "
-                                             f"e.g. cpu=8GiB,0=16GiB")
+            raise argparse.ArgumentTypeError(
+                f"cannot read {part!r} in --max-memory: write DEVICE=SIZE, e.g. cpu=8GiB,0=16GiB"
+            )
         out[device.strip()] = size.strip()
     return out
 
@@ -48,37 +50,63 @@ DEMO_DESCRIPTION = (
     "sharded checkpoint, plans it from the checkpoint's headers under a budget that puts part of it "
     "on disk, loads it, generates text, and compares predicted with measured memory and time per "
     "token. Writes device_map.json and report.html into --out, which must be new, empty or an "
-    "earlier demo's folder: the demo never deletes or overwrites files it did not write.")
+    "earlier demo's folder: the demo never deletes or overwrites files it did not write."
+)
 PLAN_DESCRIPTION = (
     "Plans a device map (module -> GPU, cpu or disk) with a reason per placement, prints the "
     "summary and writes the map as JSON, which bigviz and transformers' from_pretrained(device_map=...) "
-    "read. With --context it also plans the run: the KV cache and prefill activations per device.")
+    "read. With --context it also plans the run: the KV cache and prefill activations per device."
+)
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bigviz", description=DESCRIPTION, epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="bigviz", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,plan}")
     demo = sub.add_parser("demo", help=DEMO_HELP, description=DEMO_DESCRIPTION)
-    demo.add_argument("--out", default="bigviz-demo", help="folder for device_map.json, report.html, ... "
-                                                           "(default: bigviz-demo)")
+    demo.add_argument(
+        "--out", default="bigviz-demo", help="folder for device_map.json, report.html, ... (default: bigviz-demo)"
+    )
     demo.add_argument("--quick", action="store_true", help="generate fewer tokens (for tests)")
-    plan = sub.add_parser("plan", help="plan a device map for a checkpoint, a config or a model preset",
-                          description=PLAN_DESCRIPTION)
-    plan.add_argument("model", help="checkpoint file or folder, a config.json (or a folder holding only one), "
-                                    "a shipped config such as llama-3.1-70b, or a preset such as llama-70b")
-    plan.add_argument("--max-memory", type=parse_max_memory_arg, default=None,
-                      help="budgets, e.g. cpu=8GiB,0=16GiB (default: this machine's free memory)")
-    plan.add_argument("--strategy", default="auto", choices=["auto", "balanced", "balanced_low_0", "sequential"],
-                      help="how to spread over GPUs (default: auto, the same as balanced)")
-    plan.add_argument("--no-split", action="append", default=None, metavar="PATTERN",
-                      help="class name or module-name glob kept whole (repeatable), e.g. 'transformer.h.*'")
+    plan = sub.add_parser(
+        "plan", help="plan a device map for a checkpoint, a config or a model preset", description=PLAN_DESCRIPTION
+    )
+    plan.add_argument(
+        "model",
+        help="checkpoint file or folder, a config.json (or a folder holding only one), "
+        "a shipped config such as llama-3.1-70b, or a preset such as llama-70b",
+    )
+    plan.add_argument(
+        "--max-memory",
+        type=parse_max_memory_arg,
+        default=None,
+        help="budgets, e.g. cpu=8GiB,0=16GiB (default: this machine's free memory)",
+    )
+    plan.add_argument(
+        "--strategy",
+        default="auto",
+        choices=["auto", "balanced", "balanced_low_0", "sequential"],
+        help="how to spread over GPUs (default: auto, the same as balanced)",
+    )
+    plan.add_argument(
+        "--no-split",
+        action="append",
+        default=None,
+        metavar="PATTERN",
+        help="class name or module-name glob kept whole (repeatable), e.g. 'transformer.h.*'",
+    )
     plan.add_argument("--dtype", default=None, help="plan for this dtype, e.g. float16")
     plan.add_argument("--out", default="device_map.json", help="where to write the device map JSON")
     plan.add_argument("--html", default=None, help="also write a standalone HTML report here")
     plan.add_argument("--batch", type=_positive, default=1, help="sequences run together (with --context)")
-    plan.add_argument("--context", type=_positive, default=None, metavar="TOKENS",
-                      help="plan the run too: KV cache and prefill activations for this many tokens")
+    plan.add_argument(
+        "--context",
+        type=_positive,
+        default=None,
+        metavar="TOKENS",
+        help="plan the run too: KV cache and prefill activations for this many tokens",
+    )
     plan.add_argument("--kv-dtype", default=None, help="dtype of the KV cache (default: the compute dtype)")
     return parser
 
@@ -105,21 +133,27 @@ def _plan(args: argparse.Namespace) -> int:
     elif args.model in shipped_configs():
         target = bigviz.resolve_model(config_path(args.model))
     elif not Path(args.model).exists():
-        print(f"bigviz plan: {args.model!r} is neither a checkpoint path nor a preset ({', '.join(sorted(PRESETS))}), "
-              f"nor a config.json or a shipped config ({', '.join(shipped_configs())})", file=sys.stderr)
+        print(
+            f"bigviz plan: {args.model!r} is neither a checkpoint path nor a preset ({', '.join(sorted(PRESETS))}), "
+            f"nor a config.json or a shipped config ({', '.join(shipped_configs())})",
+            file=sys.stderr,
+        )
         return 2
     else:
         target = bigviz.resolve_model(args.model)
-    common = dict(strategy=args.strategy, no_split_module_classes=args.no_split, dtype=args.dtype,
-                  kv_dtype=args.kv_dtype)
+    common = dict(
+        strategy=args.strategy, no_split_module_classes=args.no_split, dtype=args.dtype, kv_dtype=args.kv_dtype
+    )
     plan = bigviz.plan(target, args.max_memory, batch_size=args.batch, context_length=args.context, **common)
     print(plan.summary())
     if args.context:
         print(_run_lines(plan))
         longest = bigviz.max_context(target, plan.max_memory, args.batch, **common)
         offloaded = bigviz.max_context(target, plan.max_memory, args.batch, allow_offload=True, **common)
-        print(f"longest context that fits (batch {args.batch}): {longest:,} tokens without offloading, "
-              f"{offloaded:,} with offloading")
+        print(
+            f"longest context that fits (batch {args.batch}): {longest:,} tokens without offloading, "
+            f"{offloaded:,} with offloading"
+        )
     bigviz.save_device_map(plan.device_map, args.out)
     print(f"wrote {args.out} ({len(plan.device_map)} entries)")
     if args.html:
@@ -132,8 +166,12 @@ def _run_lines(plan: object) -> str:
     from bigviz.core.devices import device_label
     from bigviz.core.sizes import format_size
 
-    rows = [f"  {device_label(u.device):>7}: KV cache {format_size(u.kv_cache):>10}, activations "
-            f"{format_size(u.activations):>10}" for u in plan.usage if u.kv_cache or u.activations]  # type: ignore[attr-defined]
+    rows = [
+        f"  {device_label(u.device):>7}: KV cache {format_size(u.kv_cache):>10}, activations "
+        f"{format_size(u.activations):>10}"
+        for u in plan.usage
+        if u.kv_cache or u.activations
+    ]  # type: ignore[attr-defined]
     return "run per device:\n" + "\n".join(rows)
 
 

@@ -15,6 +15,7 @@ The output folder must be new, empty, or an earlier demo's output (it holds the 
 ``bigviz-demo.json`` marker). The demo never deletes anything: it overwrites its own files
 by name and replaces only its checkpoint's own files (``save_sharded(overwrite=True)``).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -30,8 +31,7 @@ from bigviz.core.sizes import format_size
 from bigviz.models import GPT, GPTConfig, Llama, LlamaConfig, decode_bytes, encode_bytes, tiny_gpt
 
 MARKER = "bigviz-demo.json"  # says "an earlier demo wrote this folder"
-OUTPUTS = ("gpt2-xl.device_map.json", "llama-70b.device_map.json", "checkpoint", "device_map.json",
-           "report.html")
+OUTPUTS = ("gpt2-xl.device_map.json", "llama-70b.device_map.json", "checkpoint", "device_map.json", "report.html")
 PROMPT = "Big models "
 DISK_SPEED = "NVMe ("  # the cost model's disk for a cold read (plan_cost's default)
 WARM_SPEED = "page cache"  # pages just written are in the page cache
@@ -52,19 +52,32 @@ def _count(n: int) -> str:
 def _size_lines(model: torch.nn.Module, dtype: torch.dtype | None) -> str:
     """The top of the size table, with friendly sizes instead of byte counts."""
     table = bigviz.size_table(model, dtype=dtype, max_depth=1)
-    rows = [(r.module, r._2, _count(r.parameters), format_size(r.bytes), f"{r.share:.1%}",
-             f"tied to {r.tied_to}" if r.tied_to else "") for r in table.itertuples()]
+    rows = [
+        (
+            r.module,
+            r._2,
+            _count(r.parameters),
+            format_size(r.bytes),
+            f"{r.share:.1%}",
+            f"tied to {r.tied_to}" if r.tied_to else "",
+        )
+        for r in table.itertuples()
+    ]
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    return "\n".join("  " + "  ".join(c.rjust(w) if i >= 2 else c.ljust(w) for i, (c, w) in
-                                      enumerate(zip(row[:5], widths))) + (f"  {row[5]}" if row[5] else "")
-                     for row in rows)
+    return "\n".join(
+        "  "
+        + "  ".join(c.rjust(w) if i >= 2 else c.ljust(w) for i, (c, w) in enumerate(zip(row[:5], widths)))
+        + (f"  {row[5]}" if row[5] else "")
+        for row in rows
+    )
 
 
 def plan_big_models(out: Path) -> None:
     """Step 1: size and place models that do not fit here, without allocating them."""
-    cases = [("gpt2-xl", lambda: GPT(GPTConfig.preset("gpt2-xl")), {0: "4GiB", "cpu": "2GiB"}, None),
-             ("llama-70b", lambda: Llama(LlamaConfig.preset("llama-70b")),
-              {0: "24GiB", "cpu": "64GiB"}, torch.float16)]
+    cases = [
+        ("gpt2-xl", lambda: GPT(GPTConfig.preset("gpt2-xl")), {0: "4GiB", "cpu": "2GiB"}, None),
+        ("llama-70b", lambda: Llama(LlamaConfig.preset("llama-70b")), {0: "24GiB", "cpu": "64GiB"}, torch.float16),
+    ]
     for name, build, budget, dtype in cases:
         start = time.perf_counter()
         with bigviz.init_empty_weights():
@@ -72,9 +85,11 @@ def plan_big_models(out: Path) -> None:
         plan = bigviz.plan(model, budget, dtype=dtype)
         took = time.perf_counter() - start
         params = sum(p.numel() for p in model.parameters())
-        _say(f"\n== {name}: {_count(params)} parameters, {format_size(plan.tree.total(''))} in "
-             f"{'float16' if dtype else 'float32'}; built on meta and planned in {took:.2f} s "
-             f"(budgets {', '.join(f'{device_label(k)} {v}' for k, v in budget.items())})")
+        _say(
+            f"\n== {name}: {_count(params)} parameters, {format_size(plan.tree.total(''))} in "
+            f"{'float16' if dtype else 'float32'}; built on meta and planned in {took:.2f} s "
+            f"(budgets {', '.join(f'{device_label(k)} {v}' for k, v in budget.items())})"
+        )
         _say(_size_lines(model, dtype))
         _say(plan.summary())
         bigviz.save_device_map(plan.device_map, out / f"{name}.device_map.json")
@@ -83,9 +98,11 @@ def plan_big_models(out: Path) -> None:
 def load_tiny() -> GPT:
     """Step 2: bigviz's shipped byte-level GPT, trained (``bigviz.models.tiny_gpt``)."""
     model = tiny_gpt()
-    _say(f"\n== bigviz's tiny trained GPT: {_count(sum(p.numel() for p in model.parameters()))} parameters, "
-         f"{format_size(bigviz.compute_module_sizes(model)[''])}; it reads and writes bytes, and learned "
-         "a few paragraphs about loading big models")
+    _say(
+        f"\n== bigviz's tiny trained GPT: {_count(sum(p.numel() for p in model.parameters()))} parameters, "
+        f"{format_size(bigviz.compute_module_sizes(model)[''])}; it reads and writes bytes, and learned "
+        "a few paragraphs about loading big models"
+    )
     return model
 
 
@@ -121,9 +138,11 @@ def _plan_from_headers(ckpt: Path, trained: GPT, context: int) -> bigviz.DeviceP
     run_bytes = run.kv_cache["cpu"] + run.activations["cpu"]
     budget = {"cpu": weights // 2 + run_bytes}
     plan = bigviz.plan(ckpt, budget, batch_size=1, context_length=context)  # headers + config.json
-    _say(f"\n== planned from the checkpoint's headers alone, for a run of {context} tokens, under "
-         f"cpu={format_size(budget['cpu'])}\n   (half the weights, {format_size(weights // 2)}, plus "
-         f"{format_size(run_bytes)} for the run's KV cache and activations):")
+    _say(
+        f"\n== planned from the checkpoint's headers alone, for a run of {context} tokens, under "
+        f"cpu={format_size(budget['cpu'])}\n   (half the weights, {format_size(weights // 2)}, plus "
+        f"{format_size(run_bytes)} for the run's KV cache and activations):"
+    )
     _say(plan.summary())
     shown = {p.device: p for p in plan.placements if p.name.startswith("transformer.h.")}
     for placement in shown.values():  # one block kept in RAM, one streamed from disk: the reasons
@@ -134,8 +153,7 @@ def _plan_from_headers(ckpt: Path, trained: GPT, context: int) -> bigviz.DeviceP
 def run_offloaded(out: Path, trained: GPT, tokens: int) -> bool:
     """Steps 2 to 6. Returns whether the offloaded model generated exactly the same text."""
     ckpt = out / "checkpoint"
-    bigviz.save_sharded(trained, ckpt, max_shard_size="200KB", config=trained.config, overwrite=True,
-                        progress=False)
+    bigviz.save_sharded(trained, ckpt, max_shard_size="200KB", config=trained.config, overwrite=True, progress=False)
     shards = sorted(p.name for p in ckpt.glob("*.safetensors"))
     _say(f"   saved as {len(shards)} shards + index + config.json to {ckpt}")
     context = len(PROMPT.encode()) + tokens - 1  # generate never caches its last token
@@ -152,20 +170,27 @@ def run_offloaded(out: Path, trained: GPT, tokens: int) -> bool:
         got, offload_s = _seconds_per_token(model, tokens)
         same = got == want
         held = measured_bytes(model)
-        _say(f"\n== loaded and dispatched in {loaded_s:.2f} s; generated {tokens} tokens with "
-             f"{held.get('disk', 0) / max(sum(held.values()), 1):.0%} of the weights on disk:\n"
-             f"   {decode_bytes(got)!r}\n   identical to the model in memory: {same}")
+        _say(
+            f"\n== loaded and dispatched in {loaded_s:.2f} s; generated {tokens} tokens with "
+            f"{held.get('disk', 0) / max(sum(held.values()), 1):.0%} of the weights on disk:\n"
+            f"   {decode_bytes(got)!r}\n   identical to the model in memory: {same}"
+        )
         run = bigviz.measure_generate(model, encode_bytes(PROMPT), tokens)
-        prompt_only = bigviz.plan(ckpt, {"cpu": 2 * bigviz.compute_module_sizes(trained)[""]},
-                                  batch_size=1, context_length=len(PROMPT.encode()))
+        prompt_only = bigviz.plan(
+            ckpt,
+            {"cpu": 2 * bigviz.compute_module_sizes(trained)[""]},
+            batch_size=1,
+            context_length=len(PROMPT.encode()),
+        )
         _say(_cost_lines(plan, prompt_only.activations["cpu"], held, run, memory_s, offload_s))
     finally:
         bigviz.remove_hooks(model)
     return same
 
 
-def _cost_lines(plan: bigviz.DevicePlan, prefill: int, held: dict[str, int], run: object, memory_s: float,
-                offload_s: float) -> str:
+def _cost_lines(
+    plan: bigviz.DevicePlan, prefill: int, held: dict[str, int], run: object, memory_s: float, offload_s: float
+) -> str:
     """Step 5: memory and time of a generated token, the plan's prediction against this run.
 
     ``prefill`` is the predicted activations of the prompt's prefill (the plan itself keeps
@@ -175,21 +200,41 @@ def _cost_lines(plan: bigviz.DevicePlan, prefill: int, held: dict[str, int], run
     streamed = plan.offloaded_bytes()
     warm = plan_cost(streamed, main_device=plan.main_device, disk=WARM_SPEED)["seconds_per_forward"]
     cold = plan_cost(streamed, main_device=plan.main_device, disk=DISK_SPEED)["seconds_per_forward"]
-    rows = [("weights in CPU RAM", plan.usage_of("cpu").used, held.get("cpu", 0), ""),
-            ("weights on disk", plan.usage_of("disk").used, held.get("disk", 0),
-             "on meta between forwards, read from the shards for every token"),
-            ("KV cache (CPU)", plan.kv_cache["cpu"], run.cache_bytes.get("cpu", 0),  # type: ignore[attr-defined]
-             f"{run.cache_tokens} tokens"),  # type: ignore[attr-defined]
-            ("prompt's prefill activations", prefill, run.prefill_activations,  # type: ignore[attr-defined]
-             f"the plan keeps {format_size(plan.activations['cpu'])} for the largest step it allows")]
-    lines = ["\n== the cost of a generated token: predicted by the plan, measured here",
-             f"   {'':29}{'predicted':>11}{'measured':>11}"]
+    rows = [
+        ("weights in CPU RAM", plan.usage_of("cpu").used, held.get("cpu", 0), ""),
+        (
+            "weights on disk",
+            plan.usage_of("disk").used,
+            held.get("disk", 0),
+            "on meta between forwards, read from the shards for every token",
+        ),
+        (
+            "KV cache (CPU)",
+            plan.kv_cache["cpu"],
+            run.cache_bytes.get("cpu", 0),  # type: ignore[attr-defined]
+            f"{run.cache_tokens} tokens",
+        ),  # type: ignore[attr-defined]
+        (
+            "prompt's prefill activations",
+            prefill,
+            run.prefill_activations,  # type: ignore[attr-defined]
+            f"the plan keeps {format_size(plan.activations['cpu'])} for the largest step it allows",
+        ),
+    ]
+    lines = [
+        "\n== the cost of a generated token: predicted by the plan, measured here",
+        f"   {'':29}{'predicted':>11}{'measured':>11}",
+    ]
     lines += [f"   {name:29}{format_size(p):>11}{format_size(m):>11}  {note}".rstrip() for name, p, m, note in rows]
-    lines.append(f"   {'time per token':29}{(memory_s + warm) * 1e3:>8.2f} ms{offload_s * 1e3:>8.2f} ms  "
-                 f"predicted: {memory_s * 1e3:.2f} ms in memory (measured) + {format_size(streamed['disk'])} "
-                 f"from the page cache")
-    lines.append(f"   from a cold disk (NVMe, about 3 GB/s) each token would wait {cold * 1e3:.2f} ms more for its "
-                 "weights; prefetch reads the next block while this one computes (notebook 06 measures it)")
+    lines.append(
+        f"   {'time per token':29}{(memory_s + warm) * 1e3:>8.2f} ms{offload_s * 1e3:>8.2f} ms  "
+        f"predicted: {memory_s * 1e3:.2f} ms in memory (measured) + {format_size(streamed['disk'])} "
+        f"from the page cache"
+    )
+    lines.append(
+        f"   from a cold disk (NVMe, about 3 GB/s) each token would wait {cold * 1e3:.2f} ms more for its "
+        "weights; prefetch reads the next block while this one computes (notebook 06 measures it)"
+    )
     return "\n".join(lines)
 
 
@@ -209,22 +254,25 @@ def prepare_output(out: Path) -> None:
             raise FileExistsError(
                 f"--out {str(out)!r} is not empty ({shown}) and is not an earlier bigviz demo output "
                 f"(it has no {MARKER}); the demo never deletes or overwrites files it did not write: "
-                "give a new or empty folder")
+                "give a new or empty folder"
+            )
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic({"written_by": "bigviz demo", "outputs": list(OUTPUTS)}, out / MARKER)
 
 
 def _next_steps(out: Path) -> str:
-    return "\n".join([
-        "\n== where to look next",
-        f"   {out / 'report.html'}: open it in a browser (works offline): the treemap of this plan, "
-        "the budgets and every placement's reason",
-        f"   {out / 'device_map.json'}: the map, for bigviz.load_checkpoint_and_dispatch or transformers' "
-        "from_pretrained(device_map=...)",
-        "   the notebooks explain each step, measured: in a clone of the bigviz repository, "
-        "pip install -e \".[notebooks]\" && jupyter lab notebooks/01_quickstart.ipynb",
-        "   your own model: bigviz plan CHECKPOINT_OR_CONFIG --max-memory 0=24GiB,cpu=64GiB (bigviz plan --help)",
-    ])
+    return "\n".join(
+        [
+            "\n== where to look next",
+            f"   {out / 'report.html'}: open it in a browser (works offline): the treemap of this plan, "
+            "the budgets and every placement's reason",
+            f"   {out / 'device_map.json'}: the map, for bigviz.load_checkpoint_and_dispatch or transformers' "
+            "from_pretrained(device_map=...)",
+            "   the notebooks explain each step, measured: in a clone of the bigviz repository, "
+            'pip install -e ".[notebooks]" && jupyter lab notebooks/01_quickstart.ipynb',
+            "   your own model: bigviz plan CHECKPOINT_OR_CONFIG --max-memory 0=24GiB,cpu=64GiB (bigviz plan --help)",
+        ]
+    )
 
 
 def main(out: str | Path = "bigviz-demo", *, quick: bool = False) -> int:

@@ -4,6 +4,7 @@ Every fixture is function-scoped and cheap (well under a second): each test gets
 model, so one test's in-place changes never leak into another. Nothing is downloaded: the
 transformers models are built from small configs with random (seeded) weights.
 """
+
 from __future__ import annotations
 
 import pytest

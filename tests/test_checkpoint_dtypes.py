@@ -1,4 +1,5 @@
 """A checkpoint is opened and planned with one dtype table: what opens can be planned."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,11 +15,16 @@ def test_a_checkpoint_of_mx_scales_and_fp8_opens_plans_and_loads(tmp_path: Path)
     weight = torch.randn(8, 4).to(torch.float8_e4m3fn)
     folder = tmp_path / "mx"
     folder.mkdir()
-    write_safetensors(folder / "model.safetensors", {"proj.weight": weight, "proj.scales": scales,
-                                                     "head.weight": torch.randn(4, 2).to(torch.float8_e5m2)})
+    write_safetensors(
+        folder / "model.safetensors",
+        {"proj.weight": weight, "proj.scales": scales, "head.weight": torch.randn(4, 2).to(torch.float8_e5m2)},
+    )
     index = bigviz.CheckpointIndex.open(folder)
     assert {k: v.dtype for k, v in index.entries.items()} == {
-        "proj.weight": "float8_e4m3fn", "proj.scales": "float8_e8m0fnu", "head.weight": "float8_e5m2"}
+        "proj.weight": "float8_e4m3fn",
+        "proj.scales": "float8_e8m0fnu",
+        "head.weight": "float8_e5m2",
+    }
     plan = bigviz.plan(folder, {"cpu": 64})
     assert plan.tree.total("") == 32 + 8 + 8 and plan.usage_of("cpu").used == 48
     weights = bigviz.LazyWeights(index)

@@ -1,4 +1,5 @@
 """CheckpointIndex: every layout, headers only, and every kind of broken checkpoint."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,12 @@ from bigviz.checkpoint.index import CheckpointIndex, TensorInfo
 from bigviz.checkpoint.lazy import LazyWeights
 from bigviz.checkpoint.save import save_sharded
 
-STATE = {"linear1.weight": torch.ones(4, 2), "linear1.bias": torch.zeros(4),
-         "linear2.weight": torch.full((3, 4), 2.0), "linear2.bias": torch.arange(3, dtype=torch.int64)}
+STATE = {
+    "linear1.weight": torch.ones(4, 2),
+    "linear1.bias": torch.zeros(4),
+    "linear2.weight": torch.full((3, 4), 2.0),
+    "linear2.bias": torch.arange(3, dtype=torch.int64),
+}
 
 
 def _sharded(folder: Path, safe: bool = True) -> Path:
@@ -71,7 +76,8 @@ def test_variant_index_only_when_unambiguous(tmp_path: Path) -> None:
     (folder / "model.safetensors.index.json").rename(folder / "model.safetensors.index.fp16.json")
     _expect_entries(CheckpointIndex.open(folder))
     (folder / "model.safetensors.index.fp32.json").write_text(
-        (folder / "model.safetensors.index.fp16.json").read_text())
+        (folder / "model.safetensors.index.fp16.json").read_text()
+    )
     with pytest.raises(CheckpointError, match="ambiguous.*fp16.*fp32"):
         CheckpointIndex.open(folder)
 
@@ -110,14 +116,17 @@ def _write_raw(path: Path, header: bytes, data: bytes = b"", length: int | None 
     path.write_bytes(struct.pack("<Q", len(header) if length is None else length) + header + data)
 
 
-@pytest.mark.parametrize("case, expect", [
-    ("truncated", "beyond the file end"),
-    ("length", "header length"),
-    ("json", "not valid JSON"),
-    ("overlap", "overlap"),
-    ("dtype", "unknown dtype"),
-    ("size", "needs 16"),
-])
+@pytest.mark.parametrize(
+    "case, expect",
+    [
+        ("truncated", "beyond the file end"),
+        ("length", "header length"),
+        ("json", "not valid JSON"),
+        ("overlap", "overlap"),
+        ("dtype", "unknown dtype"),
+        ("size", "needs 16"),
+    ],
+)
 def test_corrupt_safetensors_files(tmp_path: Path, case: str, expect: str) -> None:
     path = tmp_path / "model.safetensors"
     if case == "truncated":
@@ -129,10 +138,14 @@ def test_corrupt_safetensors_files(tmp_path: Path, case: str, expect: str) -> No
     elif case == "json":
         _write_raw(path, b"{not json")
     else:
-        entries = {"overlap": {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
-                               "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}},
-                   "dtype": {"a": {"dtype": "F31", "shape": [4], "data_offsets": [0, 16]}},
-                   "size": {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 12]}}}[case]
+        entries = {
+            "overlap": {
+                "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]},
+            },
+            "dtype": {"a": {"dtype": "F31", "shape": [4], "data_offsets": [0, 16]}},
+            "size": {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 12]}},
+        }[case]
         _write_raw(path, json.dumps(entries).encode(), b"\0" * 24)
     with pytest.raises(CheckpointError, match=expect) as err:
         CheckpointIndex.open(path)

@@ -1,4 +1,5 @@
 """LazyWeights: zero-copy views, a names map, dtype rules, prefetch, files mapped once."""
+
 from __future__ import annotations
 
 import threading
@@ -11,8 +12,12 @@ from bigviz.checkpoint.index import CheckpointIndex
 from bigviz.checkpoint.lazy import LazyWeights
 from bigviz.checkpoint.save import save_sharded
 
-STATE = {"model.layers.0.w": torch.arange(6.0).reshape(2, 3), "model.layers.0.b": torch.ones(3),
-         "model.norm.w": torch.full((3,), 0.5), "model.steps": torch.tensor(4)}
+STATE = {
+    "model.layers.0.w": torch.arange(6.0).reshape(2, 3),
+    "model.layers.0.b": torch.ones(3),
+    "model.norm.w": torch.full((3,), 0.5),
+    "model.steps": torch.tensor(4),
+}
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
 """load_checkpoint_in_model: checked before loading, real-world key quirks, dtypes, devices."""
+
 from __future__ import annotations
 
 import json
@@ -29,30 +30,44 @@ def _all_meta(model: nn.Module) -> bool:
 
 @pytest.mark.parametrize("safe", [True, False])
 def test_round_trip_into_meta_model_gives_same_outputs(tmp_path: Path, tiny_gpt: GPT, safe: bool) -> None:
-    folder = save_sharded(tiny_gpt, tmp_path / "c", max_shard_size="10KB", safe_serialization=safe,
-                          progress=False)
+    folder = save_sharded(tiny_gpt, tmp_path / "c", max_shard_size="10KB", safe_serialization=safe, progress=False)
     model = _tiny_gpt()
     result = load_checkpoint_in_model(model, folder, progress=False)
     assert not result.missing and not result.unexpected and result.disk is None
-    assert result.bytes_loaded == sum(t.numel() * 4 for t in tiny_gpt.state_dict().values()) - \
-        tiny_gpt.lm_head.weight.numel() * 4  # the tie is stored once
+    assert (
+        result.bytes_loaded
+        == sum(t.numel() * 4 for t in tiny_gpt.state_dict().values()) - tiny_gpt.lm_head.weight.numel() * 4
+    )  # the tie is stored once
     ids = torch.arange(12)[None]
     assert torch.equal(model(ids)[0], tiny_gpt(ids)[0])  # (logits, loss)
     assert model.lm_head.weight is model.transformer.wte.weight
 
 
 def test_strict_error_lists_every_problem_and_leaves_model_on_meta(tmp_path: Path) -> None:
-    state = {"0.weight": torch.ones(4, 3), "0.bias": torch.ones(5),  # bias: wrong shape
-             "2.weight": torch.ones(4, 4), "extra.a": torch.ones(1), "extra.b": torch.ones(1)}
+    state = {
+        "0.weight": torch.ones(4, 3),
+        "0.bias": torch.ones(5),  # bias: wrong shape
+        "2.weight": torch.ones(4, 4),
+        "extra.a": torch.ones(1),
+        "extra.b": torch.ones(1),
+    }
     folder = save_sharded(state, tmp_path / "c", progress=False)
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 4))
     with pytest.raises(CheckpointError) as err:
         load_checkpoint_in_model(model, folder, progress=False)
     text = str(err.value)
-    for needle in ("shape mismatch: 0.bias", "[5]", "[4]", "missing in the checkpoint: 2.bias",
-                   "unexpected in the checkpoint (the model has no such tensor): extra.a", "extra.b",
-                   "strict=False", "right checkpoint", "nothing was loaded"):
+    for needle in (
+        "shape mismatch: 0.bias",
+        "[5]",
+        "[4]",
+        "missing in the checkpoint: 2.bias",
+        "unexpected in the checkpoint (the model has no such tensor): extra.a",
+        "extra.b",
+        "strict=False",
+        "right checkpoint",
+        "nothing was loaded",
+    ):
         assert needle in text, needle
     assert len(err.value.problems) == 4 and _all_meta(model)
     with pytest.raises(CheckpointError, match="shape mismatch") as err:  # shapes always matter
@@ -239,10 +254,12 @@ def test_disk_map_on_bin_needs_offload_folder_and_writes_it_once(tmp_path: Path,
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "notes.txt").write_text("mine")
     with pytest.raises(CheckpointError, match="holds files bigviz did not write.*notes.txt"):
-        load_checkpoint_in_model(model, folder, device_map=device_map, offload_folder=tmp_path / "busy",
-                                 dtype=torch.float16, progress=False)
-    result = load_checkpoint_in_model(model, folder, device_map=device_map, offload_folder=tmp_path / "off",
-                                      dtype=torch.float16, progress=False)
+        load_checkpoint_in_model(
+            model, folder, device_map=device_map, offload_folder=tmp_path / "busy", dtype=torch.float16, progress=False
+        )
+    result = load_checkpoint_in_model(
+        model, folder, device_map=device_map, offload_folder=tmp_path / "off", dtype=torch.float16, progress=False
+    )
     assert result.offload_folder == tmp_path / "off"
     record = json.loads((tmp_path / "off" / "bigviz-offload.json").read_text())
     assert sorted(p.name for p in (tmp_path / "off").iterdir()) == sorted([*record["files"], "bigviz-offload.json"])
@@ -298,8 +315,7 @@ def test_malicious_pickle_does_not_run_when_loading(tmp_path: Path) -> None:
 
 
 def test_load_sharded_checkpoint_copies_in_place(tmp_path: Path, tiny_gpt: GPT) -> None:
-    folder = save_sharded(tiny_gpt, tmp_path / "c", max_shard_size="10KB", safe_serialization=False,
-                          progress=False)
+    folder = save_sharded(tiny_gpt, tmp_path / "c", max_shard_size="10KB", safe_serialization=False, progress=False)
     torch.manual_seed(1)
     model = GPT(GPTConfig.preset("gpt-tiny")).eval()
     weight = model.transformer.h[0].attn.c_attn.weight
@@ -316,8 +332,9 @@ def test_load_sharded_checkpoint_copies_in_place(tmp_path: Path, tiny_gpt: GPT) 
 def test_load_to_gpu_and_cpu(tmp_path: Path, tiny_gpt: GPT) -> None:
     folder = save_sharded(tiny_gpt, tmp_path / "c", progress=False)
     model = _tiny_gpt()
-    load_checkpoint_in_model(model, folder, device_map={"transformer.h": 0, "": "cpu"}, dtype=torch.float16,
-                             progress=False)
+    load_checkpoint_in_model(
+        model, folder, device_map={"transformer.h": 0, "": "cpu"}, dtype=torch.float16, progress=False
+    )
     weight = model.transformer.h[0].attn.c_attn.weight
     assert weight.device == torch.device("cuda", 0) and weight.dtype == torch.float16
     assert torch.equal(weight.cpu(), tiny_gpt.transformer.h[0].attn.c_attn.weight.half())

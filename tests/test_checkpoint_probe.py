@@ -1,4 +1,5 @@
 """The disk probe: what it reads, what it caches, what it leaves behind (no timing asserted)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -9,8 +10,15 @@ from pathlib import Path
 import pytest
 
 from bigviz.checkpoint import probe as probe_module
-from bigviz.checkpoint.probe import (CACHE_VERSION, DiskProbe, cache_file, measure_read_bandwidth, resident_pages, split_ranges,
-                                     timed_read)
+from bigviz.checkpoint.probe import (
+    CACHE_VERSION,
+    DiskProbe,
+    cache_file,
+    measure_read_bandwidth,
+    resident_pages,
+    split_ranges,
+    timed_read,
+)
 
 MiB = 2**20
 SMALL = dict(parallel=2, sample_bytes=MiB // 2, chunk_bytes=128 * 1024)
@@ -79,8 +87,9 @@ def test_timed_read_reads_exactly_the_ranges(shards: Path) -> None:
     for readers in (1, 3):
         for direct in (False, True):
             try:
-                timing = timed_read([(f, 0, MiB + 123), (f, 4096, 100)], readers=readers, chunk_bytes=64 * 1024,
-                                    direct=direct)
+                timing = timed_read(
+                    [(f, 0, MiB + 123), (f, 4096, 100)], readers=readers, chunk_bytes=64 * 1024, direct=direct
+                )
             except OSError:
                 assert direct  # a filesystem without O_DIRECT (tmpfs) refuses it; buffered reads never fail
                 continue
@@ -181,8 +190,9 @@ def test_the_probe_leaves_the_page_cache_as_it_found_it(shards: Path, method: st
 
 
 # ------------------------------------------------------------------------------ cache
-def test_results_are_cached_per_device_under_xdg_cache_home(shards: Path, cache_home: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_results_are_cached_per_device_under_xdg_cache_home(
+    shards: Path, cache_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert cache_file() == cache_home / "bigviz" / "disk-bandwidth.json"
     first = measure_read_bandwidth(shards, **SMALL)
     doc = json.loads(cache_file().read_text())
@@ -194,10 +204,12 @@ def test_results_are_cached_per_device_under_xdg_cache_home(shards: Path, cache_
     assert [p.name for p in (cache_home / "bigviz").iterdir()] == ["disk-bandwidth.json"]  # no temporary left
 
 
-@pytest.mark.parametrize("change", ["refresh", "readers", "bigger sample", "too old", "other filesystem",
-                                    "other version"])
-def test_cached_entries_are_measured_again_when_stale(shards: Path, monkeypatch: pytest.MonkeyPatch,
-                                                      change: str) -> None:
+@pytest.mark.parametrize(
+    "change", ["refresh", "readers", "bigger sample", "too old", "other filesystem", "other version"]
+)
+def test_cached_entries_are_measured_again_when_stale(
+    shards: Path, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
     first = measure_read_bandwidth(shards, **SMALL)
     knobs = dict(SMALL)
     if change == "refresh":
@@ -224,9 +236,20 @@ def test_cached_entries_are_measured_again_when_stale(shards: Path, monkeypatch:
 
 def test_other_devices_entries_are_kept(shards: Path) -> None:
     cache_file().parent.mkdir(parents=True)
-    other = {"device": "9:9", "filesystem": "xfs /dev/sdz /data", "sequential": 1.0, "parallel": 2.0, "readers": 4,
-             "sample_bytes": 1, "chunk_bytes": 1, "method": "direct", "measured_at": 1.0}
-    cache_file().write_text(json.dumps({"format": "bigviz-disk-probe", "version": CACHE_VERSION, "entries": {"9:9": other}}))
+    other = {
+        "device": "9:9",
+        "filesystem": "xfs /dev/sdz /data",
+        "sequential": 1.0,
+        "parallel": 2.0,
+        "readers": 4,
+        "sample_bytes": 1,
+        "chunk_bytes": 1,
+        "method": "direct",
+        "measured_at": 1.0,
+    }
+    cache_file().write_text(
+        json.dumps({"format": "bigviz-disk-probe", "version": CACHE_VERSION, "entries": {"9:9": other}})
+    )
     probe = measure_read_bandwidth(shards, **SMALL)
     entries = json.loads(cache_file().read_text())["entries"]
     assert entries["9:9"] == other and probe.device in entries

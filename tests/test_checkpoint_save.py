@@ -1,4 +1,5 @@
 """save_sharded: transformers' file layout, sharding rules, ties, atomic writes."""
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,7 @@ def test_round_trip_equal_tensors(tmp_path: Path, safe: bool) -> None:
     model.register_buffer("steps", torch.tensor(7))
     model.register_buffer("mask", torch.tensor([True, False]))
     model.half_w = nn.Parameter(torch.randn(3, dtype=torch.bfloat16))
-    folder = save_sharded(model, tmp_path / "ckpt", max_shard_size=200, safe_serialization=safe,
-                          progress=False)
+    folder = save_sharded(model, tmp_path / "ckpt", max_shard_size=200, safe_serialization=safe, progress=False)
     back = _read_back(folder)
     assert back.keys() == model.state_dict().keys()
     for name, tensor in model.state_dict().items():
@@ -57,11 +57,13 @@ def test_file_names_and_index_format_match_transformers(tmp_path: Path) -> None:
 
 
 def test_bin_variant_names(tmp_path: Path) -> None:
-    folder = save_sharded(_state(), tmp_path / "c", max_shard_size="2500B", safe_serialization=False,
-                          progress=False)
+    folder = save_sharded(_state(), tmp_path / "c", max_shard_size="2500B", safe_serialization=False, progress=False)
     assert sorted(p.name for p in folder.iterdir()) == [
-        "pytorch_model-00001-of-00003.bin", "pytorch_model-00002-of-00003.bin",
-        "pytorch_model-00003-of-00003.bin", "pytorch_model.bin.index.json"]
+        "pytorch_model-00001-of-00003.bin",
+        "pytorch_model-00002-of-00003.bin",
+        "pytorch_model-00003-of-00003.bin",
+        "pytorch_model.bin.index.json",
+    ]
 
 
 def test_single_shard_is_plain_file_without_index(tmp_path: Path) -> None:
@@ -71,8 +73,14 @@ def test_single_shard_is_plain_file_without_index(tmp_path: Path) -> None:
 
 
 def test_shard_sizes_respected_greedy_and_oversize_alone(tmp_path: Path) -> None:
-    state = {"a": torch.ones(100), "b": torch.ones(100), "big": torch.ones(1000), "c": torch.ones(100),
-             "d": torch.ones(100), "e": torch.ones(100)}  # 400 B each, big = 4000 B
+    state = {
+        "a": torch.ones(100),
+        "b": torch.ones(100),
+        "big": torch.ones(1000),
+        "c": torch.ones(100),
+        "d": torch.ones(100),
+        "e": torch.ones(100),
+    }  # 400 B each, big = 4000 B
     folder = save_sharded(state, tmp_path / "c", max_shard_size=1000, progress=False)
     weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
     shards: dict[str, list[str]] = {}
@@ -87,8 +95,10 @@ def test_shard_sizes_respected_greedy_and_oversize_alone(tmp_path: Path) -> None
 
 def test_tied_tensors_saved_once_under_first_name(tmp_path: Path, hf_gpt2: nn.Module) -> None:
     state = hf_gpt2.state_dict()
-    assert state["lm_head.weight"] is state["transformer.wte.weight"] or \
-        state["lm_head.weight"].data_ptr() == state["transformer.wte.weight"].data_ptr()
+    assert (
+        state["lm_head.weight"] is state["transformer.wte.weight"]
+        or state["lm_head.weight"].data_ptr() == state["transformer.wte.weight"].data_ptr()
+    )
     folder = save_sharded(hf_gpt2, tmp_path / "c", progress=False)
     keys = CheckpointIndex.open(folder).keys()
     assert "transformer.wte.weight" in keys and "lm_head.weight" not in keys
@@ -143,8 +153,7 @@ def test_failure_mid_save_leaves_nothing_behind(tmp_path: Path) -> None:
 def test_metadata_and_from_pretrained_reads_bigviz_checkpoint(tmp_path: Path, hf_gpt2: nn.Module) -> None:
     from transformers import GPT2LMHeadModel
 
-    folder = save_sharded(hf_gpt2, tmp_path / "gpt2", max_shard_size="20KB", metadata={"who": "test"},
-                          progress=False)
+    folder = save_sharded(hf_gpt2, tmp_path / "gpt2", max_shard_size="20KB", metadata={"who": "test"}, progress=False)
     assert len(list(folder.glob("model-*.safetensors"))) > 2
     with safetensors.safe_open(next(folder.glob("model-*")), framework="pt") as f:
         assert f.metadata() == {"format": "pt", "who": "test"}

@@ -1,4 +1,5 @@
 """tree_from_checkpoint and detect_no_split: planning inputs from headers alone."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,7 +29,8 @@ def test_tree_from_headers_matches_the_model(tmp_path: Path, request: pytest.Fix
     assert from_ckpt.total("") == from_model.total("") - non_persistent
     for module in from_ckpt.nodes:
         expected = from_model.total(module) - sum(
-            from_model.tensors[n].nbytes for n in from_model.subtree_tensors(module) if n not in persistent)
+            from_model.tensors[n].nbytes for n in from_model.subtree_tensors(module) if n not in persistent
+        )
         assert from_ckpt.total(module) == expected, module
 
 

@@ -1,4 +1,5 @@
 """The ``bigviz`` command: ``plan`` on presets and checkpoints, and the demo end to end."""
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,20 @@ def test_help_is_plain_text(argv, capsys):
 
 def test_plan_preset_writes_map_and_report(tmp_path, capsys):
     out, html = tmp_path / "map.json", tmp_path / "report.html"
-    code = main(["plan", "llama-70b", "--dtype", "float16", "--max-memory", "0=24GiB,cpu=64GiB",
-                 "--out", str(out), "--html", str(html)])
+    code = main(
+        [
+            "plan",
+            "llama-70b",
+            "--dtype",
+            "float16",
+            "--max-memory",
+            "0=24GiB,cpu=64GiB",
+            "--out",
+            str(out),
+            "--html",
+            str(html),
+        ]
+    )
     assert code == 0
     device_map = bigviz.load_device_map(out)
     assert {0, "cpu", "disk"} <= set(device_map.values())
@@ -53,8 +66,18 @@ def test_plan_checkpoint_from_headers(tmp_path):
     # pages, so no RAM is kept for them.
     budget = sizes["transformer.wte"] + sizes["transformer.wpe"] + block + 1000
     out = tmp_path / "map.json"
-    code = main(["plan", str(tmp_path / "ckpt"), "--max-memory", f"cpu={budget}",
-                 "--no-split", "transformer.h.*", "--out", str(out)])
+    code = main(
+        [
+            "plan",
+            str(tmp_path / "ckpt"),
+            "--max-memory",
+            f"cpu={budget}",
+            "--no-split",
+            "transformer.h.*",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     device_map = bigviz.load_device_map(out)
     assert device_map["transformer.h.0"] == "cpu"
@@ -72,8 +95,12 @@ def test_plan_reports_bad_input(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_demo_runs_end_to_end(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "bigviz.cli", "demo", "--quick", "--out", str(tmp_path / "d")],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-m", "bigviz.cli", "demo", "--quick", "--out", str(tmp_path / "d")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     assert "identical to the model in memory: True" in out

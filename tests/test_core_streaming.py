@@ -1,4 +1,5 @@
 """The forward-time prediction of bigviz.core.streaming: exact small cases and invariants (no I/O)."""
+
 from __future__ import annotations
 
 import math
@@ -22,8 +23,11 @@ def test_one_streamed_unit_cannot_overlap() -> None:
 
 
 def test_everything_resident_is_pure_compute() -> None:
-    e = predict_forward([UnitCost("a", compute_seconds=0.25), UnitCost("b", compute_seconds=0.5)],
-                        disk_bandwidth=1e9, resident_bytes=3 * GB)
+    e = predict_forward(
+        [UnitCost("a", compute_seconds=0.25), UnitCost("b", compute_seconds=0.5)],
+        disk_bandwidth=1e9,
+        resident_bytes=3 * GB,
+    )
     assert (e.seconds, e.read_seconds, e.stall_seconds, e.bottleneck) == (0.75, 0.0, 0.0, "compute")
     assert e.load_seconds == 3.0 and e.first_seconds == 3.75
 
@@ -46,8 +50,11 @@ def test_no_read_ahead_runs_every_stage_in_turn() -> None:
 
 def test_reads_run_ahead_past_resident_units() -> None:
     # a long resident unit between two streamed ones: the second read happens during it
-    units = [UnitCost("s0", read_bytes=GB, compute_seconds=0.1), UnitCost("r", compute_seconds=3.0),
-             UnitCost("s1", read_bytes=GB, compute_seconds=0.1)]
+    units = [
+        UnitCost("s0", read_bytes=GB, compute_seconds=0.1),
+        UnitCost("r", compute_seconds=3.0),
+        UnitCost("s1", read_bytes=GB, compute_seconds=0.1),
+    ]
     e = predict_forward(units, disk_bandwidth=1e9, depth=1)
     assert e.seconds == pytest.approx(1.0 + 0.1 + 3.0 + 0.1)
     # with depth 0 the second read waits for its turn
@@ -83,8 +90,15 @@ def test_bad_inputs_are_all_named_at_once() -> None:
 
 
 def test_estimate_from_totals_matches_explicit_units() -> None:
-    e = estimate_forward(resident_bytes=2 * GB, streamed_bytes=4 * GB, disk_bandwidth=1e9, compute_seconds=3.0,
-                         units=4, resident_units=2, depth=1)
+    e = estimate_forward(
+        resident_bytes=2 * GB,
+        streamed_bytes=4 * GB,
+        disk_bandwidth=1e9,
+        compute_seconds=3.0,
+        units=4,
+        resident_units=2,
+        depth=1,
+    )
     units = [UnitCost("r", compute_seconds=0.5)] * 2 + [UnitCost("s", read_bytes=GB, compute_seconds=0.5)] * 4
     explicit = predict_forward(units, disk_bandwidth=1e9, depth=1, resident_bytes=2 * GB)
     assert e == explicit and e.load_seconds == 2.0
@@ -93,8 +107,14 @@ def test_estimate_from_totals_matches_explicit_units() -> None:
 
 
 def test_estimate_spreads_copies_over_units() -> None:
-    e = estimate_forward(resident_bytes=GB, streamed_bytes=GB, disk_bandwidth=1e9, compute_seconds=0.0,
-                         copied_bytes=2 * GB, link_bandwidth=1e9)
+    e = estimate_forward(
+        resident_bytes=GB,
+        streamed_bytes=GB,
+        disk_bandwidth=1e9,
+        compute_seconds=0.0,
+        copied_bytes=2 * GB,
+        link_bandwidth=1e9,
+    )
     assert e.copy_seconds == pytest.approx(2.0) and e.read_seconds == pytest.approx(1.0)
 
 
@@ -111,15 +131,23 @@ def test_explain_names_the_bottleneck_and_the_load() -> None:
 
 
 units_strategy = st.lists(
-    st.builds(UnitCost, name=st.just("u"), read_bytes=st.integers(0, 5 * GB), copy_bytes=st.integers(0, 2 * GB),
-              compute_seconds=st.floats(0, 5, allow_nan=False)),
-    min_size=1, max_size=30)
+    st.builds(
+        UnitCost,
+        name=st.just("u"),
+        read_bytes=st.integers(0, 5 * GB),
+        copy_bytes=st.integers(0, 2 * GB),
+        compute_seconds=st.floats(0, 5, allow_nan=False),
+    ),
+    min_size=1,
+    max_size=30,
+)
 
 
 @settings(max_examples=150, deadline=None)
 @given(units=units_strategy, depth=st.integers(0, 6), disk=st.floats(1e8, 1e10), link=st.floats(1e8, 1e11))
-def test_the_prediction_lies_between_the_busiest_stage_and_no_overlap(units: list[UnitCost], depth: int,
-                                                                       disk: float, link: float) -> None:
+def test_the_prediction_lies_between_the_busiest_stage_and_no_overlap(
+    units: list[UnitCost], depth: int, disk: float, link: float
+) -> None:
     e = predict_forward(units, disk_bandwidth=disk, link_bandwidth=link, depth=depth)
     busiest = max(e.read_seconds, e.copy_seconds, e.compute_seconds)
     serial = e.read_seconds + e.copy_seconds + e.compute_seconds

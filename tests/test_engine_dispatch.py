@@ -3,6 +3,7 @@
 Every parity check is bitwise (``torch.equal``): on the CPU an offloaded module computes
 with the very same numbers and kernels as the in-memory one.
 """
+
 from __future__ import annotations
 
 import copy

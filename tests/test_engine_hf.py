@@ -1,4 +1,5 @@
 """transformers models built from configs, dispatched and offloaded (forward, tied weights, generate)."""
+
 from __future__ import annotations
 
 import copy
@@ -68,8 +69,9 @@ def test_forward_parity_for_every_map(hf_model: tuple[str, nn.Module], tmp_path:
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_generate_with_the_transformers_cache_gives_the_same_tokens(family: str, request: pytest.FixtureRequest,
-                                                                     tmp_path: Path):
+def test_generate_with_the_transformers_cache_gives_the_same_tokens(
+    family: str, request: pytest.FixtureRequest, tmp_path: Path
+):
     reference = request.getfixturevalue({"gpt2": "hf_gpt2", "llama": "hf_llama"}[family])
     x = ids()
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)

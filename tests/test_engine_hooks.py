@@ -1,4 +1,5 @@
 """The hook protocol (bigviz.engine.hooks) and argument moving (bigviz.engine.devices)."""
+
 from __future__ import annotations
 
 from collections import namedtuple

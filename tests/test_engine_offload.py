@@ -1,4 +1,5 @@
 """The seed's whole-model helpers: cpu_offload, cpu_offload_with_hook (chained), disk_offload."""
+
 from __future__ import annotations
 
 import copy

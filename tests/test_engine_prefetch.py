@@ -1,4 +1,5 @@
 """Prefetching offloaded units: recorded order, background reads, errors reaching the caller."""
+
 from __future__ import annotations
 
 import threading

@@ -6,6 +6,7 @@ A small GPT is saved with one shard per block; part of it is mapped to "cpu", th
 file-backed), the disk units' file pages are dropped from the page cache once used (except
 the units read ahead for the next forward), and outputs are bit-exact against the model in RAM.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,9 @@ from bigviz.engine.readahead import StreamingFetcher, file_span
 from bigviz.engine.resident import decide, mapped_bytes, settle_residency
 from bigviz.models import GPT, GPTConfig
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "posix_fadvise") or not os.path.exists("/proc/self/maps"),
-                                reason="page-cache control needs Linux")
+pytestmark = pytest.mark.skipif(
+    not hasattr(os, "posix_fadvise") or not os.path.exists("/proc/self/maps"), reason="page-cache control needs Linux"
+)
 
 PAGE = mmap.PAGESIZE
 CONFIG = GPTConfig(n_layer=6, n_head=4, n_embd=128, vocab_size=300, block_size=32)  # blocks of 200 pages

@@ -2,6 +2,7 @@
 
 Marked ``gpu``: skipped cleanly (with the reason) on machines without CUDA.
 """
+
 from __future__ import annotations
 
 import threading

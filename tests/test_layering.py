@@ -10,6 +10,7 @@ See docs/architecture.md.
 Heavy libraries stay out of ``import bigviz``: core never imports torch, plotly or
 ipywidgets; plotly and ipywidgets are imported only by ui.
 """
+
 from __future__ import annotations
 
 import ast
@@ -20,8 +21,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "bigviz"
-RANK = {"core": 0, "models": 0, "modeling": 1, "checkpoint": 2, "planning": 3, "engine": 4, "distributed": 4,
-        "ui": 5, "demo": 6, "cli": 6}
+RANK = {
+    "core": 0,
+    "models": 0,
+    "modeling": 1,
+    "checkpoint": 2,
+    "planning": 3,
+    "engine": 4,
+    "distributed": 4,
+    "ui": 5,
+    "demo": 6,
+    "cli": 6,
+}
 
 
 def _layer(module: str) -> str | None:
@@ -60,8 +71,10 @@ def test_imports_point_down(path):
 
 
 def test_import_bigviz_is_light():
-    code = ("import sys, bigviz; bad = [m for m in ('torch', 'plotly', 'ipywidgets', 'pandas') if m in sys.modules];"
-            "print(','.join(bad))")
+    code = (
+        "import sys, bigviz; bad = [m for m in ('torch', 'plotly', 'ipywidgets', 'pandas') if m in sys.modules];"
+        "print(','.join(bad))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "", f"import bigviz pulled in: {out}"
 
@@ -78,8 +91,17 @@ def test_every_public_name_resolves_to_its_home():
     assert not missing, f"bigviz exports names that do not resolve: {missing}"
     for name, module in bigviz._EXPORTS.items():
         assert getattr(importlib.import_module(module), name) is getattr(bigviz, name), name
-    for name in ("plan", "infer_auto_device_map", "check_device_map", "load_plan", "dispatch_plan", "max_context",
-                 "plan_pipeline", "resolve_model", "as_tree"):
+    for name in (
+        "plan",
+        "infer_auto_device_map",
+        "check_device_map",
+        "load_plan",
+        "dispatch_plan",
+        "max_context",
+        "plan_pipeline",
+        "resolve_model",
+        "as_tree",
+    ):
         assert callable(getattr(bigviz.planning, name)), name
 
 

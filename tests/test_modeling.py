@@ -1,4 +1,5 @@
 """Meta-device construction, module sizes, ties, and planning real nn.Modules."""
+
 from __future__ import annotations
 
 import json
@@ -17,10 +18,10 @@ class TiedNet(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.emb = nn.Embedding(10, 4)          # 40 floats = 160 B
-        self.body = nn.Linear(4, 4)             # 16 + 4 floats = 80 B
+        self.emb = nn.Embedding(10, 4)  # 40 floats = 160 B
+        self.body = nn.Linear(4, 4)  # 16 + 4 floats = 80 B
         self.head = nn.Linear(4, 10, bias=False)
-        self.head.weight = self.emb.weight      # tied in __init__: 0 extra bytes
+        self.head.weight = self.emb.weight  # tied in __init__: 0 extra bytes
         self.register_buffer("steps", torch.zeros(3, dtype=torch.int64))  # 24 B
 
 
@@ -84,7 +85,7 @@ def test_reference_model_sizes_on_meta():
         gpt = GPT(GPTConfig.preset("gpt2-xl"))
         llama = Llama(LlamaConfig.preset("llama-70b"))
     gpt_tree, llama_tree = bigviz.module_tree(gpt), bigviz.module_tree(llama)
-    assert 1.5e9 < gpt_tree.nodes[""].n_params < 1.6e9       # tied lm_head counted once
+    assert 1.5e9 < gpt_tree.nodes[""].n_params < 1.6e9  # tied lm_head counted once
     assert 68e9 < llama_tree.nodes[""].n_params < 70e9
     assert gpt_tree.total("lm_head") == 0
 
@@ -125,8 +126,12 @@ def test_infer_auto_device_map_compat_signature():
 
 
 def test_check_device_map_on_model():
-    model = nn.ModuleDict({"block1": nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)),
-                           "block2": nn.ModuleDict({f"linear{i}": nn.Linear(2, 2) for i in (1, 2, 3)})})
+    model = nn.ModuleDict(
+        {
+            "block1": nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)),
+            "block2": nn.ModuleDict({f"linear{i}": nn.Linear(2, 2) for i in (1, 2, 3)}),
+        }
+    )
     with pytest.raises(ValueError, match="block2.linear3"):
         bigviz.check_device_map(model, {"block1": 0, "block2.linear1": 1, "block2.linear2": 1})
     assert bigviz.check_device_map(model, {"block1": 0, "block2": "cuda:1"}) == {"block1": 0, "block2": 1}
@@ -149,7 +154,8 @@ def test_exported_map_is_accepted_by_transformers(tmp_path):
     bigviz.save_device_map(plan.device_map, tmp_path / "map.json")
     loaded_map = json.loads((tmp_path / "map.json").read_text())
     model = transformers.GPT2LMHeadModel.from_pretrained(
-        tmp_path / "ckpt", device_map=loaded_map, offload_folder=tmp_path / "offload")
+        tmp_path / "ckpt", device_map=loaded_map, offload_folder=tmp_path / "offload"
+    )
     assert {k: v for k, v in model.hf_device_map.items()} == plan.device_map
     ids = torch.tensor([[1, 2, 3]])
     with torch.no_grad():

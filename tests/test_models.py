@@ -1,5 +1,6 @@
 """The reference models: shapes, sizes of the real presets, names, ties, the KV cache,
 generation, and numerical agreement with the transformers implementations."""
+
 from __future__ import annotations
 
 import pytest

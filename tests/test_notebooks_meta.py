@@ -5,6 +5,7 @@ committed: every notebook ran top to bottom without errors, ends in a cell of as
 its stored outputs small, names no absolute path of the machine it ran on, and writes only
 under ``tempfile.mkdtemp()``.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,14 @@ import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 EXPECTED = [
-    "01_quickstart", "02_why_big_models_break", "03_sharded_checkpoints",
-    "04_device_maps", "05_room_to_run", "06_offload_and_run", "07_transformers", "08_will_it_fit",
+    "01_quickstart",
+    "02_why_big_models_break",
+    "03_sharded_checkpoints",
+    "04_device_maps",
+    "05_room_to_run",
+    "06_offload_and_run",
+    "07_transformers",
+    "08_will_it_fit",
     "09_pipeline",
 ]
 MAX_OUTPUT_BYTES = 150_000  # one stored output (a planner's static HTML is ~120 KB)
@@ -102,7 +109,9 @@ def test_no_absolute_paths(name: str) -> None:
         texts = [_text(cell["source"])] + (_output_texts(cell) if cell["cell_type"] == "code" else [])
         for text in texts:
             match = ABSOLUTE_PATH.search(text)
-            assert match is None, f"{name}: cell {i} names an absolute path: ...{text[max(0, match.start() - 40):match.end() + 40]}..."
+            assert match is None, (
+                f"{name}: cell {i} names an absolute path: ...{text[max(0, match.start() - 40) : match.end() + 40]}..."
+            )
 
 
 @pytest.mark.parametrize("name", EXPECTED)
@@ -111,7 +120,10 @@ def test_writes_only_to_a_temporary_folder(name: str) -> None:
     assert "tempfile.mkdtemp(" in source, f"{name}: write under tempfile.mkdtemp()"
     assert "rmtree(workdir" in source, f"{name}: remove the temporary folder at the end"
     # relative output paths would land in notebooks/ (the kernel's working directory)
-    writes = re.findall(r"""(?:save_json|save_html|save_sharded|save_pretrained|torch\.save|save_device_map)\(\s*(['"][^'"]+['"])""", source)
+    writes = re.findall(
+        r"""(?:save_json|save_html|save_sharded|save_pretrained|torch\.save|save_device_map)\(\s*(['"][^'"]+['"])""",
+        source,
+    )
     writes += re.findall(r"""open\(\s*(['"][^'"]+['"])\s*,\s*['"][wax]""", source)
     writes = [w for w in writes if not w.strip("'\"").startswith("/proc/")]  # kernel knobs, not files
     assert not writes, f"{name}: writes to literal paths {writes}; use paths under the temporary folder"
@@ -150,11 +162,19 @@ def test_every_figure_has_a_picture_that_needs_no_script(name: str) -> None:
         outputs = [o.get("data", {}) for o in cell.get("outputs", [])]
         for data in outputs:
             html = _text(data.get("text/html", ""))
-            assert not re.search(r"<script[^>]+src=['\"]?(?:https?:)?//", html), f"{name}: cell {i} loads a script from the network"
-            interactive = any(m in data for m in INTERACTIVE) or "<script" in html or "<Figure size" in _text(data.get("text/plain", ""))
+            assert not re.search(r"<script[^>]+src=['\"]?(?:https?:)?//", html), (
+                f"{name}: cell {i} loads a script from the network"
+            )
+            interactive = (
+                any(m in data for m in INTERACTIVE)
+                or "<script" in html
+                or "<Figure size" in _text(data.get("text/plain", ""))
+            )
             if interactive:
                 pictures = [m for m in PICTURES if m in data]
                 assert pictures, f"{name}: cell {i} stores a figure ({sorted(data)}) with no PNG or SVG beside it"
                 assert all(_is_picture(m, data[m]) for m in pictures), f"{name}: cell {i}'s picture is not a PNG/SVG"
         if FIGURE_CALLS.search(_text(cell["source"])):
-            assert any(m in data for data in outputs for m in PICTURES), f"{name}: cell {i} draws a figure but stores no picture"
+            assert any(m in data for data in outputs for m in PICTURES), (
+                f"{name}: cell {i} draws a figure but stores no picture"
+            )

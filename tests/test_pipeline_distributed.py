@@ -5,6 +5,7 @@ command line before any process loads anything.
 The torchrun runs are slow (two Python processes importing torch on a 2-core machine): each
 has a generous timeout and its whole process group is killed if it overruns.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,9 +30,17 @@ def _hf_llama_folder(folder: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(1)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=4,
-                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                                         max_position_embeddings=128))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64,
+            intermediate_size=172,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+            max_position_embeddings=128,
+        )
+    )
     model.save_pretrained(folder, max_shard_size="40KB")
     return folder
 
@@ -50,11 +59,21 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _torchrun(cwd: Path, *args: str, nproc: int = 2) -> str:
     """Run the entry point under torchrun with ``nproc`` processes; its output, or a failure."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", "bigviz.distributed", *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        "bigviz.distributed",
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -87,14 +106,30 @@ def _expected_loads(folder: Path, report: dict, rank: int) -> set[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, extra, method", [
-    ("gpt", [], "trace"),  # torch's tracer splits bigviz's GPT
-    ("hf-llama", ["--schedule", "1f1b"], "wrap"),  # it cannot capture transformers' Llama: the adapter runs it
-])
+@pytest.mark.parametrize(
+    "name, extra, method",
+    [
+        ("gpt", [], "trace"),  # torch's tracer splits bigviz's GPT
+        ("hf-llama", ["--schedule", "1f1b"], "wrap"),  # it cannot capture transformers' Llama: the adapter runs it
+    ],
+)
 def test_two_processes_give_single_process_logits(folders, tmp_path, name, extra, method):
     folder = folders[name]
-    out = _torchrun(tmp_path, str(folder), "--stages", "2", "--input-ids", ",".join(map(str, IDS)),
-                    "--microbatches", "2", "--out", "logits.pt", "--report", "report.json", *extra)
+    out = _torchrun(
+        tmp_path,
+        str(folder),
+        "--stages",
+        "2",
+        "--input-ids",
+        ",".join(map(str, IDS)),
+        "--microbatches",
+        "2",
+        "--out",
+        "logits.pt",
+        "--report",
+        "report.json",
+        *extra,
+    )
     logits = torch.load(tmp_path / "logits.pt")
     want = _single_process_logits(folder)
     assert logits.shape == (2, want.shape[0])
@@ -118,8 +153,21 @@ def test_nccl_stages_on_gpus(folders, tmp_path):
     """One stage per GPU with NCCL (two stages with two GPUs, one with one GPU)."""
     n = min(torch.cuda.device_count(), 2)
     folder = folders["hf-llama"]
-    out = _torchrun(tmp_path, str(folder), "--stages", str(n), "--input-ids", ",".join(map(str, IDS)),
-                    "--microbatches", "2", "--out", "logits.pt", "--report", "report.json", nproc=n)
+    out = _torchrun(
+        tmp_path,
+        str(folder),
+        "--stages",
+        str(n),
+        "--input-ids",
+        ",".join(map(str, IDS)),
+        "--microbatches",
+        "2",
+        "--out",
+        "logits.pt",
+        "--report",
+        "report.json",
+        nproc=n,
+    )
     report = json.loads((tmp_path / "report.json").read_text())
     assert [r["device"] for r in report["ranks"]] == [f"cuda:{i}" for i in range(n)], out
     logits = torch.load(tmp_path / "logits.pt")
@@ -132,6 +180,7 @@ def test_nccl_stages_on_gpus(folders, tmp_path):
 @pytest.fixture
 def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fail the test if the command line gets as far as joining a group or loading."""
+
     def forbidden(*args: object, **kwargs: object) -> None:
         raise AssertionError("the request was not refused before running")
 
@@ -144,28 +193,34 @@ def _refused(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     return capsys.readouterr().err
 
 
-@pytest.mark.parametrize("stages, world, message", [
-    ("0", "2", "stages=0: give 1 or more stages"),
-    ("5", "2", "5 stages but only 4 no-split units to cut between"),
-    ("3", "2", "2 processes for a 3-stage plan: launch one per stage (torchrun --nproc-per-node 3)"),
-    ("2", None, "not launched by torchrun (no WORLD_SIZE)"),
-])
-def test_bad_requests_are_refused_before_loading(folders, tmp_path, monkeypatch, capsys, no_loading,
-                                                 stages, world, message):
+@pytest.mark.parametrize(
+    "stages, world, message",
+    [
+        ("0", "2", "stages=0: give 1 or more stages"),
+        ("5", "2", "5 stages but only 4 no-split units to cut between"),
+        ("3", "2", "2 processes for a 3-stage plan: launch one per stage (torchrun --nproc-per-node 3)"),
+        ("2", None, "not launched by torchrun (no WORLD_SIZE)"),
+    ],
+)
+def test_bad_requests_are_refused_before_loading(
+    folders, tmp_path, monkeypatch, capsys, no_loading, stages, world, message
+):
     if world is None:
         monkeypatch.delenv("WORLD_SIZE", raising=False)
     else:
         monkeypatch.setenv("WORLD_SIZE", world)
-    err = _refused(capsys, [str(folders["gpt"]), "--stages", stages, "--input-ids", "1,2,3",
-                            "--out", str(tmp_path / "logits.pt")])
+    err = _refused(
+        capsys, [str(folders["gpt"]), "--stages", stages, "--input-ids", "1,2,3", "--out", str(tmp_path / "logits.pt")]
+    )
     assert message in err, err
     assert not (tmp_path / "logits.pt").exists()
 
 
 def test_budget_too_small_says_by_how_much(folders, tmp_path, monkeypatch, capsys, no_loading):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    err = _refused(capsys, [str(folders["gpt"]), "--stages", "150KB,50KB", "--input-ids", "1",
-                            "--out", str(tmp_path / "x.pt")])
+    err = _refused(
+        capsys, [str(folders["gpt"]), "--stages", "150KB,50KB", "--input-ids", "1", "--out", str(tmp_path / "x.pt")]
+    )
     assert "cannot cut GPT (222.8 KiB) into 2 stages within the budgets" in err
     assert "stage 1 (transformer.h.3 .. lm_head) needs 65.9 KiB with a budget of 48.8 KiB: 17.0 KiB over" in err
 
@@ -183,8 +238,9 @@ def test_ids_outputs_and_plans_are_checked(folders, tmp_path, monkeypatch, capsy
     with torch.device("meta"):
         other = GPT(GPTConfig.preset("gpt-tiny", n_layer=6))
     bigviz.plan_pipeline(other, 2).save_json(tmp_path / "plan.json")
-    err = _refused(capsys, [gpt, "--plan", str(tmp_path / "plan.json"), "--input-ids", "1",
-                            "--out", str(tmp_path / "x.pt")])
+    err = _refused(
+        capsys, [gpt, "--plan", str(tmp_path / "plan.json"), "--input-ids", "1", "--out", str(tmp_path / "x.pt")]
+    )
     assert "stage 1: the plan has blocks transformer.h.3 .. transformer.h.5 (3), this model transformer.h.3" in err
     assert "the plan names 2 module(s) this model lacks: transformer.h.4, transformer.h.5" in err
     err = _refused(capsys, [str(tmp_path), "--stages", "2", "--input-ids", "1", "--out", str(tmp_path / "x.pt")])

@@ -1,6 +1,7 @@
 """The pipeline planner, pure: units and roles, exact balancing (checked against brute force),
 budgets, ties, compute balance, errors, JSON. Size trees are made from tensor specs: no torch
 model, no files (except the JSON round trip)."""
+
 from __future__ import annotations
 
 import itertools
@@ -20,9 +21,17 @@ from bigviz.core.sizes import format_size
 def lm(n_blocks: int, *, block: int = 100, emb: int = 300, head: int | None = None, tied: bool = True) -> SizeTree:
     """A decoder LM's tree: embeddings, ``n_blocks`` blocks of ``block`` floats (a 10-row
     matrix), a final norm, a head (tied to the embeddings, or its own ``head`` floats)."""
-    specs = [TensorSpec("model.embed.weight", emb, "float32", (emb // 10, 10)),
-             TensorSpec("model.pos.weight", 20, "float32", (2, 10))]
-    modules = {"": "LM", "model": "Base", "model.embed": "Embedding", "model.pos": "Embedding", "model.layers": "ModuleList"}
+    specs = [
+        TensorSpec("model.embed.weight", emb, "float32", (emb // 10, 10)),
+        TensorSpec("model.pos.weight", 20, "float32", (2, 10)),
+    ]
+    modules = {
+        "": "LM",
+        "model": "Base",
+        "model.embed": "Embedding",
+        "model.pos": "Embedding",
+        "model.layers": "ModuleList",
+    }
     for i in range(n_blocks):
         specs.append(TensorSpec(f"model.layers.{i}.fc.weight", block, "float32", (10, block // 10)))
         modules[f"model.layers.{i}"] = "Layer"
@@ -43,9 +52,15 @@ def chain_tree(weights: list[int]) -> SizeTree:
 def test_units_follow_definition_order_with_roles():
     tree = lm(3)
     units = pipeline_units(tree, ["Layer"])
-    assert units == [("model.embed", "first"), ("model.pos", "first"), ("model.layers.0", "block"),
-                     ("model.layers.1", "block"), ("model.layers.2", "block"), ("model.norm", "last"),
-                     ("lm_head", "last")]
+    assert units == [
+        ("model.embed", "first"),
+        ("model.pos", "first"),
+        ("model.layers.0", "block"),
+        ("model.layers.1", "block"),
+        ("model.layers.2", "block"),
+        ("model.norm", "last"),
+        ("lm_head", "last"),
+    ]
     # without no-split classes every leaf is a unit and a possible cut
     assert all(role == "block" for _, role in pipeline_units(tree, []))
 
@@ -82,7 +97,7 @@ def _brute(metric: list[int], nbytes: list[int], k: int, budgets: list[int] | No
     best = float("inf")
     for cuts in itertools.combinations(range(1, len(metric)), k - 1):
         b = [0, *cuts, len(metric)]
-        spans = [(sum(metric[b[i]:b[i + 1]]), sum(nbytes[b[i]:b[i + 1]])) for i in range(k)]
+        spans = [(sum(metric[b[i] : b[i + 1]]), sum(nbytes[b[i] : b[i + 1]])) for i in range(k)]
         if budgets and any(nb > cap for (_, nb), cap in zip(spans, budgets)):
             continue
         if proportional:
@@ -122,16 +137,19 @@ def test_budgets_are_never_exceeded_and_fill_is_balanced(weights, data):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from([1, 2, 5, 9]), st.sampled_from([1, 3, 8])), min_size=1, max_size=7),
-       st.data())
+@given(
+    st.lists(st.tuples(st.sampled_from([1, 2, 5, 9]), st.sampled_from([1, 3, 8])), min_size=1, max_size=7), st.data()
+)
 def test_compute_balance_minimises_flops_within_byte_budgets(blocks, data):
     k = data.draw(st.integers(1, len(blocks)))
     budgets = data.draw(st.one_of(st.none(), st.lists(st.sampled_from([40, 100, 400]), min_size=k, max_size=k)))
     # rows x cols matrices: flops = 2 * rows * cols, bytes = 4 * rows * cols + a 4-byte-per-row vector
     specs = []
     for i, (rows, cols) in enumerate(blocks):
-        specs += [TensorSpec(f"h.{i}.w", rows * cols, "float32", (rows, cols)),
-                  TensorSpec(f"h.{i}.v", rows, "float32", (rows,))]
+        specs += [
+            TensorSpec(f"h.{i}.w", rows * cols, "float32", (rows, cols)),
+            TensorSpec(f"h.{i}.v", rows, "float32", (rows,)),
+        ]
     tree = SizeTree.build(specs)
     flops = [2 * r * c for r, c in blocks]
     nbytes = [4 * r * c + 4 * r for r, c in blocks]
@@ -192,23 +210,34 @@ def test_budget_too_small_says_which_stage_and_by_how_much():
     assert over, text
     for line in over:  # "stage 1 (a .. b) needs X with a budget of Y: Z over"
         assert "needs" in line and "over" in line
-    assert (f"the stages' weights ({format_size(total + 1200)}, tied tensors counted in each stage that loads "
-            f"them) exceed the 2 budgets together ({format_size(2500)})") in text
+    assert (
+        f"the stages' weights ({format_size(total + 1200)}, tied tensors counted in each stage that loads "
+        f"them) exceed the 2 budgets together ({format_size(2500)})"
+    ) in text
     assert text.endswith("or plan for a smaller dtype (dtype=torch.float16 halves float32 bytes)")
     with pytest.raises(PipelineError) as info:
         make_pipeline_plan(tree.with_dtype("float16"), [600, 500], no_split=["Layer"])
     assert str(info.value).endswith("Fix: give the stages more memory or use more stages")
-    with pytest.raises(PipelineError, match=r"stage 1 \(model.layers.1\) needs 400 B with a budget of 300 B: 100 B over"):
+    with pytest.raises(
+        PipelineError, match=r"stage 1 \(model.layers.1\) needs 400 B with a budget of 300 B: 100 B over"
+    ):
         make_pipeline_plan(lm(3), [10**6, 300, 10**6], no_split=["Layer"])
     with pytest.raises(PipelineError, match=r"h.1 alone needs 800 B, more than the largest budget \(700 B\)"):
         make_pipeline_plan(chain_tree([10, 200, 10]), [700, 500, 700], no_split=["h.*"])
 
 
-@pytest.mark.parametrize("stages, message", [
-    (0, "stages=0: give 1 or more stages"), (-2, "stages=-2"), (True, "stages=True"), ("2", "stages='2'"),
-    ([], "at least one per-stage budget"), (["1GB", "2Gb"], "budget of stage 1"),
-    (5, "5 stages but only 4 no-split units to cut between (model.layers.0, model.layers.1"),
-])
+@pytest.mark.parametrize(
+    "stages, message",
+    [
+        (0, "stages=0: give 1 or more stages"),
+        (-2, "stages=-2"),
+        (True, "stages=True"),
+        ("2", "stages='2'"),
+        ([], "at least one per-stage budget"),
+        (["1GB", "2Gb"], "budget of stage 1"),
+        (5, "5 stages but only 4 no-split units to cut between (model.layers.0, model.layers.1"),
+    ],
+)
 def test_bad_stage_counts(stages, message):
     with pytest.raises(PipelineError) as info:
         make_pipeline_plan(lm(4), stages, no_split=["Layer"])
@@ -225,7 +254,12 @@ def test_tied_head_is_loaded_by_the_last_stage_and_said_so():
     tree = lm(4, emb=300)
     plan = make_pipeline_plan(tree, 2, no_split=["Layer"])
     (shared,) = plan.shared
-    assert (shared.name, shared.leader, shared.stages, shared.nbytes) == ("lm_head.weight", "model.embed.weight", (0, 1), 1200)
+    assert (shared.name, shared.leader, shared.stages, shared.nbytes) == (
+        "lm_head.weight",
+        "model.embed.weight",
+        (0, 1),
+        1200,
+    )
     assert plan.stage_bytes[1] == sum(tree.total(n) for n in plan.stages[1]) + 1200
     assert "model.embed.weight" in plan.tensors_of(1, tree) and "lm_head.weight" in plan.tensors_of(1, tree)
     assert "lm_head.weight is tied to model.embed.weight (stage 0): stage 1 loads that tensor too" in plan.notes[0]
@@ -259,8 +293,9 @@ def test_reasons_summary_and_frame():
     assert all(f"stage {i}:" in text for i in range(3))
     frame = plan.to_frame()
     assert list(frame["module"]) == [u.name for u in plan.units]
-    assert frame.groupby("stage")["bytes"].sum().tolist() == [sum(u.nbytes for u in plan.units if u.stage == s)
-                                                             for s in range(3)]
+    assert frame.groupby("stage")["bytes"].sum().tolist() == [
+        sum(u.nbytes for u in plan.units if u.stage == s) for s in range(3)
+    ]
     assert "<b>PipelinePlan</b>" in plan._repr_html_()
 
 

@@ -2,6 +2,7 @@
 sharded checkpoint, chained by hand. The logits equal the whole model's, bit for bit; each
 rank loads exactly its stage's tensors (a tied head's tensor on both ends); every bad plan,
 checkpoint or request is refused before a weight is loaded."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,16 +23,25 @@ def _hf_llama() -> nn.Module:
     from transformers import LlamaConfig as HFLlamaConfig
     from transformers import LlamaForCausalLM
 
-    return LlamaForCausalLM(HFLlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=4,
-                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                                          max_position_embeddings=128))
+    return LlamaForCausalLM(
+        HFLlamaConfig(
+            hidden_size=64,
+            intermediate_size=172,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+            max_position_embeddings=128,
+        )
+    )
 
 
 def _hf_gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    return GPT2LMHeadModel(GPT2Config(n_layer=4, n_head=2, n_embd=32, vocab_size=128, n_positions=64,
-                                      bos_token_id=0, eos_token_id=0))
+    return GPT2LMHeadModel(
+        GPT2Config(n_layer=4, n_head=2, n_embd=32, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0)
+    )
 
 
 def _hf_gemma2() -> nn.Module:
@@ -39,9 +49,19 @@ def _hf_gemma2() -> nn.Module:
     forward that differs from Llama's in the ways a hand-written stage would miss."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    return Gemma2ForCausalLM(Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                          vocab_size=128, sliding_window=3, max_position_embeddings=64))
+    return Gemma2ForCausalLM(
+        Gemma2Config(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            vocab_size=128,
+            sliding_window=3,
+            max_position_embeddings=64,
+        )
+    )
 
 
 BUILDERS = {
@@ -119,8 +139,9 @@ def test_gpt_tie_is_loaded_by_first_and_last_stage(checkpoints):
     assert "transformer.wte.weight" in first and "transformer.wte.weight" in last
     assert "transformer.wpe.weight" not in last and "transformer.ln_f.weight" not in first
     assert {n.split(".")[2] for n in first if n.startswith("transformer.h.")} == {"0", "1"}
-    assert builds[1].plan.notes == ("lm_head.weight is tied to transformer.wte.weight (stage 0): stage 1 loads "
-                                    "that tensor too (16.0 KiB)",)
+    assert builds[1].plan.notes == (
+        "lm_head.weight is tied to transformer.wte.weight (stage 0): stage 1 loads that tensor too (16.0 KiB)",
+    )
     with bigviz.LazyWeights(bigviz.CheckpointIndex.open(folder)) as weights:
         assert torch.equal(builds[1].module.part("lm_head").weight, weights["transformer.wte.weight"])
 
@@ -175,8 +196,9 @@ def test_checkpoint_of_another_model_is_refused(checkpoints, tmp_path):
     model = empty_model(folder)
     with pytest.raises(PipelineError) as info:
         build_stage_module(model, other, bigviz.plan_pipeline(model, 2), 1)
-    assert "shape mismatch: transformer.wte.weight: checkpoint 'transformer.wte.weight' has shape [128, 64]" \
-        in str(info.value)
+    assert "shape mismatch: transformer.wte.weight: checkpoint 'transformer.wte.weight' has shape [128, 64]" in str(
+        info.value
+    )
     assert len(info.value.problems) > 10 and _untouched(model)
 
 

@@ -1,5 +1,6 @@
 """Pipeline stages in the treemap and the Planner's stage mode, headless: tiles coloured by
 the stage that holds them, hover says why, the planner re-plans stages on every change."""
+
 from __future__ import annotations
 
 import pytest

@@ -2,6 +2,7 @@
 made from headers and sizes alone, the engine carries out exactly the dispatch plan (same
 units, storage, fetch order), no-split globs are honoured alike, and an entry point reports
 every problem of its input in one error."""
+
 from __future__ import annotations
 
 import pytest
@@ -51,8 +52,7 @@ def test_dispatch_plan_is_what_the_engine_fetches(tmp_path):
     planned = bigviz.dispatch_plan(_meta_net(), folder, device_map, main_device="cpu")
     # the CPU executes: cpu-mapped modules are resident, disk blocks stream, one unit per block
     assert [(u.name, u.storage) for u in planned.units] == [("body.0", "disk"), ("body.2", "disk")]
-    assert planned.units[0].tensors == ("body.0.up.weight", "body.0.up.bias", "body.0.down.weight",
-                                        "body.0.down.bias")
+    assert planned.units[0].tensors == ("body.0.up.weight", "body.0.up.bias", "body.0.down.weight", "body.0.down.bias")
     assert planned.units[0].nbytes == 4 * (8 * 16 + 16 + 16 * 8 + 8)
     model = bigviz.load_checkpoint_and_dispatch(_meta_net(), folder, device_map)
     done = model._bigviz_dispatch.plan
@@ -67,11 +67,13 @@ def test_a_glob_no_split_entry_makes_block_units_in_the_engine_too():
     glob = ["body.*"]  # blocks named by a glob, not a class: the engine used to ignore it
     plan = bigviz.dispatch_plan(model, device_map={"": "cpu"}, main_device="cpu", no_split_module_classes=glob)
     assert plan.units == ()  # the CPU executes: cpu weights are resident
-    plan = bigviz.dispatch_plan(model, device_map={"emb": "cpu", "body": "disk", "head": "cpu"}, main_device="cpu",
-                                no_split_module_classes=glob)
+    plan = bigviz.dispatch_plan(
+        model, device_map={"emb": "cpu", "body": "disk", "head": "cpu"}, main_device="cpu", no_split_module_classes=glob
+    )
     assert [u.name for u in plan.units] == [f"body.{i}" for i in range(4)]
-    whole = bigviz.dispatch_plan(model, device_map={"emb": "cpu", "body": "disk", "head": "cpu"},
-                                 main_device="cpu", no_split_module_classes=[])
+    whole = bigviz.dispatch_plan(
+        model, device_map={"emb": "cpu", "body": "disk", "head": "cpu"}, main_device="cpu", no_split_module_classes=[]
+    )
     assert [u.name for u in whole.units] == ["body"]  # nothing says where blocks end: one unit
 
 
@@ -81,10 +83,10 @@ def test_dispatch_model_carries_out_its_plan_with_a_glob(tmp_path):
     x = torch.randn(3, 8)
     expected = model(x)
     device_map = {"emb": "cpu", "body": "disk", "head": "cpu"}
-    planned = bigviz.dispatch_plan(model, device_map=device_map, main_device="cpu",
-                                   no_split_module_classes=["body.*"])
-    bigviz.dispatch_model(model, device_map, main_device="cpu", offload_folder=tmp_path / "off",
-                          no_split_module_classes=["body.*"])
+    planned = bigviz.dispatch_plan(model, device_map=device_map, main_device="cpu", no_split_module_classes=["body.*"])
+    bigviz.dispatch_model(
+        model, device_map, main_device="cpu", offload_folder=tmp_path / "off", no_split_module_classes=["body.*"]
+    )
     assert model._bigviz_dispatch.plan.units == planned.units
     assert [u.name for u in model._bigviz_dispatch.units] == [f"body.{i}" for i in range(4)]
     assert torch.equal(model(x), expected)
@@ -110,7 +112,8 @@ def test_load_plan_says_where_each_tensor_comes_from_without_reading(tmp_path):
     assert set(loads) == set(Net().state_dict())
     assert loads["body.1.up.weight"].device == "disk" and loads["emb.weight"].device == "cpu"
     assert {t.source_dtype for t in plan.loads} == {"float32"} and {str(t.dtype) for t in plan.loads} == {
-        "torch.float16"}
+        "torch.float16"
+    }
     text = plan.summary()
     assert "LoadPlan" in text or "tensor" in text
 
@@ -120,8 +123,10 @@ def test_one_error_lists_a_missing_gpu_and_an_uncovered_module_together(tmp_path
         pytest.skip("this machine has GPU 5")
     folder = _checkpoint(tmp_path, Net())
     bad = {"emb": 5, "body": "cpu"}  # GPU 5 is absent, and 'head' is covered by nothing
-    for call in (lambda: bigviz.load_checkpoint_and_dispatch(_meta_net(), folder, bad),
-                 lambda: bigviz.dispatch_model(Net(), bad)):
+    for call in (
+        lambda: bigviz.load_checkpoint_and_dispatch(_meta_net(), folder, bad),
+        lambda: bigviz.dispatch_model(Net(), bad),
+    ):
         with pytest.raises(BigvizError) as caught:
             call()
         text = str(caught.value)
@@ -134,5 +139,9 @@ def test_one_error_lists_a_missing_gpu_and_an_uncovered_module_together(tmp_path
     assert "GPU 5" not in str(caught.value)
     planned = bigviz.dispatch_plan(_meta_net(), folder, {**bad, "head": "disk"})
     assert planned.main_device == 5  # GPU 5 executes: cpu blocks stream to it too
-    assert [(u.name, u.storage) for u in planned.units] == [("body.0", "cpu"), ("body.1", "cpu"), ("body.2", "cpu"),
-                                                            ("head", "disk")]
+    assert [(u.name, u.storage) for u in planned.units] == [
+        ("body.0", "cpu"),
+        ("body.1", "cpu"),
+        ("body.2", "cpu"),
+        ("head", "disk"),
+    ]

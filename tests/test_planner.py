@@ -1,4 +1,5 @@
 """The planner on tiny trees with hand-worked bytes: exact maps, reasons, planner."""
+
 from __future__ import annotations
 
 import pytest
@@ -34,8 +35,7 @@ def test_sequential_fills_in_order_and_offloads_to_cpu_then_disk():
     # GPU 0: 100 KB. Offloaded layers stream into GPU 0, so it keeps 2 x 40 KB free
     # (current + prefetched): 20 KB usable -> no layer fits -> everything leaves GPU 0.
     # CPU: 200 KB = 5 layers, keeping room for 2 disk layers (80 KB) -> 3 layers. Then disk.
-    plan = make_plan(_layers_and_head(head=40 * KB), {0: 100 * KB, "cpu": 200 * KB},
-                     PlanOptions(strategy="sequential"))
+    plan = make_plan(_layers_and_head(head=40 * KB), {0: 100 * KB, "cpu": 200 * KB}, PlanOptions(strategy="sequential"))
     devices = [p.device for p in plan.placements if p.name.startswith(("layers.", "head"))]
     assert devices == ["cpu"] * 3 + ["disk"] * 8
     assert plan.usage_of(0).offload_reserve == 80 * KB
@@ -44,8 +44,9 @@ def test_sequential_fills_in_order_and_offloads_to_cpu_then_disk():
 
 
 def test_reserve_uses_one_unit_without_prefetch():
-    plan = make_plan(_layers_and_head(head=40 * KB), {0: 100 * KB, "cpu": 10**9},
-                     PlanOptions(strategy="sequential", prefetch=False))
+    plan = make_plan(
+        _layers_and_head(head=40 * KB), {0: 100 * KB, "cpu": 10**9}, PlanOptions(strategy="sequential", prefetch=False)
+    )
     # 100 KB - 40 KB reserve = 60 KB: one 40 KB layer on GPU 0.
     assert plan.device_map["layers.0"] == 0 and plan.device_map["layers.1"] == "cpu"
     assert plan.usage_of(0).offload_reserve == 40 * KB
@@ -65,8 +66,9 @@ def test_no_split_module_moves_whole_with_a_reason():
 
 def test_no_split_glob_patterns():
     tree = _layers_and_head(n=3, head=4 * KB)
-    plan = make_plan(tree, {0: 50 * KB, "cpu": 10**6},
-                     PlanOptions(no_split=frozenset({"layers.*"}), offload_reserve=False))
+    plan = make_plan(
+        tree, {0: 50 * KB, "cpu": 10**6}, PlanOptions(no_split=frozenset({"layers.*"}), offload_reserve=False)
+    )
     # Each 40 KB layer is whole: one fits GPU 0's 50 KB. The 4 KB head still fits the 10 KB
     # left there: streamed-off layers do not push later small modules off the GPU.
     assert plan.device_map == {"layers.0": 0, "layers.1": "cpu", "layers.2": "cpu", "head": 0}
@@ -78,8 +80,11 @@ def test_one_big_module_does_not_push_later_layers_off_the_gpus():
     # to GPU 1 instead of following the embedding to the CPU (accelerate's one-way rule).
     specs = [TensorSpec("emb.weight", 25_000, "float32")]
     specs += [TensorSpec(f"layers.{i}.weight", 5_000, "float32") for i in range(4)]
-    plan = make_plan(SizeTree.build(specs), {0: 50 * KB, 1: 90 * KB, "cpu": 10**6},
-                     PlanOptions(strategy="sequential", prefetch=False))
+    plan = make_plan(
+        SizeTree.build(specs),
+        {0: 50 * KB, 1: 90 * KB, "cpu": 10**6},
+        PlanOptions(strategy="sequential", prefetch=False),
+    )
     assert plan.device_map == {"emb": "cpu", "layers": 1}
     assert "streamed in from CPU at forward time" in plan.placements[0].reason
 
@@ -113,16 +118,20 @@ def test_overrides_are_honoured_and_planned_around():
 
 def test_nested_overrides_charge_each_device_once():
     tree = _layers_and_head(n=4, head=40 * KB)
-    plan = make_plan(tree, {0: 10**6, "cpu": 10**6, "disk": 10**6},
-                     PlanOptions(overrides={"layers": "cpu", "layers.3": "disk"}))
+    plan = make_plan(
+        tree, {0: 10**6, "cpu": 10**6, "disk": 10**6}, PlanOptions(overrides={"layers": "cpu", "layers.3": "disk"})
+    )
     assert plan.usage_of("cpu").used == 120 * KB and plan.usage_of("disk").used == 40 * KB
     assert plan.device_of("layers.3.weight") == "disk" and plan.device_of("layers.0.weight") == "cpu"
 
 
 def test_bad_inputs_are_all_reported():
     with pytest.raises(PlanError) as err:
-        make_plan(_layers_and_head(), {0: 10}, PlanOptions(strategy="fastest", overrides={"nope": 0, "head": 3},
-                                                            reserve={0: "lots"}))
+        make_plan(
+            _layers_and_head(),
+            {0: 10},
+            PlanOptions(strategy="fastest", overrides={"nope": 0, "head": 3}, reserve={0: "lots"}),
+        )
     text = str(err.value)
     assert "'fastest'" in text and "'nope'" in text and "GPU 3" in text and "'lots'" in text
 
@@ -133,8 +142,11 @@ def test_does_not_fit_names_what_is_left():
 
 
 def test_ties_follow_their_leader():
-    specs = [TensorSpec("emb.weight", 100, "float32"), TensorSpec("body.weight", 100, "float32"),
-             TensorSpec("out.weight", 100, "float32")]
+    specs = [
+        TensorSpec("emb.weight", 100, "float32"),
+        TensorSpec("body.weight", 100, "float32"),
+        TensorSpec("out.weight", 100, "float32"),
+    ]
     tree = SizeTree.build(specs, ties=[("emb.weight", "out.weight")])
     assert tree.total("") == 800  # the tied weight counted once
     plan = make_plan(tree, {0: 500, "cpu": 10**6}, PlanOptions(offload_reserve=False))

@@ -1,5 +1,6 @@
 """Property tests: for random trees and budgets, every tensor is placed exactly once and no
 budget is exceeded, whatever the strategy."""
+
 from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
@@ -20,8 +21,13 @@ def trees(draw):
         for j in range(draw(st.integers(0, 4))):
             classes[f"m{i}.c{j}"] = "Leaf"
             for k in range(draw(st.integers(1, 3))):
-                specs.append(TensorSpec(f"m{i}.c{j}.t{k}", draw(st.integers(0, 500)),
-                                        draw(st.sampled_from(["float32", "int64", "float16"]))))
+                specs.append(
+                    TensorSpec(
+                        f"m{i}.c{j}.t{k}",
+                        draw(st.integers(0, 500)),
+                        draw(st.sampled_from(["float32", "int64", "float16"])),
+                    )
+                )
         if draw(st.booleans()):
             specs.append(TensorSpec(f"m{i}.own", draw(st.integers(1, 300)), "float32"))
     if not specs:
@@ -44,8 +50,13 @@ def budgets(draw):
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(tree=trees(), limits=budgets(), strategy=st.sampled_from(STRATEGIES),
-       no_split=st.sampled_from([frozenset(), frozenset({"Block"})]), prefetch=st.booleans())
+@given(
+    tree=trees(),
+    limits=budgets(),
+    strategy=st.sampled_from(STRATEGIES),
+    no_split=st.sampled_from([frozenset(), frozenset({"Block"})]),
+    prefetch=st.booleans(),
+)
 def test_every_tensor_placed_once_and_budgets_hold(tree, limits, strategy, no_split, prefetch):
     try:
         plan = make_plan(tree, limits, PlanOptions(strategy=strategy, no_split=no_split, prefetch=prefetch))
@@ -59,7 +70,8 @@ def test_every_tensor_placed_once_and_budgets_hold(tree, limits, strategy, no_sp
         assert len(owners) == 1, (tensor, owners)
     for usage in plan.usage:
         assert usage.used + usage.reserve + usage.offload_reserve <= max(usage.budget, 0) or (
-            usage.used == 0 and usage.offload_reserve > 0), usage
+            usage.used == 0 and usage.offload_reserve > 0
+        ), usage
     assert sum(u.used for u in plan.usage) == tree.total("")
     # a tied follower always sits with its leader
     for follower, leader in tree.leader_of.items():
@@ -67,5 +79,6 @@ def test_every_tensor_placed_once_and_budgets_hold(tree, limits, strategy, no_sp
     # the cleaned map says the same as the unit map for every tensor
     cleaned = plan.device_map
     from bigviz.core.devicemap import device_of
+
     for tensor in tree.tensors:
         assert device_of(tensor, cleaned) == plan.device_of(tensor)

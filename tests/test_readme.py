@@ -5,6 +5,7 @@
   makes them; this test fails when they go stale).
 - The README names the notebooks that are in ``notebooks/``, and only those.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -42,11 +43,13 @@ def python_block_after(heading: str, readme: str) -> str:
 def test_ten_lines_run_as_written_without_a_gpu(tmp_path: Path) -> None:
     code = python_block_after("## Ten lines", README.read_text(encoding="utf-8"))
     script = tmp_path / "ten_lines.py"
-    script.write_text(code + "\nimport json\nprint(json.dumps({str(k): v for k, v in tiny.device_map.items()}))\n",
-                      encoding="utf-8")
+    script.write_text(
+        code + "\nimport json\nprint(json.dumps({str(k): v for k, v in tiny.device_map.items()}))\n", encoding="utf-8"
+    )
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     # the plan for hardware it does not have: one GPU, RAM and disk, summarised and saved
@@ -93,8 +96,10 @@ def test_notebooks_extra_installs_what_the_notebooks_import() -> None:
     import tomllib
 
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
-    required = {re.split(r"[<>=\[ ]", d)[0].lower() for d in
-                extras["optional-dependencies"]["notebooks"] + extras["dependencies"]}
+    required = {
+        re.split(r"[<>=\[ ]", d)[0].lower()
+        for d in extras["optional-dependencies"]["notebooks"] + extras["dependencies"]
+    }
     imported = set()
     for path in (ROOT / "notebooks").glob("*.ipynb"):
         for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:

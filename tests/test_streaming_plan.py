@@ -1,6 +1,7 @@
 """Issue 12, the planner side: the default "cpu" budget leaves room for streamed units when a
 model does not fit, and the Planner predicts a forward's time from resident and streamed bytes
 at a disk bandwidth (a preset, or the disk probe's measurement)."""
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,9 @@ def _model(n: int = 8) -> nn.Module:
 
 
 @pytest.mark.parametrize("ram_layers, expected_layers", [(20, 20), (6, 6 - (DEFAULT_DEPTH + 1))])
-def test_the_default_cpu_budget_leaves_room_for_streamed_units(monkeypatch: pytest.MonkeyPatch, ram_layers: int,
-                                                               expected_layers: int) -> None:
+def test_the_default_cpu_budget_leaves_room_for_streamed_units(
+    monkeypatch: pytest.MonkeyPatch, ram_layers: int, expected_layers: int
+) -> None:
     monkeypatch.setattr(bigviz.planning.device_plan, "get_max_memory", lambda max_memory: {"cpu": ram_layers * LAYER})
     plan = bigviz.planning.plan(_model(), None)
     assert plan.max_memory["cpu"] == expected_layers * LAYER

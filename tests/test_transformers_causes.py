@@ -11,6 +11,7 @@ and the defaults: ``infer_auto_device_map`` fills in order as accelerate's does,
 plan reserves no RAM for memory-mapped disk blocks, ``init_empty_weights(include_buffers=True)``
 patches nothing.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,6 +41,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory):
         if name not in cache:
             cache[name] = save_checkpoint(BY_NAME[name], root / name)
         return cache[name]
+
     return get
 
 
@@ -50,8 +52,7 @@ def test_experts_stored_one_by_one_are_fused_once_and_offloaded(saved, tmp_path:
     expected = forward(reference(spec, folder), spec)
     device_map = {"": "cpu", "model.layers.1": "disk"}
     model = meta_model(spec)
-    result = bigviz.load_checkpoint_in_model(model, folder, device_map, offload_folder=tmp_path / "off",
-                                             progress=False)
+    result = bigviz.load_checkpoint_in_model(model, folder, device_map, offload_folder=tmp_path / "off", progress=False)
     fused = {t: c for c in result.conversions if not c.is_rename for t in c.targets}
     gate_up = fused["model.layers.1.mlp.experts.gate_up_proj"]
     assert gate_up.operation == "MergeModulelist(dim=0), Concatenate(dim=1)"
@@ -80,8 +81,9 @@ def test_renamed_head_is_read_in_place_and_fused_disk_needs_a_folder(saved):
     assert torch.equal(forward(model, spec), forward(reference(spec, folder), spec))
     bigviz.remove_hooks(model)
     with pytest.raises(CheckpointError, match="fused from several checkpoint keys.*offload_folder"):
-        bigviz.load_checkpoint_in_model(meta_model(BY_NAME["qwen2_moe"]), saved("qwen2_moe"), {"": "disk"},
-                                        progress=False)
+        bigviz.load_checkpoint_in_model(
+            meta_model(BY_NAME["qwen2_moe"]), saved("qwen2_moe"), {"": "disk"}, progress=False
+        )
 
 
 def test_key_mapping_renames_as_from_pretrained_does(saved, tmp_path: Path):
@@ -100,8 +102,9 @@ def test_key_mapping_renames_as_from_pretrained_does(saved, tmp_path: Path):
 
 
 # 2 --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("device_map", [{"": "cpu", "transformer.h.1": "disk"}, {"": "disk"}],
-                         ids=["half-disk", "all-disk"])
+@pytest.mark.parametrize(
+    "device_map", [{"": "cpu", "transformer.h.1": "disk"}, {"": "disk"}], ids=["half-disk", "all-disk"]
+)
 def test_disk_weights_come_back_in_the_requested_dtype(saved, device_map):
     spec = BY_NAME["gpt2"]
     folder = saved("gpt2")

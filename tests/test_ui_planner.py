@@ -1,5 +1,6 @@
 """The Planner widget app, headless: controls re-plan and repaint, overrides stick, exports
 round trip, errors are shown, the notebook mime bundle has HTML and text, and a plan runs."""
+
 from __future__ import annotations
 
 import json
@@ -172,7 +173,7 @@ def test_save_html_writes_an_offline_report(tmp_path):
     planner = _planner()
     planner.assign("1", "cpu")
     text = open(planner.save_html(tmp_path / "r.html")).read()
-    assert "id=\"bigviz-treemap\"" in text and "<table class='bigviz-table'" in text
+    assert 'id="bigviz-treemap"' in text and "<table class='bigviz-table'" in text
     assert 'src="https://cdn.plot.ly' not in text and len(text) > 1_000_000  # plotly.js inlined
     assert "<h2>Budgets</h2>" in text and OVERRIDE_MARK in text
     planner.controls.html_path.value = str(tmp_path / "b.html")
@@ -270,16 +271,20 @@ def test_a_real_kernel_displays_widget_svg_html_and_text():
 
     km, kc = start_new_kernel(kernel_name="python3", startup_timeout=600)  # a busy machine starts it slowly
     try:
-        code = ("import torch.nn as nn, bigviz\nfrom bigviz.ui.planner import Planner\n"
-                "p = Planner(nn.Sequential(*[nn.Linear(64, 64) for _ in range(3)]), {0: 40_000, 'cpu': 10**6})\n"
-                "display(bigviz.treemap(p))\np")
+        code = (
+            "import torch.nn as nn, bigviz\nfrom bigviz.ui.planner import Planner\n"
+            "p = Planner(nn.Sequential(*[nn.Linear(64, 64) for _ in range(3)]), {0: 40_000, 'cpu': 10**6})\n"
+            "display(bigviz.treemap(p))\np"
+        )
         outputs: list[dict] = []
         reply = kc.execute_interactive(code, output_hook=outputs.append, timeout=600)
         assert reply["content"]["status"] == "ok", reply["content"]
         shown = [m["content"]["data"] for m in outputs if m["msg_type"] == "display_data"]
         results = [m["content"]["data"] for m in outputs if m["msg_type"] == "execute_result"]
         assert len(results) == 1 and len(shown) == 1
-        assert {"application/vnd.jupyter.widget-view+json", "image/svg+xml", "text/html", "text/plain"} <= set(results[0])
+        assert {"application/vnd.jupyter.widget-view+json", "image/svg+xml", "text/html", "text/plain"} <= set(
+            results[0]
+        )
         assert "DevicePlan" in results[0]["text/plain"] and "<script" not in results[0]["text/html"]
         assert {"application/vnd.plotly.v1+json", "image/svg+xml"} <= set(shown[0])
         assert shown[0]["image/svg+xml"] == results[0]["image/svg+xml"]  # same plan, same depth

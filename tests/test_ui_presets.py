@@ -1,4 +1,5 @@
 """Hardware presets, bandwidth cost, and the Planner's widget-free state."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,18 +7,26 @@ from torch import nn
 
 import bigviz
 from bigviz.core.sizes import UNLIMITED
-from bigviz.ui.presets import (DISK_BANDWIDTH, HARDWARE_PRESETS, LINK_BANDWIDTH, cost_html, plan_cost,
-                               preset_budgets)
+from bigviz.ui.presets import DISK_BANDWIDTH, HARDWARE_PRESETS, LINK_BANDWIDTH, cost_html, plan_cost, preset_budgets
 from bigviz.ui.state import PlannerState
 
 GiB = 2**30
 
 
-@pytest.mark.parametrize("name, gpus, gpu_gib", [
-    ("Colab T4", 1, 15), ("RTX 4090", 1, 24), ("A100 40 GB", 1, 40), ("A100 80 GB", 1, 80),
-    ("2x A100 80 GB", 2, 80), ("8x A100 80 GB", 8, 80), ("H100 80 GB", 1, 80), ("H200 141 GB", 1, 140),
-    ("CPU-only laptop", 0, None),
-])
+@pytest.mark.parametrize(
+    "name, gpus, gpu_gib",
+    [
+        ("Colab T4", 1, 15),
+        ("RTX 4090", 1, 24),
+        ("A100 40 GB", 1, 40),
+        ("A100 80 GB", 1, 80),
+        ("2x A100 80 GB", 2, 80),
+        ("8x A100 80 GB", 8, 80),
+        ("H100 80 GB", 1, 80),
+        ("H200 141 GB", 1, 140),
+        ("CPU-only laptop", 0, None),
+    ],
+)
 def test_gpu_presets(name, gpus, gpu_gib):
     budgets = preset_budgets(name)
     assert [d for d in budgets if isinstance(d, int)] == list(range(gpus))

@@ -1,4 +1,5 @@
 """The static HTML report: bars, table, fragment, full page, atomic save."""
+
 from __future__ import annotations
 
 import base64

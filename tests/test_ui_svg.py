@@ -2,6 +2,7 @@
 and tiles inside their parents; the picture shows the plan's colours, labels, overrides and
 depth; notebooks get it as ``image/svg+xml`` and inside ``text/html``, and nbconvert (what
 nbviewer runs) shows it."""
+
 from __future__ import annotations
 
 import base64
@@ -44,8 +45,12 @@ def _box(tile: dict[str, str]) -> tuple[float, float, float, float]:
 
 
 @settings(max_examples=60, deadline=None)
-@given(values=st.lists(st.integers(1, 10**6), min_size=1, max_size=25),
-       w=st.floats(10, 2000), h=st.floats(10, 2000), spare=st.integers(0, 10**6))
+@given(
+    values=st.lists(st.integers(1, 10**6), min_size=1, max_size=25),
+    w=st.floats(10, 2000),
+    h=st.floats(10, 2000),
+    spare=st.integers(0, 10**6),
+)
 def test_squarify_areas_are_proportional_inside_and_disjoint(values, w, h, spare):
     total = sum(values) + spare  # a parent's own bytes leave room empty
     rects = squarify(values, (5.0, 7.0, w, h), total=total)
@@ -54,7 +59,7 @@ def test_squarify_areas_are_proportional_inside_and_disjoint(values, w, h, spare
         assert rw * rh == pytest.approx(w * h * v / total, rel=1e-6, abs=1e-6)
         assert x >= 5 - 1e-6 and y >= 7 - 1e-6 and x + rw <= 5 + w + 1e-6 and y + rh <= 7 + h + 1e-6
     for i, (x, y, rw, rh) in enumerate(rects):
-        for x2, y2, rw2, rh2 in rects[i + 1:]:
+        for x2, y2, rw2, rh2 in rects[i + 1 :]:
             overlap = max(0, min(x + rw, x2 + rw2) - max(x, x2)) * max(0, min(y + rh, y2 + rh2) - max(y, y2))
             assert overlap <= 1e-6 * w * h
 
@@ -68,8 +73,12 @@ def test_squarify_makes_squares_of_equal_values():
 def _plan():
     model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)) for _ in range(4)])
     # the cpu keeps room to stage two disk units on their way to GPU 0: "2.0" is put there by hand
-    plan = bigviz.plan(model, {0: 6 * LAYER, "cpu": 3 * LAYER, "disk": 10**6}, strategy="sequential",
-                       overrides={"3.1": 0, "2.0": "cpu"})
+    plan = bigviz.plan(
+        model,
+        {0: 6 * LAYER, "cpu": 3 * LAYER, "disk": 10**6},
+        strategy="sequential",
+        overrides={"3.1": 0, "2.0": "cpu"},
+    )
     assert {u.device for u in plan.usage if u.used} == {0, "cpu", "disk"}
     return plan
 
@@ -100,8 +109,9 @@ def test_depth_limits_the_drawn_levels_and_text_is_escaped():
     fig = bigviz.treemap(_plan(), depth=1)
     names = set(_tiles(figure_svg(fig)))
     assert names == {"<model>", "0", "1", "2", "3"}
-    svg = treemap_svg(["r", "r/a"], ["", "r"], [2, 2], ["<root>", "a&b"], ["#E8E8E8", "#F0E442"],
-                      title="x < y", width=300, height=200)
+    svg = treemap_svg(
+        ["r", "r/a"], ["", "r"], [2, 2], ["<root>", "a&b"], ["#E8E8E8", "#F0E442"], title="x < y", width=300, height=200
+    )
     ET.fromstring(svg)  # well-formed XML
     assert "&lt;root&gt;" in svg and "a&amp;b" in svg and "x &lt; y" in svg
 
@@ -120,7 +130,7 @@ def test_planner_bundle_shows_the_treemap_without_script():
     assert "<script" not in page and "cdn.plot.ly" not in page and "<svg" not in page  # sanitizers drop inline svg
     (data,) = re.findall(r"src='data:image/svg\+xml;base64,([^']+)'", page)
     picture = base64.b64decode(data).decode()  # the same treemap, drawn for the report's column
-    assert _fills(picture) == _fills(svg) and 'width=\'640\'' in picture
+    assert _fills(picture) == _fills(svg) and "width='640'" in picture
     assert {t["fill"] for t in _tiles(svg).values()} >= {device_color(0), device_color("cpu")}
     assert svg_img(svg).startswith("<img alt='treemap'")
 
@@ -133,10 +143,15 @@ def test_nbconvert_shows_the_saved_planner_and_figure(tmp_path):
     plan = _plan()
     planner = bigviz.Planner(nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]), {0: 3 * LAYER, "cpu": 10**6})
     fig = bigviz.treemap(plan)
-    outputs = [planner._repr_mimebundle_(), {"application/vnd.plotly.v1+json": json.loads(fig.to_json()),
-                                             "image/svg+xml": fig.to_svg()}]
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
-        "x", outputs=[nbformat.v4.new_output("display_data", data=d) for d in outputs])])
+    outputs = [
+        planner._repr_mimebundle_(),
+        {"application/vnd.plotly.v1+json": json.loads(fig.to_json()), "image/svg+xml": fig.to_svg()},
+    ]
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_code_cell("x", outputs=[nbformat.v4.new_output("display_data", data=d) for d in outputs])
+        ]
+    )
     html, _ = nbconvert.HTMLExporter().from_notebook_node(nb)
     pictures = re.findall(r"src=['\"]data:image/svg\+xml;base64,([^'\"]+)['\"]", html)
     pictures = [base64.b64decode(p).decode() for p in pictures]

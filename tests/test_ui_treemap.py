@@ -1,5 +1,6 @@
 """The treemap figure builder: shape (ids, parents, sums), colours by device, overrides,
 hover text, depth, dtype. Pure: no widgets, no browser."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -71,8 +72,11 @@ def test_colours_follow_each_placement():
 
 
 def test_root_id_never_collides_with_a_module_named_like_the_model():
-    tensors = [TensorSpec("model.weight", 4, "float32"), TensorSpec("model.model.weight", 4, "float32"),
-               TensorSpec("x.weight", 2, "float32")]
+    tensors = [
+        TensorSpec("model.weight", 4, "float32"),
+        TensorSpec("model.model.weight", 4, "float32"),
+        TensorSpec("x.weight", 2, "float32"),
+    ]
     tree = SizeTree.build(tensors, {"": "model", "model": "model", "model.model": "model", "x": "X"})
     fig = treemap(make_plan(tree, {"cpu": 10**6}))
     _check_shape(fig)

@@ -1,5 +1,6 @@
 """The Planner's run controls, headless: batch, context and KV dtype re-plan; the budget bars
 stack KV cache and activations; the longest context and its time per token are shown."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,7 +27,9 @@ def test_context_control_plans_the_run_and_stacks_the_bars(llama):
     assert planner.plan.workload is None and "KV cache" not in planner.controls.usage.value
     planner.controls.context.value = 512
     plan = planner.plan
-    assert plan.workload.context_length == 512 and plan.kv_cache[0] == sum(bigviz.kv_cache_bytes(llama, 1, 512).values())
+    assert plan.workload.context_length == 512 and plan.kv_cache[0] == sum(
+        bigviz.kv_cache_bytes(llama, 1, 512).values()
+    )
     usage = planner.controls.usage.value
     assert KV_FILL in usage and ACTIVATION_FILL in usage and "batch 1 x 512 tokens" in usage
     assert all("KV cache" in reason for reason in planner.table["reason"])
@@ -56,8 +59,9 @@ def test_time_per_token_uses_the_cost_model(llama):
     planner = Planner(llama, {0: 700_000, "cpu": 10**8}, context_length=64)
     plan = planner.plan
     assert plan.offloaded_bytes()["cpu"] > 0
-    expected = plan_cost(plan.offloaded_bytes(), main_device=0, link=planner.controls.link.value,
-                         disk=planner.controls.disk.value)["seconds_per_forward"]
+    expected = plan_cost(
+        plan.offloaded_bytes(), main_device=0, link=planner.controls.link.value, disk=planner.controls.disk.value
+    )["seconds_per_forward"]
     assert planner.time_per_token() == pytest.approx(expected)
     assert f"{expected * 1000:,.0f} ms per token" in planner.controls.fit.value
 

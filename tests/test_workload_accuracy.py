@@ -5,6 +5,7 @@ tracker (the cache's own storages left out). Tiny models of every cache layout: 
 Llama (grouped-query), Mistral (sliding window), Gemma 2 (alternating sliding and full
 layers, eager attention), Mixtral (experts), DeepSeek-V3 (latent attention, experts), Mamba
 (recurrent state), and bigviz's own GPT and Llama."""
+
 from __future__ import annotations
 
 import warnings
@@ -83,8 +84,7 @@ def _dispatched(model: nn.Module, context: int, folder: object) -> tuple[nn.Modu
     """Plan the run with the middle layer on disk (it runs on the CPU, and so does its cache),
     then dispatch the model with that plan."""
     middle = _layers(model)[1]
-    plan = bigviz.plan(model, {"cpu": "2GB"}, batch_size=BATCH, context_length=context,
-                       overrides={middle: "disk"})
+    plan = bigviz.plan(model, {"cpu": "2GB"}, batch_size=BATCH, context_length=context, overrides={middle: "disk"})
     assert plan.device_of(middle) == "disk"
     return bigviz.dispatch_model(model, plan.device_map, offload_folder=folder), plan
 
@@ -111,8 +111,13 @@ def test_static_cache_is_predicted_exactly(name: str):
     for the whole context, sliding layers for their window."""
     model = MODELS[name]()
     ids = _prompt()
-    out = model.generate(ids, max_new_tokens=NEW, cache_implementation="static", return_dict_in_generate=True,
-                         **_generate_kwargs(model, ids))
+    out = model.generate(
+        ids,
+        max_new_tokens=NEW,
+        cache_implementation="static",
+        return_dict_in_generate=True,
+        **_generate_kwargs(model, ids),
+    )
     predicted = bigviz.kv_cache_bytes(model, BATCH, PROMPT + NEW - 1)
     assert cache_bytes_by_device(out.cache) == {"cpu": sum(predicted.values())}
     per_layer = [layer.keys.nbytes + layer.values.nbytes for layer in out.cache.layers]

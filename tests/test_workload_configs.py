@@ -1,6 +1,7 @@
 """Will it fit, from a config alone: the shipped configs build on meta with their published
 sizes, ``plan`` and ``kv_cache_bytes`` take config paths, ``max_context`` keeps its
 definition, and ``bigviz plan CONFIG --batch --context`` prints the run."""
+
 from __future__ import annotations
 
 import json
@@ -65,14 +66,24 @@ def test_llama_70b_with_32k_on_two_a100s(shipped):
 def test_plan_takes_a_config_file_or_a_folder_holding_only_one(tmp_path):
     folder = tmp_path / "mistral"
     folder.mkdir()
-    config = {"model_type": "mistral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "sliding_window": 8}
+    config = {
+        "model_type": "mistral",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 100,
+        "sliding_window": 8,
+    }
     (folder / "config.json").write_text(json.dumps(config))
     by_file = bigviz.plan(folder / "config.json", {"cpu": "1GB"}, context_length=100, batch_size=3)
     by_folder = bigviz.plan(folder, {"cpu": "1GB"}, context_length=100, batch_size=3)
     assert by_file.kv_cache == by_folder.kv_cache == {"cpu": 2 * 3 * 8 * 2 * 16 * 2 * 4, "disk": 0}
-    assert bigviz.kv_cache_bytes(folder, 3, 100) == {"model.layers.0": 3 * 8 * 2 * 16 * 2 * 4,
-                                                     "model.layers.1": 3 * 8 * 2 * 16 * 2 * 4}
+    assert bigviz.kv_cache_bytes(folder, 3, 100) == {
+        "model.layers.0": 3 * 8 * 2 * 16 * 2 * 4,
+        "model.layers.1": 3 * 8 * 2 * 16 * 2 * 4,
+    }
 
 
 @pytest.mark.parametrize("preset", ["gpt-mini", "llama-tiny"])
@@ -81,8 +92,7 @@ def test_a_bigviz_checkpoint_with_its_config_plans_its_run(tmp_path, preset):
     checkpoint planned from its headers is the run of the model itself."""
     torch.manual_seed(0)
     model = build(preset, n_layer=3) if preset.startswith("gpt") else build(preset, n_layers=3)
-    folder = bigviz.save_sharded(model, tmp_path / "ckpt", max_shard_size="100KB", config=model.config,
-                                 progress=False)
+    folder = bigviz.save_sharded(model, tmp_path / "ckpt", max_shard_size="100KB", config=model.config, progress=False)
     budget = {"cpu": bigviz.compute_module_sizes(model)[""] // 2}
     from_headers = bigviz.plan(folder, budget, batch_size=2, context_length=40)
     from_model = bigviz.plan(model, budget, batch_size=2, context_length=40)
@@ -108,8 +118,14 @@ def test_bad_configs_say_what_is_wrong(tmp_path):
 
 
 def test_kv_cache_bytes_takes_models_and_configs():
-    hf = transformers.LlamaConfig(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                  num_key_value_heads=1, vocab_size=50)
+    hf = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        vocab_size=50,
+    )
     expected = {f"model.layers.{i}": 5 * 7 * 1 * 16 * 2 * 4 for i in range(2)}
     assert bigviz.kv_cache_bytes(hf, 5, 7) == expected
     assert bigviz.kv_cache_bytes(LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=1), 5, 7) == expected
@@ -121,8 +137,9 @@ def test_a_model_of_unknown_layout_takes_bytes_by_hand():
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     with pytest.raises(ValueError, match="kv_cache="):
         bigviz.plan(model, {"cpu": "1MB"}, context_length=10)
-    plan = bigviz.plan(model, {"cpu": "1MB"}, context_length=10, kv_cache={"0": 100, "1": 100},
-                       activations={"0": 50, "1": 70})
+    plan = bigviz.plan(
+        model, {"cpu": "1MB"}, context_length=10, kv_cache={"0": 100, "1": 100}, activations={"0": 50, "1": 70}
+    )
     assert plan.kv_cache["cpu"] == 200 and plan.activations["cpu"] == 70
 
 
@@ -146,15 +163,40 @@ def test_max_context_keeps_its_definition():
 
 def test_cli_plans_a_config_with_a_workload(tmp_path, capsys):
     out = tmp_path / "map.json"
-    code = main(["plan", "llama-3.1-8b", "--batch", "4", "--context", "8192", "--max-memory", "0=80GiB,1=80GiB",
-                 "--out", str(out)])
+    code = main(
+        [
+            "plan",
+            "llama-3.1-8b",
+            "--batch",
+            "4",
+            "--context",
+            "8192",
+            "--max-memory",
+            "0=80GiB,1=80GiB",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     text = capsys.readouterr().out
     assert "workload: batch 4 x 8,192 tokens" in text and "KV cache" in text and "activations" in text
     assert "longest context that fits (batch 4)" in text and out.exists()
     shutil.copy(bigviz.config_path("mixtral-8x7b"), tmp_path / "config.json")
-    assert main(["plan", str(tmp_path / "config.json"), "--context", "1024", "--max-memory", "0=80GiB,1=80GiB",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(tmp_path / "config.json"),
+                "--context",
+                "1024",
+                "--max-memory",
+                "0=80GiB,1=80GiB",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "KV cache" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["plan", "llama-3.1-8b", "--context", "many"])
@@ -165,7 +207,8 @@ def test_an_encoder_caches_nothing_and_an_encoder_decoder_is_refused(hf_bert):
     assert set(bigviz.kv_cache_bytes(hf_bert, 2, 64).values()) == {0}
     plan = bigviz.plan(hf_bert, {"cpu": "1GB"}, context_length=64)
     assert plan.kv_cache["cpu"] == 0 and plan.activations["cpu"] > 0
-    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
-        num_layers=2, d_model=32, d_ff=64, num_heads=2, d_kv=16, vocab_size=100))
+    t5 = transformers.T5ForConditionalGeneration(
+        transformers.T5Config(num_layers=2, d_model=32, d_ff=64, num_heads=2, d_kv=16, vocab_size=100)
+    )
     with pytest.raises(ValueError, match="encoder-decoder"):
         bigviz.kv_cache_bytes(t5, 1, 10)

@@ -1,6 +1,7 @@
 """Planning the run: the pure workload formulas, and the planner charging each layer's KV
 cache and each device's largest step on the device that runs them (no torch needed for
 most of it: trees and byte counts are made by hand)."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,8 +9,16 @@ import pytest
 from bigviz.core.plan import PlanOptions
 from bigviz.core.planner import PlanError, make_plan
 from bigviz.core.tree import SizeTree, TensorSpec
-from bigviz.core.workload import (CacheSpec, RunSpec, StepSpec, Term, Workload, activation_bytes,
-                                  kv_cache_bytes, longest_fit)
+from bigviz.core.workload import (
+    CacheSpec,
+    RunSpec,
+    StepSpec,
+    Term,
+    Workload,
+    activation_bytes,
+    kv_cache_bytes,
+    longest_fit,
+)
 
 LAYER = 1000  # bytes of weights per layer
 KV, ACT = 300, 200  # bytes of KV cache per layer, bytes of a layer's step
@@ -23,8 +32,16 @@ def _tree(n: int = 10, head: int = 2000) -> SizeTree:
 def _options(n: int = 10, **kwargs: object) -> PlanOptions:
     kv = {f"h.{i}": KV for i in range(n)}
     act = {**{f"h.{i}": ACT for i in range(n)}, "head": 2 * ACT}
-    return PlanOptions(**{"strategy": "sequential", "no_split": frozenset({"h.*"}), "kv_cache": kv,
-                          "activations": act, "workload": Workload(1, 100), **kwargs})
+    return PlanOptions(
+        **{
+            "strategy": "sequential",
+            "no_split": frozenset({"h.*"}),
+            "kv_cache": kv,
+            "activations": act,
+            "workload": Workload(1, 100),
+            **kwargs,
+        }
+    )
 
 
 # ---- formulas ---------------------------------------------------------------------------------
@@ -96,7 +113,10 @@ def test_each_layer_cache_and_the_largest_step_are_charged_where_it_runs():
     assert "head" in on1
     u = plan.usage_of(0)
     assert (u.used, u.kv_cache, u.activations, u.free) == (5 * LAYER, 5 * KV, ACT, 7000 - 6700)
-    assert plan.placements[0].reason == "fits: 1000 B weights + 300 B KV cache + 200 B activations of 6.8 KiB left on GPU 0"
+    assert (
+        plan.placements[0].reason
+        == "fits: 1000 B weights + 300 B KV cache + 200 B activations of 6.8 KiB left on GPU 0"
+    )
     assert plan.placements[1].reason == "fits: 1000 B weights + 300 B KV cache of 5.4 KiB left on GPU 0"
     assert all("KV cache" in p.reason for p in plan.placements)
     assert "KV cache" in plan.summary() and "batch 1 x 100 tokens" in plan.summary()
@@ -124,8 +144,9 @@ def test_a_run_that_cannot_fit_is_refused_with_the_numbers():
 
 def test_a_split_layer_charges_its_cache_once_with_its_first_part():
     tree = SizeTree.build([TensorSpec(f"h.{i}.{p}.w", 250, "float32") for i in range(2) for p in ("a", "b")])
-    options = PlanOptions(strategy="sequential", kv_cache={"h.0": 100, "h.1": 100}, activations={"h.0": 50},
-                          workload=Workload(1, 10))
+    options = PlanOptions(
+        strategy="sequential", kv_cache={"h.0": 100, "h.1": 100}, activations={"h.0": 50}, workload=Workload(1, 10)
+    )
     plan = make_plan(tree, {0: 1600, 1: 10_000}, options)  # h.0 (2000 B) is split over both GPUs
     assert plan.device_map == {"h.0.a": 0, "h.0.b": 1, "h.1": 1}
     assert plan.kv_cache == {0: 100, 1: 100, "disk": 0}  # h.0's cache once, with its first part

@@ -8,6 +8,7 @@ Usage:
     python tools/execute_notebooks.py                 # every notebook in notebooks/
     python tools/execute_notebooks.py 06_offload_and_run 01_quickstart
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,13 @@ def execute(path: Path, *, timeout: int = 600) -> float:
     nb = nbformat.read(path, as_version=4)
     # no widget state in the file: it is large, and stale once the kernel is gone (the planner's
     # output carries its own picture for frontends without a kernel)
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", store_widget_state=False,
-                            resources={"metadata": {"path": str(NOTEBOOKS)}})
+    client = NotebookClient(
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        store_widget_state=False,
+        resources={"metadata": {"path": str(NOTEBOOKS)}},
+    )
     start = time.perf_counter()
     client.execute()
     took = time.perf_counter() - start

@@ -9,6 +9,7 @@ Usage:
     python tools/readme_examples.py            # rewrite the README's generated blocks
     python tools/readme_examples.py --check    # exit 1 if one of them is stale
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,12 @@ def workload_example() -> str:
     """
     import bigviz
 
-    plan = bigviz.plan(bigviz.config_path("llama-3.1-70b"), {0: "80GiB", 1: "80GiB", "cpu": "340GiB"},
-                       batch_size=1, context_length=32768)
+    plan = bigviz.plan(
+        bigviz.config_path("llama-3.1-70b"),
+        {0: "80GiB", 1: "80GiB", "cpu": "340GiB"},
+        batch_size=1,
+        context_length=32768,
+    )
     reasons = plan.to_frame().set_index("module")["reason"]
     return _reason_lines([(name, reasons[name]) for name in ("model.layers.0", "model.layers.1", "lm_head")])
 
@@ -91,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         text = make()
         if readme_block(name, readme) != text:
             stale.append(name)
-            readme = block_pattern(name).sub(lambda m, text=text: m.group(1) + text + "\n" + m.group(3), readme, count=1)
+            readme = block_pattern(name).sub(
+                lambda m, text=text: m.group(1) + text + "\n" + m.group(3), readme, count=1
+            )
     if stale and not args.check:
         README.write_text(readme, encoding="utf-8")
     print(("stale: " if args.check else "rewritten: ") + ", ".join(stale) if stale else "README examples up to date")

@@ -9,6 +9,7 @@
 
 Submodules are imported on first use, so ``import bigviz.checkpoint`` stays cheap.
 """
+
 from __future__ import annotations
 
 from bigviz.core.lazy import lazy_exports

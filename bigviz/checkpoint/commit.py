@@ -28,6 +28,7 @@ Example:
     ...                   "pytorch_model.bin.index.json", "training_args.bin", "adapter_model.safetensors"])
     ['model.safetensors', 'model.fp16-00001-of-00002.safetensors', 'pytorch_model.bin.index.json']
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -212,7 +213,8 @@ def _refuse_if_checkpoint(folder: Path) -> None:
         raise FileExistsError(
             f"{folder} holds a checkpoint now ({', '.join(found[:4])}{', ...' if len(found) > 4 else ''}), "
             "written while this save ran; nothing was replaced. Pass overwrite=True to replace it "
-            "(config.json and your other files are kept), or choose another folder")
+            "(config.json and your other files are kept), or choose another folder"
+        )
 
 
 def _link_exclusive(src: Path, dst: Path) -> None:

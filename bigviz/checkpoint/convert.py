@@ -21,6 +21,7 @@ Example:
     >>> list(view.entries), view.conversions
     (['w'], ())
 """
+
 from __future__ import annotations
 
 import copy
@@ -97,9 +98,14 @@ class CheckpointView:
         return conversion.sources if conversion is not None else (name,)
 
 
-def checkpoint_view(entries: Mapping[str, TensorInfo], rules: Sequence[Any] | None, *,
-                    model_names: Sequence[str] = (), base_model_prefix: str = "",
-                    model: Any = None) -> CheckpointView:
+def checkpoint_view(
+    entries: Mapping[str, TensorInfo],
+    rules: Sequence[Any] | None,
+    *,
+    model_names: Sequence[str] = (),
+    base_model_prefix: str = "",
+    model: Any = None,
+) -> CheckpointView:
     """Apply transformers' conversion ``rules`` to checkpoint keys, as ``from_pretrained`` does.
 
     Keys are taken in transformers' order (``dot_natural_key``: expert 2 before expert 10);
@@ -152,12 +158,14 @@ def _known(names: set[str], prefix: str) -> Callable[[str], bool]:
             return True
         if prefix and f"{prefix}.{name}" in names:
             return True
-        return bool(prefix) and name.startswith(prefix + ".") and name[len(prefix) + 1:] in names
+        return bool(prefix) and name.startswith(prefix + ".") and name[len(prefix) + 1 :] in names
+
     return known
 
 
-def _plan_groups(groups: Mapping[str, tuple[Any, dict[str, list[str]]]], entries: Mapping[str, TensorInfo],
-                 model: Any) -> tuple[list[Conversion], list[str]]:
+def _plan_groups(
+    groups: Mapping[str, tuple[Any, dict[str, list[str]]]], entries: Mapping[str, TensorInfo], model: Any
+) -> tuple[list[Conversion], list[str]]:
     """One `Conversion` per fused group, its targets and shapes found by running it on meta."""
     out, problems = [], []
     for first, (rule, sources) in groups.items():
@@ -168,8 +176,10 @@ def _plan_groups(groups: Mapping[str, tuple[Any, dict[str, list[str]]]], entries
         try:
             result = _convert(rule, first, sources, lambda k: _meta(entries[k]), model)
         except Exception as exc:  # an operation that cannot run on meta: say so, load nothing from it
-            problems.append(f"cannot plan the conversion of {len(keys)} checkpoint keys ({keys[0]}, ...) "
-                            f"into {first} ({operation}): {type(exc).__name__}: {exc}")
+            problems.append(
+                f"cannot plan the conversion of {len(keys)} checkpoint keys ({keys[0]}, ...) "
+                f"into {first} ({operation}): {type(exc).__name__}: {exc}"
+            )
             continue
         targets = tuple(result)
         shapes = tuple(tuple(result[t].shape) for t in targets)
@@ -177,8 +187,9 @@ def _plan_groups(groups: Mapping[str, tuple[Any, dict[str, list[str]]]], entries
     return out, problems
 
 
-def _convert(rule: Any, first: str, sources: Mapping[str, list[str]], read: Callable[[str], Tensor],
-             model: Any) -> dict[str, Tensor]:
+def _convert(
+    rule: Any, first: str, sources: Mapping[str, list[str]], read: Callable[[str], Tensor], model: Any
+) -> dict[str, Tensor]:
     """Run a fresh copy of transformers' converter on tensors given by ``read`` (lazily)."""
     converter = copy.deepcopy(rule)
     for pattern, keys in sources.items():
@@ -220,8 +231,14 @@ class ConvertedWeights(Mapping[str, Tensor]):
         model: passed to operations that read the model's config.
     """
 
-    def __init__(self, conversions: Sequence[Conversion], read: Callable[[str], Tensor], *,
-                 dtypes: Mapping[str, torch.dtype], model: Any = None) -> None:
+    def __init__(
+        self,
+        conversions: Sequence[Conversion],
+        read: Callable[[str], Tensor],
+        *,
+        dtypes: Mapping[str, torch.dtype],
+        model: Any = None,
+    ) -> None:
         self._of = {t: c for c in conversions for t in c.targets if t in dtypes}
         self._read = read
         self._dtypes = dict(dtypes)
@@ -243,8 +260,9 @@ class ConvertedWeights(Mapping[str, Tensor]):
             return tensor.to(first) if tensor.is_floating_point() else tensor
 
         result = run_conversion(conversion, read, model=self._model)
-        return {t: v.to(self._dtypes[t]) if v.is_floating_point() else v
-                for t, v in result.items() if t in self._dtypes}
+        return {
+            t: v.to(self._dtypes[t]) if v.is_floating_point() else v for t, v in result.items() if t in self._dtypes
+        }
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._of)

@@ -19,6 +19,7 @@ Example:
     >>> find_files(folder).files == [folder / "pytorch_model.bin"]
     True
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -105,9 +106,7 @@ def _candidates_safe(folder: Path, names: list[str]) -> list[Path]:
 
 
 def _candidates_torch(folder: Path, names: list[str]) -> list[Path]:
-    return _candidates(
-        folder, names, "pytorch_model.bin", lambda n: n.endswith(TORCH_SUFFIXES), ".bin"
-    )
+    return _candidates(folder, names, "pytorch_model.bin", lambda n: n.endswith(TORCH_SUFFIXES), ".bin")
 
 
 def _candidates(folder: Path, names: list[str], main: str, is_weights, suffix: str) -> list[Path]:
@@ -164,8 +163,14 @@ def _from_index_file(path: Path, *, check_files: bool = True) -> CheckpointFiles
     if check_files:
         raise_problems(missing_problems(missing), f"incomplete checkpoint '{path.parent}'", fix=MISSING_FIX)
     weight_map = {name: path.parent / f for name, f in mapping.items()}
-    return CheckpointFiles(formats.pop() if formats else "safetensors", path, [f for f in files if f not in missing],
-                  weight_map, dict(metadata), missing)
+    return CheckpointFiles(
+        formats.pop() if formats else "safetensors",
+        path,
+        [f for f in files if f not in missing],
+        weight_map,
+        dict(metadata),
+        missing,
+    )
 
 
 MISSING_FIX = "download or copy the missing shards into the folder (or fix the index)"
@@ -181,8 +186,10 @@ def _check_mapping(path: Path, mapping: object) -> list[str]:
         return [f"{path}: 'weight_map' must map tensor names to file names"]
     values = list(mapping.values())
     if values and all(isinstance(v, dict) and "dtype" in v for v in values):
-        return [f"{path}: this is an accelerate offload index (tensors in .dat files), not a "
-                "checkpoint; load the original checkpoint instead"]
+        return [
+            f"{path}: this is an accelerate offload index (tensors in .dat files), not a "
+            "checkpoint; load the original checkpoint instead"
+        ]
     problems = []
     by_file: dict[str, list[str]] = {}
     for name, file in mapping.items():
@@ -204,16 +211,19 @@ def _entry_problems(path: Path, who: str, file: str) -> list[str]:
     where = f"{path}: {who} maps to {file!r}"
     parts = PurePosixPath(file.replace("\\", "/"))
     if not file or parts.is_absolute() or PureWindowsPath(file).drive or PureWindowsPath(file).root:
-        return [f"{where}, an absolute or empty path: index entries name files inside the checkpoint "
-                "folder; this index may be crafted, do not use it"]
+        return [
+            f"{where}, an absolute or empty path: index entries name files inside the checkpoint "
+            "folder; this index may be crafted, do not use it"
+        ]
     if ".." in parts.parts:
-        return [f"{where}, which leads out of the checkpoint folder ('..'); this index may be crafted, "
-                "do not use it"]
+        return [f"{where}, which leads out of the checkpoint folder ('..'); this index may be crafted, do not use it"]
     folder = path.parent.resolve()
     directory = (path.parent / parts).parent.resolve()
     if directory != folder and folder not in directory.parents:
-        return [f"{where}, inside a directory that leads out of the checkpoint folder (to {directory}); "
-                "this index may be crafted, do not use it"]
+        return [
+            f"{where}, inside a directory that leads out of the checkpoint folder (to {directory}); "
+            "this index may be crafted, do not use it"
+        ]
     return []
 
 

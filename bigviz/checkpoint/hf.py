@@ -13,6 +13,7 @@ Example:
     >>> conversion_rules(torch.nn.Linear(2, 2)) is None, fp32_patterns(torch.nn.Linear(2, 2), torch.float16)
     (True, ())
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,8 +28,13 @@ from torch import nn
 from bigviz.core.names import parent
 from bigviz.modeling.inventory import ModelInventory
 
-__all__ = ["is_transformers_model", "conversion_rules", "fp32_patterns", "initialise_computed",
-           "meta_model_from_folder"]
+__all__ = [
+    "is_transformers_model",
+    "conversion_rules",
+    "fp32_patterns",
+    "initialise_computed",
+    "meta_model_from_folder",
+]
 
 
 def is_transformers_model(model: object) -> bool:

@@ -15,6 +15,7 @@ Example:
     >>> index.format, len(index), index.total_bytes, [f.name for f in index.files]
     ('safetensors', 2, 32, ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors'])
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -75,9 +76,14 @@ class CheckpointIndex:
         metadata: the index's ``metadata`` (or a single safetensors file's ``__metadata__``).
     """
 
-    def __init__(self, files: CheckpointFiles, entries: dict[str, TensorInfo],
-                 metadata: dict, torch_states: dict[Path, dict[str, torch.Tensor]],
-                 stamps: dict[Path, tuple[int, ...]] | None = None) -> None:
+    def __init__(
+        self,
+        files: CheckpointFiles,
+        entries: dict[str, TensorInfo],
+        metadata: dict,
+        torch_states: dict[Path, dict[str, torch.Tensor]],
+        stamps: dict[Path, tuple[int, ...]] | None = None,
+    ) -> None:
         self.path: Path = files.path
         self.format: str = files.format
         self.files: list[Path] = list(files.files)
@@ -167,12 +173,15 @@ class CheckpointIndex:
         return self._torch_states[file]
 
     def __repr__(self) -> str:
-        return (f"CheckpointIndex({str(self.path)!r}, format={self.format!r}, "
-                f"tensors={len(self)}, files={len(self.files)}, bytes={self.total_bytes})")
+        return (
+            f"CheckpointIndex({str(self.path)!r}, format={self.format!r}, "
+            f"tensors={len(self)}, files={len(self.files)}, bytes={self.total_bytes})"
+        )
 
 
-def _read_safetensors(files: CheckpointFiles, stamps: dict[Path, tuple[int, ...]]
-                      ) -> tuple[dict[Path, dict[str, TensorInfo]], dict[Path, dict]]:
+def _read_safetensors(
+    files: CheckpointFiles, stamps: dict[Path, tuple[int, ...]]
+) -> tuple[dict[Path, dict[str, TensorInfo]], dict[Path, dict]]:
     problems: list[str] = []
     per_file: dict[Path, dict[str, TensorInfo]] = {}
     metadata: dict[Path, dict] = {}
@@ -197,15 +206,17 @@ _CORRUPT_FIX = "the listed files are truncated or corrupt: re-download them or s
 def _raise_file_problems(files: CheckpointFiles, problems: list[str], *, fix: str = "") -> None:
     """One error for every missing, truncated and corrupt file of the checkpoint."""
     if not problems:
-        raise_problems(missing_problems(files.missing), f"incomplete checkpoint '{files.path.parent}'",
-                       fix=MISSING_FIX)
+        raise_problems(missing_problems(files.missing), f"incomplete checkpoint '{files.path.parent}'", fix=MISSING_FIX)
         return
     fixes = [f for f in ((MISSING_FIX if files.missing else ""), fix) if f]
-    raise_problems(missing_problems(files.missing) + problems, f"cannot read checkpoint '{files.path}'",
-                   fix="; ".join(fixes))
+    raise_problems(
+        missing_problems(files.missing) + problems, f"cannot read checkpoint '{files.path}'", fix="; ".join(fixes)
+    )
 
 
-def _read_torch(files: CheckpointFiles, stamps: dict[Path, tuple[int, ...]]) -> tuple[dict[Path, dict[str, TensorInfo]], dict]:
+def _read_torch(
+    files: CheckpointFiles, stamps: dict[Path, tuple[int, ...]]
+) -> tuple[dict[Path, dict[str, TensorInfo]], dict]:
     from bigviz.checkpoint.torch_io import load_torch_file
 
     problems: list[str] = []
@@ -220,8 +231,9 @@ def _read_torch(files: CheckpointFiles, stamps: dict[Path, tuple[int, ...]]) -> 
             problems += err.problems
             continue
         per_file[file] = {
-            name: TensorInfo(name, str(t.dtype).removeprefix("torch."), tuple(t.shape),
-                             t.numel() * t.element_size(), file)
+            name: TensorInfo(
+                name, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size(), file
+            )
             for name, t in states[file].items()
         }
     _raise_file_problems(files, problems)
@@ -241,6 +253,9 @@ def _select(files: CheckpointFiles, per_file: dict[Path, dict[str, TensorInfo]])
     for name, file in files.weight_map.items():
         if name not in entries:
             problems.append(f"{files.path}: says {name!r} is in {file.name}, which does not hold it")
-    raise_problems(problems, f"inconsistent checkpoint '{files.path.parent}'",
-                   fix="the index does not match its shards: re-download the checkpoint or save it again")
+    raise_problems(
+        problems,
+        f"inconsistent checkpoint '{files.path.parent}'",
+        fix="the index does not match its shards: re-download the checkpoint or save it again",
+    )
     return entries

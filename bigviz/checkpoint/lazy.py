@@ -26,6 +26,7 @@ Example:
     ...     print(weights["layer.w"], weights.nbytes("layer.w"))
     tensor([0., 1., 2., 3.]) 16
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -87,9 +88,15 @@ class LazyWeights(Mapping[str, torch.Tensor]):
     place is refused at the next read or `verify`, naming it.
     """
 
-    def __init__(self, index: CheckpointIndex | str | Path, names: Mapping[str, str] | None = None,
-                 *, dtype: torch.dtype | None = None, keep_dtype: Collection[str] = (),
-                 dtypes: Mapping[str, torch.dtype] | None = None) -> None:
+    def __init__(
+        self,
+        index: CheckpointIndex | str | Path,
+        names: Mapping[str, str] | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        keep_dtype: Collection[str] = (),
+        dtypes: Mapping[str, torch.dtype] | None = None,
+    ) -> None:
         self.index = CheckpointIndex.open(index)
         self._names: dict[str, str] = dict(names) if names is not None else {k: k for k in self.index}
         unknown = [k for k in self._names.values() if k not in self.index.entries]
@@ -199,14 +206,20 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         else:
             files = {self.index.entries[self._names[n]].file for n in names if n in self._names}
         problems = [p for p in (self._change(f) for f in sorted(files)) if p]
-        raise_problems(problems, "checkpoint files changed under a model that reads them",
-                       fix="the model keeps its memory maps of them: load the checkpoint again")
+        raise_problems(
+            problems,
+            "checkpoint files changed under a model that reads them",
+            fix="the model keeps its memory maps of them: load the checkpoint again",
+        )
 
     def _check(self, file: Path) -> None:
         problem = self._change(file)
         if problem:
-            raise_problems([problem], "checkpoint files changed under a model that reads them",
-                           fix="the model keeps its memory maps of them: load the checkpoint again")
+            raise_problems(
+                [problem],
+                "checkpoint files changed under a model that reads them",
+                fix="the model keeps its memory maps of them: load the checkpoint again",
+            )
 
     def _change(self, file: Path) -> str:
         held = self._fds.get(file)
@@ -216,9 +229,11 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         now = file_stamp(os.fstat(fd))
         if now == stamp:
             return ""
-        what = (f"size {stamp[2]} -> {now[2]} bytes" if now[2] != stamp[2] else "rewritten in place")
-        return (f"{file}: changed since it was opened ({what}); reading it now could crash the "
-                "process (SIGBUS) or give other weights")
+        what = f"size {stamp[2]} -> {now[2]} bytes" if now[2] != stamp[2] else "rewritten in place"
+        return (
+            f"{file}: changed since it was opened ({what}); reading it now could crash the "
+            "process (SIGBUS) or give other weights"
+        )
 
     def close(self) -> None:
         """Drop the mappings and descriptors (tensors already handed out stay valid)."""

@@ -24,6 +24,7 @@ Example:
     >>> result.loaded, model.weight.device.type
     (['weight', 'bias'], 'cpu')
 """
+
 from __future__ import annotations
 
 import re
@@ -37,16 +38,32 @@ import torch
 from bigviz.checkpoint import hf
 from bigviz.checkpoint.convert import CheckpointView, Conversion, checkpoint_view
 from bigviz.checkpoint.index import CheckpointIndex
-from bigviz.checkpoint.load_plan import (LoadOptions, LoadPlan, TensorLoad, check_plan, load_device, locate,
-                                         match_checkpoint, resolve_view)
+from bigviz.checkpoint.load_plan import (
+    LoadOptions,
+    LoadPlan,
+    TensorLoad,
+    check_plan,
+    load_device,
+    locate,
+    match_checkpoint,
+    resolve_view,
+)
 from bigviz.checkpoint.loader import execute_load
 from bigviz.checkpoint.offload_folder import offload_problems
 from bigviz.core.devicemap import check_keys
 from bigviz.core.devices import execution_device, torch_name
 from bigviz.modeling.inventory import ModelInventory, tie_model
 
-__all__ = ["LoadResult", "load_checkpoint_in_model", "load_sharded_checkpoint", "check_checkpoint",
-           "plan_load", "execute_load_plan", "inventory_of", "checkpoint_view_of"]
+__all__ = [
+    "LoadResult",
+    "load_checkpoint_in_model",
+    "load_sharded_checkpoint",
+    "check_checkpoint",
+    "plan_load",
+    "execute_load_plan",
+    "inventory_of",
+    "checkpoint_view_of",
+]
 
 ModelOrInventory = torch.nn.Module | ModelInventory
 
@@ -91,8 +108,10 @@ class LoadResult:
 
     def summary(self) -> str:
         """A few human-readable lines: counts, and everything ignored, renamed or tied."""
-        lines = [f"loaded {len(self.loaded)} tensors ({self.bytes_loaded / 2**20:.1f} MiB)"
-                 + (f", {len(self.disk)} left on disk" if self.disk else "")]
+        lines = [
+            f"loaded {len(self.loaded)} tensors ({self.bytes_loaded / 2**20:.1f} MiB)"
+            + (f", {len(self.disk)} left on disk" if self.disk else "")
+        ]
         if self.renamed_prefix:
             lines.append(f"prefix {self.renamed_prefix!r} {self.prefix_action} to match the model")
         renamed = [c for c in self.conversions if c.is_rename]
@@ -170,16 +189,31 @@ def load_checkpoint_in_model(
         >>> result.renamed_prefix, result.prefix_action, model.weight.dtype
         ('net.', 'stripped', torch.float16)
     """
-    index, plan = plan_load(model, checkpoint, device_map, dtype=dtype, offload_folder=offload_folder,
-                            strict=strict, keep_in_fp32_modules=keep_in_fp32_modules, key_mapping=key_mapping)
+    index, plan = plan_load(
+        model,
+        checkpoint,
+        device_map,
+        dtype=dtype,
+        offload_folder=offload_folder,
+        strict=strict,
+        keep_in_fp32_modules=keep_in_fp32_modules,
+        key_mapping=key_mapping,
+    )
     return execute_load_plan(inventory_of(model), index, plan, progress=progress, inplace=False)
 
 
-def plan_load(model: ModelOrInventory, checkpoint: str | Path | CheckpointIndex,
-              device_map: object = None, *, dtype: torch.dtype | str | None = None,
-              offload_folder: str | Path | None = None, strict: bool = True,
-              keep_in_fp32_modules: Sequence[str] | None = None, key_mapping: Mapping[str, str] | None = None,
-              check: bool = True) -> tuple[CheckpointIndex, LoadPlan]:
+def plan_load(
+    model: ModelOrInventory,
+    checkpoint: str | Path | CheckpointIndex,
+    device_map: object = None,
+    *,
+    dtype: torch.dtype | str | None = None,
+    offload_folder: str | Path | None = None,
+    strict: bool = True,
+    keep_in_fp32_modules: Sequence[str] | None = None,
+    key_mapping: Mapping[str, str] | None = None,
+    check: bool = True,
+) -> tuple[CheckpointIndex, LoadPlan]:
     """The checkpoint's index and the `LoadPlan` of loading it into ``model`` (headers only:
     nothing is read); checked unless ``check=False``. Arguments as for
     `load_checkpoint_in_model`.
@@ -200,8 +234,15 @@ def plan_load(model: ModelOrInventory, checkpoint: str | Path | CheckpointIndex,
     """
     index = CheckpointIndex.open(checkpoint)
     inventory = inventory_of(model)
-    options = _options(inventory.model, index, device_map=device_map, dtype=dtype, strict=strict,
-                       offload_folder=offload_folder, keep_in_fp32_modules=keep_in_fp32_modules)
+    options = _options(
+        inventory.model,
+        index,
+        device_map=device_map,
+        dtype=dtype,
+        strict=strict,
+        offload_folder=offload_folder,
+        keep_in_fp32_modules=keep_in_fp32_modules,
+    )
     plan = _plan(inventory, index, options, key_mapping)
     if check:
         check_plan(plan, strict=strict, where=f"'{index.path}' into {type(inventory.model).__name__}")
@@ -218,33 +259,48 @@ def inventory_of(model: ModelOrInventory) -> ModelInventory:
     return ModelInventory.of(model)
 
 
-def _plan(inventory: ModelInventory, index: CheckpointIndex, options: LoadOptions,
-          key_mapping: Mapping[str, str] | None) -> LoadPlan:
+def _plan(
+    inventory: ModelInventory, index: CheckpointIndex, options: LoadOptions, key_mapping: Mapping[str, str] | None
+) -> LoadPlan:
     view = checkpoint_view_of(inventory, index, key_mapping)
     plan = resolve_view(match_checkpoint(inventory.tensors, view.entries, options), view)
     plan = locate(plan, index.entries, format=index.format)
     disk = [load for load in plan.loads if load.device == "disk"]
     problems = tuple(view.problems) + tuple(_disk_problems(index, disk, options))
-    return replace(plan, device_problems=plan.device_problems + problems, checkpoint=str(index.path),
-                   computed=tuple(_computed(inventory, plan, options)), offload_folder=options.offload_folder)
+    return replace(
+        plan,
+        device_problems=plan.device_problems + problems,
+        checkpoint=str(index.path),
+        computed=tuple(_computed(inventory, plan, options)),
+        offload_folder=options.offload_folder,
+    )
 
 
-def execute_load_plan(inventory: ModelInventory, index: CheckpointIndex, plan: LoadPlan, *,
-                      progress: bool = True, inplace: bool = False) -> LoadResult:
+def execute_load_plan(
+    inventory: ModelInventory, index: CheckpointIndex, plan: LoadPlan, *, progress: bool = True, inplace: bool = False
+) -> LoadResult:
     """Execute a checked `LoadPlan` (see :func:`bigviz.checkpoint.loader.execute_load`) and
     say what it did."""
     done = execute_load(inventory, index, plan, progress=progress, inplace=inplace)
     return LoadResult(
         loaded=[load.name for load in plan.loads if load.device != "disk"],
-        ignored=list(plan.ignored), missing=list(plan.missing), unexpected=list(plan.unexpected),
-        renamed_prefix=plan.prefix, prefix_action=plan.prefix_action,
-        filled_by_tie=list(plan.filled_by_tie), disk=done.disk(), offload_folder=done.folder,
-        bytes_loaded=done.nbytes, conversions=list(plan.conversions), computed=[c.name for c in plan.computed],
+        ignored=list(plan.ignored),
+        missing=list(plan.missing),
+        unexpected=list(plan.unexpected),
+        renamed_prefix=plan.prefix,
+        prefix_action=plan.prefix_action,
+        filled_by_tie=list(plan.filled_by_tie),
+        disk=done.disk(),
+        offload_folder=done.folder,
+        bytes_loaded=done.nbytes,
+        conversions=list(plan.conversions),
+        computed=[c.name for c in plan.computed],
     )
 
 
-def check_checkpoint(model: ModelOrInventory, checkpoint: str | Path | CheckpointIndex, *,
-                     strict: bool = True) -> LoadPlan:
+def check_checkpoint(
+    model: ModelOrInventory, checkpoint: str | Path | CheckpointIndex, *, strict: bool = True
+) -> LoadPlan:
     """Match ``checkpoint`` to ``model`` and check it, from headers alone: nothing is loaded.
 
     What `load_checkpoint_in_model` checks first (keys, prefixes, ties, shapes), as a plan
@@ -269,16 +325,25 @@ def check_checkpoint(model: ModelOrInventory, checkpoint: str | Path | Checkpoin
     return plan_load(model, checkpoint, strict=strict)[1]
 
 
-def _options(model: torch.nn.Module, index: CheckpointIndex, *, device_map: object = None,
-             dtype: torch.dtype | str | None = None, strict: bool = True,
-             offload_folder: str | Path | None = None,
-             keep_in_fp32_modules: Sequence[str] | None = None) -> LoadOptions:
+def _options(
+    model: torch.nn.Module,
+    index: CheckpointIndex,
+    *,
+    device_map: object = None,
+    dtype: torch.dtype | str | None = None,
+    strict: bool = True,
+    offload_folder: str | Path | None = None,
+    keep_in_fp32_modules: Sequence[str] | None = None,
+) -> LoadOptions:
     """The load's options, with the keys the model class declares ignorable."""
     dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
     keep, patterns = _fp32_rule(model, dtype, keep_in_fp32_modules)
     return LoadOptions(
-        device_map=_as_device_map(device_map), dtype=dtype,
-        keep_in_fp32_modules=keep, fp32_patterns=patterns, strict=strict,
+        device_map=_as_device_map(device_map),
+        dtype=dtype,
+        keep_in_fp32_modules=keep,
+        fp32_patterns=patterns,
+        strict=strict,
         offload_folder=str(offload_folder) if offload_folder is not None else None,
         can_map_disk=index.format == "safetensors",
         ignore_unexpected=tuple(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()),
@@ -286,8 +351,9 @@ def _options(model: torch.nn.Module, index: CheckpointIndex, *, device_map: obje
     )
 
 
-def _fp32_rule(model: torch.nn.Module, dtype: torch.dtype | None,
-               given: Sequence[str] | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _fp32_rule(
+    model: torch.nn.Module, dtype: torch.dtype | None, given: Sequence[str] | None
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(module names, regex patterns) kept in float32: the caller's list, else the model's rule.
 
     transformers' rule (and the same attributes on other modules): ``_keep_in_fp32_modules``
@@ -305,8 +371,9 @@ def _fp32_rule(model: torch.nn.Module, dtype: torch.dtype | None,
     return tuple(keep), ()
 
 
-def load_sharded_checkpoint(model: torch.nn.Module, folder: str | Path, strict: bool = True,
-                            prefer_safe: bool = True) -> IncompatibleKeys:
+def load_sharded_checkpoint(
+    model: torch.nn.Module, folder: str | Path, strict: bool = True, prefer_safe: bool = True
+) -> IncompatibleKeys:
     """transformers' ``load_sharded_checkpoint``: load a sharded folder into a real model.
 
     Values are copied into the model's existing tensors (their devices and dtypes are kept),
@@ -351,11 +418,15 @@ def _as_device_map(device_map: object) -> Mapping[str, int | str | torch.device]
     inner = getattr(device_map, "device_map", None)  # a DevicePlan
     if isinstance(inner, Mapping):
         return inner
-    raise TypeError(f"device_map must be a dict (module -> device) or a DevicePlan, not "
-                    f"{device_map!r}; for 'auto' use bigviz.infer_auto_device_map first")
+    raise TypeError(
+        f"device_map must be a dict (module -> device) or a DevicePlan, not "
+        f"{device_map!r}; for 'auto' use bigviz.infer_auto_device_map first"
+    )
 
 
-def checkpoint_view_of(inventory: ModelInventory, index: CheckpointIndex, key_mapping: Mapping[str, str] | None) -> CheckpointView:
+def checkpoint_view_of(
+    inventory: ModelInventory, index: CheckpointIndex, key_mapping: Mapping[str, str] | None
+) -> CheckpointView:
     """The checkpoint as the model sees it, after transformers' conversions (if any apply)."""
     model = inventory.model
     rules = hf.conversion_rules(model, key_mapping)
@@ -371,9 +442,11 @@ def _disk_problems(index: CheckpointIndex, disk: list[TensorLoad], options: Load
         return []
     problems = offload_problems(options.offload_folder)
     if fused and options.offload_folder is None:
-        problems = [f"disk offload of tensors fused from several checkpoint keys ({', '.join(fused[:3])}"
-                    f"{', ...' if len(fused) > 3 else ''}) needs offload_folder= (they are converted "
-                    "once and written there as safetensors)"]
+        problems = [
+            f"disk offload of tensors fused from several checkpoint keys ({', '.join(fused[:3])}"
+            f"{', ...' if len(fused) > 3 else ''}) needs offload_folder= (they are converted "
+            "once and written there as safetensors)"
+        ]
     return problems
 
 
@@ -393,7 +466,8 @@ def _computed(inventory: ModelInventory, plan: LoadPlan, options: LoadOptions) -
         if not t.persistent or ignorable or any(a in missing for a in t.aliases):
             # what no key covers runs where offloaded modules run (one rule: bigviz.core.devices)
             device = load_device(t.name, options.device_map) or torch_name(
-                execution_device((options.device_map or {}).values()))
+                execution_device((options.device_map or {}).values())
+            )
             dtype = t.dtype
             if t.kind == "param" and t.dtype.is_floating_point and options.dtype is not None:
                 dtype = options.dtype

@@ -23,6 +23,7 @@ Example:
     >>> plan.prefix, [(t.name, t.key, t.device) for t in plan.loads]
     ('lin.', [('weight', 'lin.weight', 'cpu'), ('bias', 'lin.bias', 'cpu')])
 """
+
 from __future__ import annotations
 
 import re
@@ -48,8 +49,19 @@ from bigviz.core.sizes import format_size
 from bigviz.modeling.budgets import absent_device_problems
 from bigviz.modeling.inventory import ModelTensor
 
-__all__ = ["LoadOptions", "TensorLoad", "LoadPlan", "match_checkpoint", "check_plan", "module_matches",
-           "resolve_view", "locate", "load_device", "device_problems", "plan_problems"]
+__all__ = [
+    "LoadOptions",
+    "TensorLoad",
+    "LoadPlan",
+    "match_checkpoint",
+    "check_plan",
+    "module_matches",
+    "resolve_view",
+    "locate",
+    "load_device",
+    "device_problems",
+    "plan_problems",
+]
 
 
 @dataclass(frozen=True)
@@ -176,8 +188,10 @@ class LoadPlan:
         """
         where = f" from {self.checkpoint!r}" if self.checkpoint else " from the checkpoint"
         total = sum(load.nbytes for load in self.loads)
-        lines = [f"LoadPlan: {_count(len(self.loads), 'tensor')} ({format_size(total)}){where}"
-                 + (f" ({self.format})" if self.format else "")]
+        lines = [
+            f"LoadPlan: {_count(len(self.loads), 'tensor')} ({format_size(total)}){where}"
+            + (f" ({self.format})" if self.format else "")
+        ]
         by_device: dict[str, list[TensorLoad]] = {}
         for load in self.loads:
             by_device.setdefault(load.device, []).append(load)
@@ -186,18 +200,28 @@ class LoadPlan:
             if device == "disk":
                 kept = sum(load.in_place for load in loads)
                 how = f" (read in place: {kept}; written once to the offload folder: {len(loads) - kept})"
-            lines.append(f"  {_label(device)}: {_count(len(loads), 'tensor')}, "
-                         f"{format_size(sum(load.nbytes for load in loads))}{how}")
+            lines.append(
+                f"  {_label(device)}: {_count(len(loads), 'tensor')}, "
+                f"{format_size(sum(load.nbytes for load in loads))}{how}"
+            )
         lines += self._notes()
         return "\n".join(lines)
 
     def _notes(self) -> list[str]:
-        casts = sorted({(load.source_dtype, str(load.dtype).removeprefix("torch.")) for load in self.loads
-                        if load.source_dtype and load.source_dtype != str(load.dtype).removeprefix("torch.")})
+        casts = sorted(
+            {
+                (load.source_dtype, str(load.dtype).removeprefix("torch."))
+                for load in self.loads
+                if load.source_dtype and load.source_dtype != str(load.dtype).removeprefix("torch.")
+            }
+        )
         lines = []
         if casts:
-            n = sum(1 for load in self.loads if load.source_dtype and
-                    load.source_dtype != str(load.dtype).removeprefix("torch."))
+            n = sum(
+                1
+                for load in self.loads
+                if load.source_dtype and load.source_dtype != str(load.dtype).removeprefix("torch.")
+            )
             lines.append(f"  {_count(n, 'cast')} ({', '.join(f'{a} -> {b}' for a, b in casts)})")
         if self.prefix:
             lines.append(f"  prefix {self.prefix!r} {self.prefix_action} to match the model")
@@ -221,10 +245,19 @@ class LoadPlan:
 
         columns = ["tensor", "keys", "file", "offsets", "from_dtype", "dtype", "operation", "device", "bytes"]
         rows: list[dict[str, Any]] = [
-            {"tensor": load.name, "keys": ", ".join(load.keys), "file": Path(load.file).name if load.file else "",
-             "offsets": load.offsets, "from_dtype": load.source_dtype, "dtype": str(load.dtype).removeprefix("torch."),
-             "operation": load.operation, "device": load.device, "bytes": load.nbytes}
-            for load in (*self.loads, *self.computed)]
+            {
+                "tensor": load.name,
+                "keys": ", ".join(load.keys),
+                "file": Path(load.file).name if load.file else "",
+                "offsets": load.offsets,
+                "from_dtype": load.source_dtype,
+                "dtype": str(load.dtype).removeprefix("torch."),
+                "operation": load.operation,
+                "device": load.device,
+                "bytes": load.nbytes,
+            }
+            for load in (*self.loads, *self.computed)
+        ]
         return pd.DataFrame(rows, columns=columns)
 
 
@@ -248,13 +281,19 @@ def locate(plan: LoadPlan, entries: Mapping[str, TensorInfo], *, format: str) ->
         >>> load.file, load.offsets, load.source_dtype, load.in_place
         ('a.safetensors', (0, 4), 'float16', True)
     """
+
     def placed(load: TensorLoad) -> TensorLoad:
         info = entries.get(load.keys[0]) if load.keys else None
         if info is None:
             return load
         in_place = load.device == "disk" and not load.fused and format == "safetensors"
-        return replace(load, source_dtype=info.dtype, file="" if load.fused else str(info.file),
-                       offsets=None if load.fused else info.data_offsets, in_place=in_place)
+        return replace(
+            load,
+            source_dtype=info.dtype,
+            file="" if load.fused else str(info.file),
+            offsets=None if load.fused else info.data_offsets,
+            in_place=in_place,
+        )
 
     return replace(plan, loads=tuple(placed(load) for load in plan.loads), format=format)
 
@@ -273,8 +312,9 @@ def module_matches(name: str, modules: Collection[str]) -> bool:
     return owner(name, set(modules)) is not None or any("." not in m and m in parts for m in modules)
 
 
-def match_checkpoint(tensors: Sequence[ModelTensor], entries: Mapping[str, TensorInfo],
-                     options: LoadOptions) -> LoadPlan:
+def match_checkpoint(
+    tensors: Sequence[ModelTensor], entries: Mapping[str, TensorInfo], options: LoadOptions
+) -> LoadPlan:
     """Match a model's tensors to checkpoint entries and decide device and dtype of each."""
     names = [a for t in tensors for a in t.aliases]
     prefix, action, key_of = _resolve_prefix(names, entries.keys())
@@ -294,17 +334,28 @@ def match_checkpoint(tensors: Sequence[ModelTensor], entries: Mapping[str, Tenso
         tied += [(a, source) for a in t.aliases if a not in dict(found)]
         info = entries[key]
         if info.shape != t.shape:
-            mismatched.append(f"{t.name}: checkpoint {key!r} has shape {list(info.shape)}, "
-                              f"the model {list(t.shape)}")
+            mismatched.append(f"{t.name}: checkpoint {key!r} has shape {list(info.shape)}, the model {list(t.shape)}")
         here = "cpu" if t.is_meta else t.device  # where it goes when there is no device_map
         loads.append(TensorLoad(t.name, t.aliases, key, here, _target_dtype(t, info, options), info.nbytes))
     unexpected = [k for k in entries if k not in used]
-    ignored += [(k, "listed by the model class as safe to ignore") for k in unexpected
-                if _any_match(k, options.ignore_unexpected)]
+    ignored += [
+        (k, "listed by the model class as safe to ignore")
+        for k in unexpected
+        if _any_match(k, options.ignore_unexpected)
+    ]
     unexpected = [k for k in unexpected if not _any_match(k, options.ignore_unexpected)]
     placed, device_problems = _place(loads, options)
-    return LoadPlan(tuple(placed), tuple(missing), tuple(unexpected), tuple(mismatched),
-                    tuple(ignored), tuple(tied), prefix, action, tuple(device_problems))
+    return LoadPlan(
+        tuple(placed),
+        tuple(missing),
+        tuple(unexpected),
+        tuple(mismatched),
+        tuple(ignored),
+        tuple(tied),
+        prefix,
+        action,
+        tuple(device_problems),
+    )
 
 
 def resolve_view(plan: LoadPlan, view: CheckpointView) -> LoadPlan:
@@ -330,12 +381,12 @@ def resolve_view(plan: LoadPlan, view: CheckpointView) -> LoadPlan:
     used = {id(c): c for load in loads if (c := load.conversion) is not None}
     unexpected = tuple(k for name in plan.unexpected for k in view.checkpoint_keys(name))
     ignored = tuple((k, why) for name, why in plan.ignored for k in view.checkpoint_keys(name))
-    return replace(plan, loads=tuple(loads), unexpected=unexpected, ignored=ignored,
-                   conversions=tuple(used.values()))
+    return replace(plan, loads=tuple(loads), unexpected=unexpected, ignored=ignored, conversions=tuple(used.values()))
 
 
-def check_plan(plan: LoadPlan, *, strict: bool, where: str, more: Sequence[str] = (),
-               map_checked: bool = False) -> None:
+def check_plan(
+    plan: LoadPlan, *, strict: bool, where: str, more: Sequence[str] = (), map_checked: bool = False
+) -> None:
     """Raise one `CheckpointError` for every problem that forbids loading ``plan`` (and the
     ``more`` found by the caller's own checks, e.g. of its device map, which then reported the
     plan's missing devices and uncovered tensors already: ``map_checked``)."""
@@ -351,13 +402,11 @@ def plan_problems(plan: LoadPlan, *, strict: bool, map_checked: bool = False) ->
         >>> plan_problems(p, strict=True)[0]
         ['missing in the checkpoint: w', 'unexpected in the checkpoint (the model has no such tensor): x']
     """
-    devices = [p for p in plan.device_problems
-               if not (map_checked and p.startswith((MISSING_DEVICE, NO_DEVICE)))]
+    devices = [p for p in plan.device_problems if not (map_checked and p.startswith((MISSING_DEVICE, NO_DEVICE)))]
     problems = [f"shape mismatch: {m}" for m in plan.mismatched] + devices
     if strict:
         problems += [f"missing in the checkpoint: {k}" for k in plan.missing]
-        problems += [f"unexpected in the checkpoint (the model has no such tensor): {k}"
-                     for k in plan.unexpected]
+        problems += [f"unexpected in the checkpoint (the model has no such tensor): {k}" for k in plan.unexpected]
     fixes = []
     if plan.mismatched or (strict and plan.missing and plan.unexpected):
         fixes.append("is this the right checkpoint for this model (same config and size)?")
@@ -382,8 +431,9 @@ def _target_dtype(t: ModelTensor, info: TensorInfo, options: LoadOptions) -> tor
     return options.dtype or t.dtype
 
 
-def _resolve_prefix(names: Sequence[str], keys: Collection[str]
-                    ) -> tuple[str | None, str | None, Callable[[str], str | None]]:
+def _resolve_prefix(
+    names: Sequence[str], keys: Collection[str]
+) -> tuple[str | None, str | None, Callable[[str], str | None]]:
     """The (prefix, "added"/"stripped", model name -> key) that matches the most names;
     no prefix unless one matches strictly more names than the names as they are."""
     keyset = set(keys)
@@ -392,20 +442,26 @@ def _resolve_prefix(names: Sequence[str], keys: Collection[str]
         return n if n in keyset else None
 
     best: tuple[int, str | None, str | None, Callable[[str], str | None]] = (
-        sum(n in keyset for n in names), None, None, exact)
+        sum(n in keyset for n in names),
+        None,
+        None,
+        exact,
+    )
     if best[0] == len(names):
         return best[1:]
     for p in _common_heads(keyset):
+
         def strip(n: str, p: str = p) -> str | None:
             return exact(n) or (f"{p}.{n}" if f"{p}.{n}" in keyset else None)
-        best = max(best, (sum(strip(n) is not None for n in names), p + ".", "stripped", strip),
-                   key=lambda b: b[0])
+
+        best = max(best, (sum(strip(n) is not None for n in names), p + ".", "stripped", strip), key=lambda b: b[0])
     for p in _common_heads(names):
+
         def add(n: str, p: str = p) -> str | None:
-            tail = n[len(p) + 1:] if is_prefix(p, n) else None
+            tail = n[len(p) + 1 :] if is_prefix(p, n) else None
             return exact(n) or (tail if tail in keyset else None)
-        best = max(best, (sum(add(n) is not None for n in names), p + ".", "added", add),
-                   key=lambda b: b[0])
+
+        best = max(best, (sum(add(n) is not None for n in names), p + ".", "added", add), key=lambda b: b[0])
     return best[1:]
 
 
@@ -429,8 +485,9 @@ def load_device(name: str, device_map: Mapping[str, object] | None) -> str | Non
     return None if device is None else torch_name(device)
 
 
-def device_problems(device_map: Mapping[str, object] | None, *, can_map_disk: bool,
-                    offload_folder: object) -> list[str]:
+def device_problems(
+    device_map: Mapping[str, object] | None, *, can_map_disk: bool, offload_folder: object
+) -> list[str]:
     """Every entry of ``device_map`` naming a device this machine lacks or cannot use here.
 
     Example:
@@ -443,24 +500,28 @@ def device_problems(device_map: Mapping[str, object] | None, *, can_map_disk: bo
         try:
             device = normalize_device(value)
         except ValueError:
-            problems.append(f"device_map[{key!r}] = {value!r} is not a device: use an int (GPU), "
-                            "'cpu', 'disk' or 'mps'")
+            problems.append(
+                f"device_map[{key!r}] = {value!r} is not a device: use an int (GPU), 'cpu', 'disk' or 'mps'"
+            )
             continue
         if device == "disk":
             disk_keys.append(key)
     problems += absent_device_problems(device_map or {})
     if disk_keys and not can_map_disk and offload_folder is None:
-        problems.append(f"device_map sends {disk_keys[:5]} to disk, but this checkpoint is not "
-                        "safetensors (it cannot be read in place): pass offload_folder= to write "
-                        "those weights there once, as safetensors")
+        problems.append(
+            f"device_map sends {disk_keys[:5]} to disk, but this checkpoint is not "
+            "safetensors (it cannot be read in place): pass offload_folder= to write "
+            "those weights there once, as safetensors"
+        )
     return problems
 
 
 def _place(loads: list[TensorLoad], options: LoadOptions) -> tuple[list[TensorLoad], list[str]]:
     if options.device_map is None:
         return loads, []
-    problems = device_problems(options.device_map, can_map_disk=options.can_map_disk,
-                               offload_folder=options.offload_folder)
+    problems = device_problems(
+        options.device_map, can_map_disk=options.can_map_disk, offload_folder=options.offload_folder
+    )
     placed = []
     for load in loads:
         devices = [load_device(a, options.device_map) for a in load.aliases]

@@ -57,8 +57,9 @@ class Executed:
         return self.stores[0] if len(self.stores) == 1 else WeightStores(self.stores)
 
 
-def execute_load(inventory: ModelInventory, index: CheckpointIndex, plan: LoadPlan, *,
-                 progress: bool = True, inplace: bool = False) -> Executed:
+def execute_load(
+    inventory: ModelInventory, index: CheckpointIndex, plan: LoadPlan, *, progress: bool = True, inplace: bool = False
+) -> Executed:
     """Carry out ``plan`` (already checked) on ``inventory``'s model; undo it all on any error.
 
     Args:
@@ -83,8 +84,9 @@ def execute_load(inventory: ModelInventory, index: CheckpointIndex, plan: LoadPl
     return done
 
 
-def _materialise(slots: _Slots, index: CheckpointIndex, plan: LoadPlan, *,
-                 progress: bool, inplace: bool, model: torch.nn.Module) -> int:
+def _materialise(
+    slots: _Slots, index: CheckpointIndex, plan: LoadPlan, *, progress: bool, inplace: bool, model: torch.nn.Module
+) -> int:
     from tqdm.auto import tqdm
 
     todo = [load for load in plan.loads if load.device != "disk"]
@@ -92,15 +94,22 @@ def _materialise(slots: _Slots, index: CheckpointIndex, plan: LoadPlan, *,
     sources = {key for load in todo if load.fused for key in load.keys}
     names = {load.name: load.key for load in plain} | {key: key for key in sources}
     nbytes = 0
-    with LazyWeights(index, names) as weights, \
-            tqdm(total=sum(load.nbytes for load in todo), unit="B", unit_scale=True, desc="loading",
-                 disable=not progress) as bar:
+    with (
+        LazyWeights(index, names) as weights,
+        tqdm(
+            total=sum(load.nbytes for load in todo), unit="B", unit_scale=True, desc="loading", disable=not progress
+        ) as bar,
+    ):
         for load in plain:
             nbytes += slots.fill(load, _convert(weights[load.name], load), inplace=inplace)
             bar.update(load.nbytes)
         fused = [load for load in todo if load.fused]
-        converted = ConvertedWeights([load.conversion for load in fused], weights.__getitem__,  # type: ignore[misc]
-                                     dtypes={load.name: load.dtype for load in fused}, model=model)
+        converted = ConvertedWeights(
+            [load.conversion for load in fused],
+            weights.__getitem__,  # type: ignore[misc]
+            dtypes={load.name: load.dtype for load in fused},
+            model=model,
+        )
         for load in fused:
             nbytes += slots.fill(load, converted[load.name].to(load.device), inplace=inplace)
             bar.update(load.nbytes)
@@ -116,8 +125,13 @@ def _convert(tensor: torch.Tensor, load: TensorLoad) -> torch.Tensor:
     return tensor.to(load.device).to(load.dtype)
 
 
-def _disk_weights(index: CheckpointIndex, disk: list[TensorLoad], offload_folder: str | None,
-                  model: torch.nn.Module, stores: list[Mapping[str, torch.Tensor]]) -> Path | None:
+def _disk_weights(
+    index: CheckpointIndex,
+    disk: list[TensorLoad],
+    offload_folder: str | None,
+    model: torch.nn.Module,
+    stores: list[Mapping[str, torch.Tensor]],
+) -> Path | None:
     """Add to ``stores`` the disk tensors' sources: the safetensors files themselves (plain and
     renamed keys, read in place), and a one-time safetensors copy in ``offload_folder`` of what
     cannot be read in place (other formats, fused tensors); returns that folder, if written.
@@ -136,8 +150,12 @@ def _disk_weights(index: CheckpointIndex, disk: list[TensorLoad], offload_folder
     fused = [load for load in written if load.fused]
     sources = {key for load in fused for key in load.keys}
     with LazyWeights(index, {load.name: load.key for load in plain} | {k: k for k in sources}) as weights:
-        converted = ConvertedWeights([load.conversion for load in fused], weights.__getitem__,  # type: ignore[misc]
-                                     dtypes={load.name: load.dtype for load in fused}, model=model)
+        converted = ConvertedWeights(
+            [load.conversion for load in fused],
+            weights.__getitem__,  # type: ignore[misc]
+            dtypes={load.name: load.dtype for load in fused},
+            model=model,
+        )
         source = WeightStores([{load.name: weights[load.name] for load in plain}, converted])
         written_index = write_offload_folder(source, folder)
     names = {alias: load.name for load in written for alias in load.aliases}
@@ -155,8 +173,7 @@ def _leave_on_meta(slots: _Slots, disk: list[TensorLoad]) -> None:
             slots.fill(load, torch.empty(old.shape, dtype=load.dtype, device="meta"), inplace=False)
 
 
-def _compute(inventory: ModelInventory, slots: _Slots,
-             computed: list[TensorLoad]) -> list[Mapping[str, torch.Tensor]]:
+def _compute(inventory: ModelInventory, slots: _Slots, computed: list[TensorLoad]) -> list[Mapping[str, torch.Tensor]]:
     """Materialise and compute ``computed``; those planned for disk are handed back in a
     store held in RAM (they are in no file) and left on meta in the model."""
     if not computed:

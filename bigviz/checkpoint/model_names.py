@@ -11,6 +11,7 @@ Example:
     >>> device_map_in_model_names(model, folder, {"net": "cpu"}), checkpoint_dtypes(model, folder)
     ({'weight': 'cpu'}, {'weight': 'float32'})
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -27,7 +28,9 @@ from bigviz.modeling.inventory import ModelInventory
 __all__ = ["checkpoint_dtypes", "device_map_in_model_names"]
 
 
-def checkpoint_dtypes(model: torch.nn.Module | ModelInventory, checkpoint: str | Path | CheckpointIndex) -> dict[str, str]:
+def checkpoint_dtypes(
+    model: torch.nn.Module | ModelInventory, checkpoint: str | Path | CheckpointIndex
+) -> dict[str, str]:
     """Model tensor name -> the dtype the checkpoint stores it in (after conversions), for
     every name the checkpoint fills, tied names included; headers only, nothing is loaded.
 
@@ -47,8 +50,9 @@ def checkpoint_dtypes(model: torch.nn.Module | ModelInventory, checkpoint: str |
     return {alias: view.entries[load.key].dtype for load in plan.loads for alias in load.aliases}
 
 
-def device_map_in_model_names(model: torch.nn.Module | ModelInventory, checkpoint: str | Path | CheckpointIndex,
-                              device_map: Mapping[str, object]) -> dict[str, object]:
+def device_map_in_model_names(
+    model: torch.nn.Module | ModelInventory, checkpoint: str | Path | CheckpointIndex, device_map: Mapping[str, object]
+) -> dict[str, object]:
     """``device_map`` with keys that name checkpoint modules the model does not have (a map
     planned from headers alone: ``embed_out`` where the model has ``lm_head``, a base-model
     prefix) replaced by the model tensors those checkpoint keys load into.

@@ -20,6 +20,7 @@ Example:
     >>> weights["w"].tolist(), sorted(read_record(folder).files) == [index.name]
     ([1.0, 1.0], True)
 """
+
 from __future__ import annotations
 
 import os
@@ -41,15 +42,25 @@ if TYPE_CHECKING:
     from bigviz.checkpoint.index import CheckpointIndex
     from bigviz.checkpoint.load_plan import TensorLoad
 
-__all__ = ["RECORD", "OffloadFolderError", "OffloadRecord", "offload_problems", "write_offload_folder",
-           "open_offload_folder", "write_offload", "read_record"]
+__all__ = [
+    "RECORD",
+    "OffloadFolderError",
+    "OffloadRecord",
+    "offload_problems",
+    "write_offload_folder",
+    "open_offload_folder",
+    "write_offload",
+    "read_record",
+]
 
 RECORD = "bigviz-offload.json"
 _SHARD = 2 * 10**9
 _STEM = re.compile(r"offload-[0-9a-f]{12}")
 _RECORD_TMP = re.compile(rf"\.{re.escape(RECORD)}\.tmp-[0-9a-f]+")  # a killed record write
-_FIX = ("bigviz never replaces or deletes files it did not write: give an empty or new folder as "
-        "offload_folder, or move those files out yourself")
+_FIX = (
+    "bigviz never replaces or deletes files it did not write: give an empty or new folder as "
+    "offload_folder, or move those files out yourself"
+)
 
 
 class OffloadFolderError(CheckpointError):
@@ -78,13 +89,21 @@ class OffloadRecord:
         return any(_of_stem(name, stem) for stem in self.pending) or bool(_RECORD_TMP.fullmatch(name))
 
     def to_json(self) -> dict:
-        return {"written_by": "bigviz", "version": 1, "index": self.index, "files": dict(self.files),
-                "pending": list(self.pending)}
+        return {
+            "written_by": "bigviz",
+            "version": 1,
+            "index": self.index,
+            "files": dict(self.files),
+            "pending": list(self.pending),
+        }
 
 
 def _of_stem(name: str, stem: str) -> bool:
-    return name.startswith(stem) and re.fullmatch(
-        rf"{re.escape(stem)}((-\d{{5}}-of-\d{{5}})?\.safetensors|\.safetensors\.index\.json)", name) is not None
+    return (
+        name.startswith(stem)
+        and re.fullmatch(rf"{re.escape(stem)}((-\d{{5}}-of-\d{{5}})?\.safetensors|\.safetensors\.index\.json)", name)
+        is not None
+    )
 
 
 def read_record(folder: str | Path) -> OffloadRecord | None:
@@ -123,8 +142,13 @@ def _parse_record(doc: object) -> tuple[OffloadRecord | None, str]:
 
 def _plain(name: object) -> bool:
     """A file name in the folder itself: no path, not the record, not a dot name."""
-    return isinstance(name, str) and bool(name) and "/" not in name and "\\" not in name \
+    return (
+        isinstance(name, str)
+        and bool(name)
+        and "/" not in name
+        and "\\" not in name
         and name not in (".", "..", RECORD)
+    )
 
 
 def _size(value: object) -> bool:
@@ -139,8 +163,10 @@ def offload_problems(folder: str | Path | None) -> list[str]:
         'disk offload of a non-safetensors chec'
     """
     if folder is None:
-        return ["disk offload of a non-safetensors checkpoint needs offload_folder= (its weights "
-                "are written there once, as safetensors)"]
+        return [
+            "disk offload of a non-safetensors checkpoint needs offload_folder= (its weights "
+            "are written there once, as safetensors)"
+        ]
     path = Path(folder)
     if path.exists() and not path.is_dir():
         return [f"offload_folder {path} is a file: pass a folder"]
@@ -167,16 +193,21 @@ def _ownership_problems(folder: Path, record: OffloadRecord) -> list[str]:
     problems = []
     if foreign:
         shown = ", ".join(foreign[:8]) + (f", ... ({len(foreign)} in all)" if len(foreign) > 8 else "")
-        problems.append(f"offload folder {folder} holds files bigviz did not write (its record {RECORD} "
-                        f"does not list them): {shown}; {_FIX}")
+        problems.append(
+            f"offload folder {folder} holds files bigviz did not write (its record {RECORD} "
+            f"does not list them): {shown}; {_FIX}"
+        )
     if changed:
-        problems.append(f"offload folder {folder}: files bigviz wrote were changed since, so they are not "
-                        f"bigviz's to replace any more: {', '.join(changed[:8])}; {_FIX}")
+        problems.append(
+            f"offload folder {folder}: files bigviz wrote were changed since, so they are not "
+            f"bigviz's to replace any more: {', '.join(changed[:8])}; {_FIX}"
+        )
     return problems
 
 
-def write_offload_folder(tensors: Mapping[str, torch.Tensor], folder: str | Path, *,
-                         max_shard_size: int = _SHARD) -> Path:
+def write_offload_folder(
+    tensors: Mapping[str, torch.Tensor], folder: str | Path, *, max_shard_size: int = _SHARD
+) -> Path:
     """Write ``tensors`` into ``folder`` as safetensors shards (+ index) and record them.
 
     Files of an earlier offload that the record lists are replaced (by new names, then
@@ -231,13 +262,20 @@ def open_offload_folder(folder: str | Path) -> LazyWeights:
     if record is None:
         return LazyWeights(CheckpointIndex.open(folder))
     if record.index is None:
-        raise OffloadFolderError(f"offload folder {folder}: bigviz's write into it never finished (its "
-                                 f"{RECORD} lists no weights); offload the model again")
-    changed = [name for name, size in record.files.items()
-               if not (folder / name).is_file() or (folder / name).stat().st_size != size]
+        raise OffloadFolderError(
+            f"offload folder {folder}: bigviz's write into it never finished (its "
+            f"{RECORD} lists no weights); offload the model again"
+        )
+    changed = [
+        name
+        for name, size in record.files.items()
+        if not (folder / name).is_file() or (folder / name).stat().st_size != size
+    ]
     if changed:
-        raise OffloadFolderError(f"offload folder {folder}: {', '.join(changed[:8])} missing or changed "
-                                 "since bigviz wrote them; offload the model again")
+        raise OffloadFolderError(
+            f"offload folder {folder}: {', '.join(changed[:8])} missing or changed "
+            "since bigviz wrote them; offload the model again"
+        )
     return LazyWeights(CheckpointIndex.open(folder / record.index))
 
 

@@ -31,6 +31,7 @@ Example:
     >>> probe.readers, probe.sample_bytes, probe.parallel > 0 and probe.sequential > 0
     (2, 262144, True)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,8 +49,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["DiskProbe", "ReadTiming", "measure_read_bandwidth", "timed_read", "split_ranges",
-           "resident_pages", "cache_file"]
+__all__ = [
+    "DiskProbe",
+    "ReadTiming",
+    "measure_read_bandwidth",
+    "timed_read",
+    "split_ranges",
+    "resident_pages",
+    "cache_file",
+]
 
 PAGE = mmap.PAGESIZE
 ALIGN = 4096  # O_DIRECT offsets, lengths and buffers: a multiple of the logical block size
@@ -98,10 +106,12 @@ class DiskProbe:
         return max(self.sequential, self.parallel)
 
     def __str__(self) -> str:
-        return (f"disk {self.device} ({self.filesystem or 'unknown filesystem'}): "
-                f"{self.sequential / 1e9:.2f} GB/s with 1 reader, {self.parallel / 1e9:.2f} GB/s with "
-                f"{self.readers} ({self.method}, {self.sample_bytes / 2**20:.0f} MiB each"
-                f"{', cached' if self.cached else ''})")
+        return (
+            f"disk {self.device} ({self.filesystem or 'unknown filesystem'}): "
+            f"{self.sequential / 1e9:.2f} GB/s with 1 reader, {self.parallel / 1e9:.2f} GB/s with "
+            f"{self.readers} ({self.method}, {self.sample_bytes / 2**20:.0f} MiB each"
+            f"{', cached' if self.cached else ''})"
+        )
 
 
 @dataclass(frozen=True)
@@ -150,8 +160,9 @@ def split_ranges(ranges: Sequence[Range], parts: int, *, align: int = ALIGN) -> 
     return [part for part in out if part]
 
 
-def timed_read(ranges: Sequence[Range], *, readers: int = 1, chunk_bytes: int = 4 * 2**20,
-               direct: bool = False) -> ReadTiming:
+def timed_read(
+    ranges: Sequence[Range], *, readers: int = 1, chunk_bytes: int = 4 * 2**20, direct: bool = False
+) -> ReadTiming:
     """Read ``ranges`` with ``readers`` threads (each a contiguous part), timing it.
 
     Each reader reads its part in ``chunk_bytes`` requests into one reusable page-aligned
@@ -229,8 +240,7 @@ class _Libc:
             libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         except OSError:
             return
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_long]
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
         libc.mmap.restype = ctypes.c_void_p
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
@@ -327,8 +337,10 @@ def _sample_files(path: Path) -> list[Path]:
     """The files to read: ``path`` itself, the shards an index names, or a folder's files;
     links resolved (a hub cache links to blobs), largest device first."""
     if not path.exists():
-        raise FileNotFoundError(f"measure_read_bandwidth: {path} does not exist; give a checkpoint "
-                                "file, its index, or the folder holding it")
+        raise FileNotFoundError(
+            f"measure_read_bandwidth: {path} does not exist; give a checkpoint "
+            "file, its index, or the folder holding it"
+        )
     if path.is_dir():
         files = [p for p in sorted(path.iterdir()) if not p.name.startswith(".")]
     elif path.name.endswith(".json"):
@@ -337,8 +349,10 @@ def _sample_files(path: Path) -> list[Path]:
         files = [path]
     files = [p.resolve() for p in files if p.is_file() and p.stat().st_size > 0]
     if not files:
-        raise ValueError(f"measure_read_bandwidth: {path} holds no non-empty file to read; give a "
-                         "checkpoint file, its index, or the folder holding it")
+        raise ValueError(
+            f"measure_read_bandwidth: {path} holds no non-empty file to read; give a "
+            "checkpoint file, its index, or the folder holding it"
+        )
     by_device: dict[int, list[Path]] = {}
     for p in files:
         by_device.setdefault(p.stat().st_dev, []).append(p)
@@ -350,8 +364,10 @@ def _index_files(index: Path) -> list[Path]:
     try:
         weight_map = json.loads(index.read_text()).get("weight_map", {})
     except (ValueError, AttributeError) as exc:
-        raise ValueError(f"measure_read_bandwidth: {index} is not a checkpoint index "
-                         f"({type(exc).__name__}: {exc}); give the folder or a weights file") from None
+        raise ValueError(
+            f"measure_read_bandwidth: {index} is not a checkpoint index "
+            f"({type(exc).__name__}: {exc}); give the folder or a weights file"
+        ) from None
     return [index.parent / name for name in sorted(set(weight_map.values()))]
 
 
@@ -398,8 +414,11 @@ def _store(path: Path, probe: DiskProbe) -> None:
     """Record ``probe`` in the cache file (atomically); a file that is not ours is left alone."""
     entries = _load_cache(path)
     if entries is None:
-        warnings.warn(f"{path} exists and was not written by bigviz's disk probe: left as it is, "
-                      "the measurement is not cached (move that file away to enable caching)", stacklevel=3)
+        warnings.warn(
+            f"{path} exists and was not written by bigviz's disk probe: left as it is, "
+            "the measurement is not cached (move that file away to enable caching)",
+            stacklevel=3,
+        )
         return
     entries[probe.device] = {k: v for k, v in asdict(probe).items() if k != "cached"}
     doc = {"format": CACHE_FORMAT, "version": CACHE_VERSION, "entries": entries}
@@ -414,8 +433,9 @@ def _store(path: Path, probe: DiskProbe) -> None:
         warnings.warn(f"could not write the disk-probe cache {path}: {exc}", stacklevel=3)
 
 
-def _cached(path: Path, device: str, filesystem: str, *, readers: int, sample_bytes: int,
-            max_age: float) -> DiskProbe | None:
+def _cached(
+    path: Path, device: str, filesystem: str, *, readers: int, sample_bytes: int, max_age: float
+) -> DiskProbe | None:
     entry = (_load_cache(path) or {}).get(device)
     if not isinstance(entry, dict):
         return None
@@ -511,8 +531,15 @@ def measure_read_bandwidth(
         hit = _cached(where, device, filesystem, readers=parallel, sample_bytes=sample_bytes, max_age=max_age)
         if hit is not None:
             return hit
-    probe = _measure(files, device, filesystem, parallel=parallel, sample_bytes=sample_bytes,
-                     chunk_bytes=chunk_bytes, method=_method(files, method))
+    probe = _measure(
+        files,
+        device,
+        filesystem,
+        parallel=parallel,
+        sample_bytes=sample_bytes,
+        chunk_bytes=chunk_bytes,
+        method=_method(files, method),
+    )
     if cache:
         _store(where, probe)
     return probe
@@ -532,13 +559,29 @@ def _check_knobs(*, parallel: int, sample_bytes: int, chunk_bytes: int, method: 
         raise ValueError("measure_read_bandwidth: " + "; ".join(problems))
 
 
-def _measure(files: Sequence[Path], device: str, filesystem: str, *, parallel: int, sample_bytes: int,
-             chunk_bytes: int, method: str) -> DiskProbe:
+def _measure(
+    files: Sequence[Path],
+    device: str,
+    filesystem: str,
+    *,
+    parallel: int,
+    sample_bytes: int,
+    chunk_bytes: int,
+    method: str,
+) -> DiskProbe:
     span = sum(p.stat().st_size for p in files)
     sample = -(-sample_bytes // ALIGN) * ALIGN
     second = sample if span >= 2 * sample else 0  # another range when there is room: nothing warm
     one = _cold_read(_sample_ranges(files, 0, sample), 1, chunk_bytes, method)
     many = _cold_read(_sample_ranges(files, second, sample), parallel, chunk_bytes, method)
-    return DiskProbe(device=device, filesystem=filesystem, sequential=one.bandwidth, parallel=many.bandwidth,
-                     readers=parallel, sample_bytes=min(one.bytes, many.bytes), chunk_bytes=chunk_bytes,
-                     method=method, measured_at=time.time())
+    return DiskProbe(
+        device=device,
+        filesystem=filesystem,
+        sequential=one.bandwidth,
+        parallel=many.bandwidth,
+        readers=parallel,
+        sample_bytes=min(one.bytes, many.bytes),
+        chunk_bytes=chunk_bytes,
+        method=method,
+        measured_at=time.time(),
+    )

@@ -17,6 +17,7 @@ Example:
     >>> header.tensors["w"].shape, header.metadata
     ((2, 3), {'format': 'pt'})
 """
+
 from __future__ import annotations
 
 import json
@@ -146,8 +147,12 @@ def _parse_entry(raw: object, data_start: int) -> HeaderEntry | str:
         return f"has unknown dtype {_short(code)}"
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
         return f"has invalid shape {_short(shape)}"
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets) \
-            or not offsets[0] <= offsets[1]:
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_count(o) for o in offsets)
+        or not offsets[0] <= offsets[1]
+    ):
         return f"has invalid data_offsets {_short(offsets)}"
     numel = 1
     for d in shape:

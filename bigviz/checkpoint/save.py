@@ -19,6 +19,7 @@ Example:
     >>> sorted(p.name for p in folder.iterdir())
     ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors', 'model.safetensors.index.json']
 """
+
 from __future__ import annotations
 
 import json
@@ -99,9 +100,14 @@ def save_sharded(
         _tidy(folder)  # what a killed save left (never a live save's stage)
         config_text = _config_text(folder, config, overwrite=overwrite)
         with Stage.create(folder) as stage:
-            written = write_checkpoint_files(tensors, stage.path, max_shard_size=limit,
-                                             safe_serialization=safe_serialization, metadata=metadata,
-                                             progress=progress)
+            written = write_checkpoint_files(
+                tensors,
+                stage.path,
+                max_shard_size=limit,
+                safe_serialization=safe_serialization,
+                metadata=metadata,
+                progress=progress,
+            )
             names = [p.name for p in written]
             index = names[-1] if names[-1].endswith(".json") else None
             if config_text is not None:  # staged with the shards, committed right after them
@@ -172,8 +178,10 @@ def _config_text(folder: Path, config: Any, *, overwrite: bool) -> str | None:
     text = json.dumps(_config_data(config), indent=2, sort_keys=True) + "\n"
     existing = folder / "config.json"
     if not overwrite and existing.is_file() and existing.read_text(errors="replace") != text:
-        raise FileExistsError(f"{existing} exists and differs from the config given; pass "
-                              "overwrite=True to replace it, or leave config= out to keep it")
+        raise FileExistsError(
+            f"{existing} exists and differs from the config given; pass "
+            "overwrite=True to replace it, or leave config= out to keep it"
+        )
     return text
 
 
@@ -182,8 +190,9 @@ def _config_data(config: Any) -> dict[str, Any]:
     transformers configs)."""
     data = dict(config) if isinstance(config, Mapping) else getattr(config, "to_dict", lambda: None)()
     if not isinstance(data, dict):
-        raise TypeError(f"config must be a dict or have to_dict() (a bigviz or transformers config), "
-                        f"not {type(config).__name__}")
+        raise TypeError(
+            f"config must be a dict or have to_dict() (a bigviz or transformers config), not {type(config).__name__}"
+        )
     return data
 
 
@@ -193,8 +202,9 @@ def _shard_names(stem: str, ext: str, count: int) -> list[str]:
     return [f"{stem}-{i:05d}-of-{count:05d}.{ext}" for i in range(1, count + 1)]
 
 
-def _write_index(folder: Path, name: str, tensors: Mapping[str, torch.Tensor],
-                 shards: list[list[str]], files: list[str]) -> Path:
+def _write_index(
+    folder: Path, name: str, tensors: Mapping[str, torch.Tensor], shards: list[list[str]], files: list[str]
+) -> Path:
     weight_map = {key: file for file, shard in zip(files, shards) for key in shard}
     doc = {
         "metadata": {
@@ -253,7 +263,8 @@ def _prepare_folder(folder: Path, overwrite: bool) -> list[Path]:
             shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
             raise FileExistsError(
                 f"{folder} already holds a checkpoint ({shown}); pass overwrite=True to replace it "
-                "(config.json and your other files are kept), or choose another folder")
+                "(config.json and your other files are kept), or choose another folder"
+            )
     missing = [p for p in (folder, *folder.parents) if not p.exists()][::-1]
     created = []
     for path in missing:
@@ -279,7 +290,9 @@ def _remove_created(created: list[Path]) -> None:
 def _named(err: OSError, folder: Path) -> OSError:
     """The same kind of error, saying which save failed and what the folder holds now."""
     where = f" ({err.filename})" if err.filename else ""
-    message = (f"save_sharded could not write {folder}: {err.strerror or err}{where}; the folder still "
-               "holds a complete checkpoint (the old one unless the error came after the new one "
-               "was in place) and all its other files")
+    message = (
+        f"save_sharded could not write {folder}: {err.strerror or err}{where}; the folder still "
+        "holds a complete checkpoint (the old one unless the error came after the new one "
+        "was in place) and all its other files"
+    )
     return type(err)(err.errno, message)

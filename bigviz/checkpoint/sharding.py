@@ -9,6 +9,7 @@ Example:
     >>> plan_shards({"a": torch.ones(4), "b": torch.ones(4), "c": torch.ones(8)}, 32)
     [['a', 'b'], ['c']]
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -36,8 +37,7 @@ def unique_tensors(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.T
         if t.numel() == 0:
             kept[name] = t
             continue
-        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-               t.stride(), t.dtype)
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
         if key in seen:
             dropped.append((name, seen[key]))
         else:

@@ -20,6 +20,7 @@ Example:
     >>> load_torch_file(path)["w"]
     tensor([1., 1.])
 """
+
 from __future__ import annotations
 
 import functools
@@ -59,8 +60,11 @@ def load_torch_file(path: Path) -> dict[str, torch.Tensor]:
         problems += err.problems
     except pickle.UnpicklingError as err:
         if "weights only" not in str(err).lower():
-            raise_problems([f"{path}: not a readable torch checkpoint ({str(err)[:200]})"],
-                           f"cannot read '{path}'", fix="re-download the file or save it again")
+            raise_problems(
+                [f"{path}: not a readable torch checkpoint ({str(err)[:200]})"],
+                f"cannot read '{path}'",
+                fix="re-download the file or save it again",
+            )
         lines = [ln for ln in str(err).splitlines() if "GLOBAL" in ln or "Unsupported" in ln]
         first = (lines[0] if lines else str(err).strip().splitlines()[-1])[:200]
         problems.append(
@@ -69,8 +73,10 @@ def load_torch_file(path: Path) -> dict[str, torch.Tensor]:
             "torch.load(weights_only=False) and re-save it with bigviz.save_sharded"
         )
     except (RuntimeError, OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile) as err:
-        problems.append(f"{path}: not a readable torch checkpoint ({str(err)[:200]}); "
-                        "the file is truncated or corrupt: re-download it or save it again")
+        problems.append(
+            f"{path}: not a readable torch checkpoint ({str(err)[:200]}); "
+            "the file is truncated or corrupt: re-download it or save it again"
+        )
     if not problems:
         state = _unwrap(state)
         problems += _content_problems(path, state)
@@ -87,11 +93,15 @@ def _content_problems(path: Path, state: object) -> list[str]:
         if not isinstance(key, str):
             problems.append(f"{path}: key {key!r} is {_a(key)}, not a tensor name (a string)")
         elif not isinstance(value, torch.Tensor):
-            problems.append(f"{path}: {key!r} holds {_a(value)}, not a tensor (nested or "
-                            "non-tensor values are not weights: save a flat {name: tensor} state dict)")
+            problems.append(
+                f"{path}: {key!r} holds {_a(value)}, not a tensor (nested or "
+                "non-tensor values are not weights: save a flat {name: tensor} state dict)"
+            )
         elif value.is_meta:
-            problems.append(f"{path}: {key!r} is a tensor on the meta device: the file holds no data for "
-                            "it; save the model after its weights are loaded")
+            problems.append(
+                f"{path}: {key!r} is a tensor on the meta device: the file holds no data for "
+                "it; save the model after its weights are loaded"
+            )
     return problems
 
 
@@ -129,14 +139,14 @@ def _records_mappable(path: Path) -> bool:
                 if verdict == "compressed":
                     mappable = False
                 elif verdict:
-                    problems.append(f"{path}: {verdict}; the file is truncated or corrupt: re-download it "
-                                    "or save it again")
+                    problems.append(
+                        f"{path}: {verdict}; the file is truncated or corrupt: re-download it or save it again"
+                    )
     raise_problems(problems, f"cannot read '{path}'")
     return mappable
 
 
-def _record_verdict(archive: zipfile.ZipFile, raw: io.BufferedReader, name: str,
-                    nbytes: int | None, size: int) -> str:
+def _record_verdict(archive: zipfile.ZipFile, raw: io.BufferedReader, name: str, nbytes: int | None, size: int) -> str:
     """``""`` for a record that can be mapped, ``"compressed"``, or what is wrong with it."""
     try:
         info = archive.getinfo(name)
@@ -146,7 +156,7 @@ def _record_verdict(archive: zipfile.ZipFile, raw: io.BufferedReader, name: str,
     local = raw.read(30)
     if len(local) < 30 or local[:4] != b"PK\x03\x04":
         return f"record {name} has no valid local header"
-    method, = struct.unpack("<H", local[8:10])
+    (method,) = struct.unpack("<H", local[8:10])
     name_len, extra_len = struct.unpack("<HH", local[26:30])
     if info.compress_type != zipfile.ZIP_STORED or method != zipfile.ZIP_STORED or nbytes is None:
         return "compressed"  # or a storage type we cannot size: read it the checked way
@@ -218,7 +228,7 @@ def _storage_itemsizes() -> dict[str, int]:
 
 def _unwrap(state: object) -> object:
     if isinstance(state, dict) and len(state) == 1:
-        (key, inner), = state.items()
+        ((key, inner),) = state.items()
         if key in ("state_dict", "model") and isinstance(inner, dict):
             return inner
     return state

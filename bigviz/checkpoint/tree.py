@@ -14,6 +14,7 @@ Example:
     >>> detect_no_split(names + ["transformer.wte.weight"])
     ['transformer.h.*']
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -33,8 +34,9 @@ if TYPE_CHECKING:
 __all__ = ["tree_from_checkpoint", "detect_no_split", "natural_order"]
 
 
-def tree_from_checkpoint(path_or_index: str | Path | CheckpointIndex, *,
-                         dtype: object | None = None, model: torch.nn.Module | None = None) -> SizeTree:
+def tree_from_checkpoint(
+    path_or_index: str | Path | CheckpointIndex, *, dtype: object | None = None, model: torch.nn.Module | None = None
+) -> SizeTree:
     """Build the `SizeTree` of a checkpoint from its headers (no tensor data is read).
 
     Args:
@@ -60,8 +62,10 @@ def tree_from_checkpoint(path_or_index: str | Path | CheckpointIndex, *,
         tree = _model_tree(index, model)
     else:
         names = natural_order(index.keys())
-        specs = [TensorSpec(info.name, info.numel, canonical_dtype(info.dtype), info.shape)
-                 for info in (index.entries[n] for n in names)]
+        specs = [
+            TensorSpec(info.name, info.numel, canonical_dtype(info.dtype), info.shape)
+            for info in (index.entries[n] for n in names)
+        ]
         tree = SizeTree.build(specs, ties=_pickled_ties(index))
     return tree.with_dtype(canonical_dtype(dtype)) if dtype is not None else tree
 
@@ -74,8 +78,10 @@ def _model_tree(index: CheckpointIndex, model: torch.nn.Module) -> SizeTree:
     inventory = ModelInventory.of(model)
     tree = inventory.tree()
     stored = checkpoint_dtypes(inventory, index)
-    specs = [replace(spec, dtype=canonical_dtype(stored[name])) if name in stored else spec
-             for name, spec in tree.tensors.items()]
+    specs = [
+        replace(spec, dtype=canonical_dtype(stored[name])) if name in stored else spec
+        for name, spec in tree.tensors.items()
+    ]
     classes = {name: node.class_name for name, node in tree.nodes.items()}
     return SizeTree.build(specs, classes, tree.ties, containers=tree.containers)
 
@@ -141,7 +147,7 @@ def detect_no_split(names: Sequence[str]) -> list[str]:
         for i, part in enumerate(parts[:-1]):
             parent = ".".join(parts[:i])
             if part.isdigit():
-                blocks.setdefault(parent, {}).setdefault(part, set()).add(".".join(parts[i + 1:]))
+                blocks.setdefault(parent, {}).setdefault(part, set()).add(".".join(parts[i + 1 :]))
             else:
                 mixed.add(parent)
     found: list[str] = []

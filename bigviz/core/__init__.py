@@ -3,6 +3,7 @@
 No torch, no plotly: everything here is plain data and pure functions, testable without torch
 and usable for hardware you do not own.
 """
+
 from __future__ import annotations
 
 from bigviz.core.devicemap import clean_device_map, device_of, validate_device_map
@@ -15,9 +16,31 @@ from bigviz.core.planner import make_plan
 from bigviz.core.tree import ModuleNode, SizeTree, TensorSpec
 
 __all__ = [
-    "STRATEGIES", "UNLIMITED", "BigvizError", "Device", "DeviceMapError", "DevicePlan", "DeviceUsage",
-    "ModuleNode", "Placement", "PlanError", "PlanOptions", "SizeTree", "TensorSpec", "clean_device_map",
-    "device_label", "device_of", "execution_device", "format_size", "load_device_map", "load_max_memory",
-    "make_plan", "normalize_device", "parse_max_memory", "parse_size", "save_device_map", "save_max_memory",
+    "STRATEGIES",
+    "UNLIMITED",
+    "BigvizError",
+    "Device",
+    "DeviceMapError",
+    "DevicePlan",
+    "DeviceUsage",
+    "ModuleNode",
+    "Placement",
+    "PlanError",
+    "PlanOptions",
+    "SizeTree",
+    "TensorSpec",
+    "clean_device_map",
+    "device_label",
+    "device_of",
+    "execution_device",
+    "format_size",
+    "load_device_map",
+    "load_max_memory",
+    "make_plan",
+    "normalize_device",
+    "parse_max_memory",
+    "parse_size",
+    "save_device_map",
+    "save_max_memory",
     "validate_device_map",
 ]

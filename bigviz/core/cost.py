@@ -15,6 +15,7 @@ Example:
     >>> round(cost["seconds_per_forward"], 3)
     0.08
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -108,8 +109,9 @@ def preset_budgets(name: str) -> dict[Device, int]:
     return dict(_find(name, HARDWARE_PRESETS, "hardware preset"))
 
 
-def plan_cost(offloaded: Mapping[str, int], *, main_device: Device,
-              link: str = "PCIe 4 x16", disk: str = "NVMe (") -> dict[str, Any]:
+def plan_cost(
+    offloaded: Mapping[str, int], *, main_device: Device, link: str = "PCIe 4 x16", disk: str = "NVMe ("
+) -> dict[str, Any]:
     """Bytes streamed per forward pass and the time they take at the given bandwidths.
 
     A cpu-offloaded weight crosses the host-to-device link once per forward; a
@@ -132,7 +134,14 @@ def plan_cost(offloaded: Mapping[str, int], *, main_device: Device,
     link_s = (cpu_bytes + disk_bytes) / link_bw if on_gpu else 0.0
     disk_s = disk_bytes / disk_bw
     return {
-        "cpu_bytes": cpu_bytes, "disk_bytes": disk_bytes, "streamed_bytes": cpu_bytes + disk_bytes,
-        "link": link, "link_bandwidth": link_bw, "disk": disk, "disk_bandwidth": disk_bw,
-        "link_seconds": link_s, "disk_seconds": disk_s, "seconds_per_forward": link_s + disk_s,
+        "cpu_bytes": cpu_bytes,
+        "disk_bytes": disk_bytes,
+        "streamed_bytes": cpu_bytes + disk_bytes,
+        "link": link,
+        "link_bandwidth": link_bw,
+        "disk": disk,
+        "disk_bandwidth": disk_bw,
+        "link_seconds": link_s,
+        "disk_seconds": disk_s,
+        "seconds_per_forward": link_s + disk_s,
     }

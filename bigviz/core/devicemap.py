@@ -9,6 +9,7 @@ Example:
     >>> clean_device_map({"a.x": 0, "a.y": 0, "b": "cpu"}, tree=None)
     {'a': 0, 'b': 'cpu'}
 """
+
 from __future__ import annotations
 
 import difflib
@@ -22,8 +23,16 @@ from bigviz.core.devices import Device, execution_device, missing_device_problem
 if TYPE_CHECKING:
     from bigviz.core.tree import SizeTree
 
-__all__ = ["device_of", "clean_device_map", "complete_tied", "complete_computed", "device_map_problems",
-           "validate_device_map", "key_problems", "check_keys"]
+__all__ = [
+    "device_of",
+    "clean_device_map",
+    "complete_tied",
+    "complete_computed",
+    "device_map_problems",
+    "validate_device_map",
+    "key_problems",
+    "check_keys",
+]
 
 
 def device_of(name: str, device_map: Mapping[str, Device]) -> Device | None:
@@ -93,8 +102,7 @@ def _clean_with_tree(device_map: Mapping[str, Device], tree: SizeTree) -> dict[s
         parts: list[object] = [device_of(t, device_map) for t in node.tensors]
         parts += [uniform[c] for c in node.children if uniform[c] is not None]
         values = {id(p) if p is _MIXED else p for p in parts}
-        uniform[name] = parts[0] if len(values) == 1 and parts[0] is not None else (
-            None if not parts else _MIXED)
+        uniform[name] = parts[0] if len(values) == 1 and parts[0] is not None else (None if not parts else _MIXED)
     out: dict[str, Device] = {}
     stack = [""]
     while stack:
@@ -117,9 +125,12 @@ def key_problems(device_map: Mapping[Any, object]) -> list[str]:
         >>> key_problems({"h.0": 0, 1: "cpu"})
         ["key 1 (an int) is not a module name: device-map keys are module names as strings ('h.0', '1'; '' for the whole model)"]
     """
-    return [f"key {key!r} (a{'n' if type(key).__name__[0] in 'aeiou' else ''} {type(key).__name__}) is not "
-            "a module name: device-map keys are module names as strings ('h.0', '1'; '' for the whole model)"
-            for key in device_map if not isinstance(key, str)]
+    return [
+        f"key {key!r} (a{'n' if type(key).__name__[0] in 'aeiou' else ''} {type(key).__name__}) is not "
+        "a module name: device-map keys are module names as strings ('h.0', '1'; '' for the whole model)"
+        for key in device_map
+        if not isinstance(key, str)
+    ]
 
 
 def check_keys(device_map: Mapping[Any, object]) -> None:
@@ -131,8 +142,9 @@ def check_keys(device_map: Mapping[Any, object]) -> None:
     DeviceMapError.check(key_problems(device_map), "invalid device_map")
 
 
-def device_map_problems(tree: SizeTree, device_map: Mapping[str, object],
-                        devices: Collection[Device] | None = None) -> list[str]:
+def device_map_problems(
+    tree: SizeTree, device_map: Mapping[str, object], devices: Collection[Device] | None = None
+) -> list[str]:
     """Every problem with a device map, as sentences: keys that are not strings, unknown keys,
     unknown or unavailable devices, and the modules and tensors left without a device."""
     problems = key_problems(device_map)
@@ -151,8 +163,7 @@ def device_map_problems(tree: SizeTree, device_map: Mapping[str, object],
         problems += missing_device_problems({k: v for k, v in device_map.items() if isinstance(k, str)}, devices)
     missing = _uncovered(tree, device_map)
     if missing:
-        problems.append("not covered by any key (add them, or a parent, to the map): "
-                        + ", ".join(missing))
+        problems.append("not covered by any key (add them, or a parent, to the map): " + ", ".join(missing))
     return problems
 
 
@@ -201,8 +212,9 @@ def complete_computed(tree: SizeTree, device_map: Mapping[str, object]) -> dict[
     return out
 
 
-def validate_device_map(tree: SizeTree, device_map: Mapping[str, object],
-                        devices: Collection[Device] | None = None) -> dict[str, Device]:
+def validate_device_map(
+    tree: SizeTree, device_map: Mapping[str, object], devices: Collection[Device] | None = None
+) -> dict[str, Device]:
     """The map with canonical devices, or `DeviceMapError` (a ``ValueError``) listing every problem.
 
     Tied tensors the map leaves out go with their leader (see :func:`complete_tied`), and

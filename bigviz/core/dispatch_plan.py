@@ -104,8 +104,10 @@ class DispatchPlan:
     def summary(self) -> str:
         """A few lines a person reads: resident bytes, and the units streamed from each storage."""
         streamed = self.streamed_bytes()
-        lines = [f"DispatchPlan: execution on {device_label(self.main_device)}, {_count(len(self.units), 'offload unit')}, "
-                 f"{format_size(sum(streamed.values()))} streamed per forward"]
+        lines = [
+            f"DispatchPlan: execution on {device_label(self.main_device)}, {_count(len(self.units), 'offload unit')}, "
+            f"{format_size(sum(streamed.values()))} streamed per forward"
+        ]
         held = self.held_bytes()
         for device, nbytes in sorted(self.resident_bytes().items(), key=lambda kv: str(kv[0])):
             count = sum(r.device == device for r in self.resident)
@@ -118,8 +120,10 @@ class DispatchPlan:
             units = [u for u in self.units if u.storage == storage]
             if units:
                 shown = ", ".join(u.name or "<model>" for u in units[:4]) + (", ..." if len(units) > 4 else "")
-                lines.append(f"  from {device_label(storage)}: {_count(len(units), 'unit')}, "
-                             f"{format_size(streamed[storage])} ({shown})")
+                lines.append(
+                    f"  from {device_label(storage)}: {_count(len(units), 'unit')}, "
+                    f"{format_size(streamed[storage])} ({shown})"
+                )
         lines += [f"  problem: {p}" for p in self.problems]
         return "\n".join(lines)
 
@@ -128,9 +132,19 @@ class DispatchPlan:
 
     def rows(self) -> list[dict[str, Any]]:
         """One dict per unit, in fetch order: unit, storage, tensors, buffers, bytes, fetched."""
-        return [{"order": i, "unit": u.name or "<model>", "storage": u.storage, "tensors": len(u.fetches),
-                 "buffers": len(u.buffers), "bytes": u.nbytes, "size": format_size(u.nbytes),
-                 "fetches": ", ".join(u.tensors)} for i, u in enumerate(self.units)]
+        return [
+            {
+                "order": i,
+                "unit": u.name or "<model>",
+                "storage": u.storage,
+                "tensors": len(u.fetches),
+                "buffers": len(u.buffers),
+                "bytes": u.nbytes,
+                "size": format_size(u.nbytes),
+                "fetches": ", ".join(u.tensors),
+            }
+            for i, u in enumerate(self.units)
+        ]
 
     def to_frame(self) -> pd.DataFrame:
         """One row per offload unit, in fetch order."""
@@ -142,30 +156,44 @@ class DispatchPlan:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data."""
         return {
-            "main_device": self.main_device, "prefetch": self.prefetch,
+            "main_device": self.main_device,
+            "prefetch": self.prefetch,
             "device_map": dict(self.device_map),
-            "units": [{"name": u.name, "storage": u.storage, "bytes": u.nbytes,
-                       "fetches": [{"tensor": f.key, "names": list(f.names), "bytes": f.nbytes, "kind": f.kind}
-                                   for f in u.fetches]} for u in self.units],
-            "resident": [{"tensor": r.key, "names": list(r.names), "device": r.device, "bytes": r.nbytes}
-                         for r in self.resident],
+            "units": [
+                {
+                    "name": u.name,
+                    "storage": u.storage,
+                    "bytes": u.nbytes,
+                    "fetches": [
+                        {"tensor": f.key, "names": list(f.names), "bytes": f.nbytes, "kind": f.kind} for f in u.fetches
+                    ],
+                }
+                for u in self.units
+            ],
+            "resident": [
+                {"tensor": r.key, "names": list(r.names), "device": r.device, "bytes": r.nbytes} for r in self.resident
+            ],
         }
 
     def _repr_html_(self, max_rows: int = 60) -> str:
         rows = "".join(
             f"<tr><td>{r['order']}</td><td><code>{html.escape(r['unit'])}</code></td><td>{device_label(r['storage'])}</td>"
             f"<td style='text-align:right'>{r['tensors']}</td><td style='text-align:right'>{r['size']}</td></tr>"
-            for r in self.rows()[:max_rows])
+            for r in self.rows()[:max_rows]
+        )
         more = len(self.units) - max_rows
         if more > 0:
             rows += f"<tr><td colspan=5>... {more} more (see .to_frame())</td></tr>"
         head = html.escape(self.summary()).replace("\n", "<br>")
-        return (f"<div class='bigviz-dispatch'><div>{head}</div><table><tr><th>#</th><th>unit</th><th>from</th>"
-                f"<th>tensors</th><th>size</th></tr>{rows}</table></div>")
+        return (
+            f"<div class='bigviz-dispatch'><div>{head}</div><table><tr><th>#</th><th>unit</th><th>from</th>"
+            f"<th>tensors</th><th>size</th></tr>{rows}</table></div>"
+        )
 
 
-def make_dispatch_plan(tree: SizeTree, device_map: Mapping[str, object], rule: UnitRule, *,
-                       prefetch: bool = True) -> DispatchPlan:
+def make_dispatch_plan(
+    tree: SizeTree, device_map: Mapping[str, object], rule: UnitRule, *, prefetch: bool = True
+) -> DispatchPlan:
     """The dispatch plan of ``device_map`` on ``tree`` (pure: no model, no file).
 
     Args:
@@ -176,8 +204,9 @@ def make_dispatch_plan(tree: SizeTree, device_map: Mapping[str, object], rule: U
     """
     layout = offload_units(tree, device_map, rule)
     mapping = MappingProxyType({k: normalize_device(v) for k, v in device_map.items()})
-    return DispatchPlan(mapping, normalize_device(rule.main_device), layout.units, layout.resident, rule,
-                        prefetch, layout.problems)
+    return DispatchPlan(
+        mapping, normalize_device(rule.main_device), layout.units, layout.resident, rule, prefetch, layout.problems
+    )
 
 
 def _count(n: int, what: str) -> str:

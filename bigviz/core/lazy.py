@@ -8,6 +8,7 @@ Example:
     >>> __getattr__("dumps")([1])
     '[1]'
 """
+
 from __future__ import annotations
 
 import importlib
@@ -17,8 +18,9 @@ from typing import Any
 __all__ = ["lazy_exports"]
 
 
-def lazy_exports(package: str, exports: Mapping[str, str], namespace: dict[str, Any]
-                 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def lazy_exports(
+    package: str, exports: Mapping[str, str], namespace: dict[str, Any]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """A module ``__getattr__`` and ``__dir__`` serving ``exports`` (name -> module path).
 
     Values are cached in ``namespace`` (the package's ``globals()``), so later look-ups are

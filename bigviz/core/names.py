@@ -10,6 +10,7 @@ Example:
     >>> owner("transformer.h.3.mlp.weight", {"transformer.h": 0, "": "cpu"})
     'transformer.h'
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping

@@ -71,8 +71,7 @@ def no_split_problems(tree: SizeTree, patterns: Collection[str]) -> list[str]:
             problems.append(f"no-split entry {pattern!r} is not a string: give class names or module-name globs")
         elif is_glob(pattern):
             if not any(fnmatch.fnmatchcase(name, pattern) for name in tree.nodes):
-                problems.append(f"no-split pattern {pattern!r} matches no module name"
-                                f"{_example_glob(tree)}")
+                problems.append(f"no-split pattern {pattern!r} matches no module name{_example_glob(tree)}")
         elif pattern not in classes:
             problems.append(_unknown_class(tree, pattern, classes))
     return problems
@@ -80,8 +79,10 @@ def no_split_problems(tree: SizeTree, patterns: Collection[str]) -> list[str]:
 
 def _unknown_class(tree: SizeTree, pattern: str, classes: list[str]) -> str:
     if not classes:
-        return (f"no-split class {pattern!r}: this model has no class names (a tree read from "
-                f"checkpoint headers carries none); give module-name patterns{_example_glob(tree)}")
+        return (
+            f"no-split class {pattern!r}: this model has no class names (a tree read from "
+            f"checkpoint headers carries none); give module-name patterns{_example_glob(tree)}"
+        )
     close = difflib.get_close_matches(pattern, classes, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     shown = ", ".join(classes[:40]) + (f", ... ({len(classes)} in all)" if len(classes) > 40 else "")

@@ -42,8 +42,18 @@ from bigviz.core.names import ancestors, is_prefix, join, parent
 from bigviz.core.nosplit import is_no_split
 from bigviz.core.tree import SizeTree, TensorSpec
 
-__all__ = ["UnitRule", "Fetch", "OffloadUnit", "Resident", "UnitLayout", "offload_units", "unit_sizes",
-           "hook_module", "streamed_needs", "above_blocks"]
+__all__ = [
+    "UnitRule",
+    "Fetch",
+    "OffloadUnit",
+    "Resident",
+    "UnitLayout",
+    "offload_units",
+    "unit_sizes",
+    "hook_module",
+    "streamed_needs",
+    "above_blocks",
+]
 
 
 @dataclass(frozen=True)
@@ -157,8 +167,10 @@ def offload_units(tree: SizeTree, device_map: Mapping[str, object], rule: UnitRu
             names = (*known.names, name) if known else (name,)
             unit[1][group[0]] = Fetch(group[0], names, spec.nbytes, spec.kind)
     order = tree.order
-    built = [OffloadUnit(hook, storage, tuple(f.values()), order.get(hook, len(order)))
-             for hook, (storage, f) in units.items()]
+    built = [
+        OffloadUnit(hook, storage, tuple(f.values()), order.get(hook, len(order)))
+        for hook, (storage, f) in units.items()
+    ]
     return UnitLayout(tuple(sorted(built, key=lambda u: u.order)), tuple(resident), tuple(problems))
 
 
@@ -188,22 +200,25 @@ def unit_sizes(tree: SizeTree, device_map: Mapping[str, object], rule: UnitRule)
 Assignment = tuple[tuple[str, ...], TensorSpec, Device | list[tuple[str, str, str]]]
 
 
-def _assign(tree: SizeTree, device_map: Mapping[str, object], rule: UnitRule,
-            problems: list[str]) -> Iterator[Assignment]:
+def _assign(
+    tree: SizeTree, device_map: Mapping[str, object], rule: UnitRule, problems: list[str]
+) -> Iterator[Assignment]:
     """The rule itself, per tie group: its resident device, or for each of its names the
     unit (hook module) that fetches it and from which storage. Uncovered names go to
     ``problems``."""
     streamed = frozenset(streamed_devices(normalize_device(rule.main_device)))
-    mapping = {k: v if isinstance(v, int) or v in NAMED_DEVICES else normalize_device(v)
-               for k, v in device_map.items()}
+    mapping = {k: v if isinstance(v, int) or v in NAMED_DEVICES else normalize_device(v) for k, v in device_map.items()}
     entry_of = _entries(tree, mapping)
     above = above_blocks(tree, rule.blocks)
     hooks: dict[tuple[str, str], str] = {}  # (tensor's module, entry) -> hook: tensors of a module share it
     for group in _groups(tree):
         entries = [entry_of[n] for n in group]
         if None in entries:
-            problems += [f"{n}: no device-map entry covers it (add it, or one of its parents)"
-                         for n, e in zip(group, entries) if e is None]
+            problems += [
+                f"{n}: no device-map entry covers it (add it, or one of its parents)"
+                for n, e in zip(group, entries)
+                if e is None
+            ]
             continue
         spec = tree.tensors[group[0]]
         home = _resident_device([mapping[e] for e in entries if e is not None], spec.kind, streamed, rule)
@@ -230,8 +245,9 @@ def _entries(tree: SizeTree, mapping: Mapping[str, Device]) -> dict[str, str | N
     return out
 
 
-def streamed_needs(units: Collection[OffloadUnit | tuple[str, int]], main_device: Device, *,
-                   prefetch: bool = True) -> dict[Device, int]:
+def streamed_needs(
+    units: Collection[OffloadUnit | tuple[str, int]], main_device: Device, *, prefetch: bool = True
+) -> dict[Device, int]:
     """Room the engine holds for streamed units (or their ``(storage, bytes)``, see
     :func:`unit_sizes`): on the execution device, the largest unit
     (and the prefetched next one); on the cpu, the pinned staging of disk units on their way
@@ -262,7 +278,7 @@ def hook_module(tree: SizeTree, name: str, entry: str, rule: UnitRule, above: fr
     hook = entry if entry in tree.nodes else parent(entry)  # a tensor-level entry hooks its module
     home = parent(name)
     while hook != home and (hook in above or tree.nodes[hook].container):
-        rest = home[len(hook) + 1:] if hook else home
+        rest = home[len(hook) + 1 :] if hook else home
         hook = join(hook, rest.split(".", 1)[0])
     if rule.reads:  # (most models have none: skip the walk up)
         hook = _lift_to_readers(hook, home, rule.reads)
@@ -315,6 +331,7 @@ def _above(tree: SizeTree, blocks: frozenset[str]) -> frozenset[str]:
 
 def _groups(tree: SizeTree) -> list[tuple[str, ...]]:
     """Every tensor once, as its tie group (leader first), in definition order of leaders."""
+
     def build() -> list[tuple[str, ...]]:
         group_of = {n: g for g in tree.ties for n in g}
         out: list[tuple[str, ...]] = []

@@ -14,6 +14,7 @@ Example:
     >>> plan.stages, plan.split_points, plan.stage_bytes
     ((('h.0', 'h.1'), ('h.2', 'h.3')), ('h.2',), (800, 800))
 """
+
 from __future__ import annotations
 
 import html
@@ -182,14 +183,17 @@ class PipelinePlan:
         """A few lines a person reads: bytes per stage, where each stage begins, why."""
         root = self.tree.nodes[""].class_name if self.tree is not None else ""
         total = sum(u.nbytes for u in self.units)
-        lines = [f"PipelinePlan: {self.n_stages} stage{'s' if self.n_stages != 1 else ''} of "
-                 f"{root or 'the model'} ({format_size(total)}), balanced by {self.balance}"]
+        lines = [
+            f"PipelinePlan: {self.n_stages} stage{'s' if self.n_stages != 1 else ''} of "
+            f"{root or 'the model'} ({format_size(total)}), balanced by {self.balance}"
+        ]
         for i, names in enumerate(self.stages):
             cap = self.budgets[i]
             budget = f" of {format_size(cap)}" if cap is not None else ""
             span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
-            lines.append(f"  stage {i}: {format_size(self.stage_bytes[i]):>10}{budget}  "
-                         f"{span} ({len(self.blocks(i))} blocks)")
+            lines.append(
+                f"  stage {i}: {format_size(self.stage_bytes[i]):>10}{budget}  {span} ({len(self.blocks(i))} blocks)"
+            )
         lines += [f"  cut before {c.before}: {c.reason}" for c in self.cuts]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -203,9 +207,21 @@ class PipelinePlan:
 
         columns = ["stage", "module", "role", "class", "bytes", "size", "gflop_per_token", "reason"]
         return pd.DataFrame(
-            [{"stage": u.stage, "module": u.name or "<model>", "role": u.role, "class": u.class_name,
-              "bytes": u.nbytes, "size": format_size(u.nbytes), "gflop_per_token": u.flops / 1e9,
-              "reason": u.reason} for u in self.units], columns=columns)
+            [
+                {
+                    "stage": u.stage,
+                    "module": u.name or "<model>",
+                    "role": u.role,
+                    "class": u.class_name,
+                    "bytes": u.nbytes,
+                    "size": format_size(u.nbytes),
+                    "gflop_per_token": u.flops / 1e9,
+                    "reason": u.reason,
+                }
+                for u in self.units
+            ],
+            columns=columns,
+        )
 
     def _repr_html_(self) -> str:
         rows = "".join(
@@ -213,29 +229,48 @@ class PipelinePlan:
             f"<td>{_size_or_blank(self.budgets[i])}</td>"
             f"<td><code>{html.escape(names[0])}</code> .. <code>{html.escape(names[-1])}</code></td>"
             f"<td>{len(self.blocks(i))}</td></tr>"
-            for i, (b, names) in enumerate(zip(self.stage_bytes, self.stages)))
-        cuts = "".join(f"<li>before <code>{html.escape(c.before)}</code>: {html.escape(c.reason)}</li>"
-                       for c in self.cuts)
+            for i, (b, names) in enumerate(zip(self.stage_bytes, self.stages))
+        )
+        cuts = "".join(
+            f"<li>before <code>{html.escape(c.before)}</code>: {html.escape(c.reason)}</li>" for c in self.cuts
+        )
         notes = "".join(f"<li>{html.escape(n)}</li>" for n in self.notes)
-        return (f"<div class='bigviz-pipeline'><b>PipelinePlan</b> ({self.n_stages} stages, balanced by "
-                f"{html.escape(self.balance)})<table><tr><th>stage</th><th>bytes</th><th>budget</th>"
-                f"<th>modules</th><th>blocks</th></tr>{rows}</table><ul>{cuts}{notes}</ul></div>")
+        return (
+            f"<div class='bigviz-pipeline'><b>PipelinePlan</b> ({self.n_stages} stages, balanced by "
+            f"{html.escape(self.balance)})<table><tr><th>stage</th><th>bytes</th><th>budget</th>"
+            f"<th>modules</th><th>blocks</th></tr>{rows}</table><ul>{cuts}{notes}</ul></div>"
+        )
 
     # ---- JSON ------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data (everything but the size tree)."""
         return {
-            "format": _FORMAT, "version": _VERSION, "balance": self.balance,
-            "no_split": list(self.no_split), "dtype": self.dtype,
-            "stages": [{"modules": list(names), "bytes": b, "flops": f, "budget": budget}
-                       for names, b, f, budget in zip(self.stages, self.stage_bytes, self.stage_flops,
-                                                      self.budgets)],
+            "format": _FORMAT,
+            "version": _VERSION,
+            "balance": self.balance,
+            "no_split": list(self.no_split),
+            "dtype": self.dtype,
+            "stages": [
+                {"modules": list(names), "bytes": b, "flops": f, "budget": budget}
+                for names, b, f, budget in zip(self.stages, self.stage_bytes, self.stage_flops, self.budgets)
+            ],
             "split_points": list(self.split_points),
             "cuts": [{"stage": c.stage, "before": c.before, "reason": c.reason} for c in self.cuts],
-            "shared": [{"name": s.name, "leader": s.leader, "stages": list(s.stages), "bytes": s.nbytes}
-                       for s in self.shared],
-            "units": [{"name": u.name, "stage": u.stage, "role": u.role, "bytes": u.nbytes,
-                       "flops": u.flops, "class": u.class_name, "reason": u.reason} for u in self.units],
+            "shared": [
+                {"name": s.name, "leader": s.leader, "stages": list(s.stages), "bytes": s.nbytes} for s in self.shared
+            ],
+            "units": [
+                {
+                    "name": u.name,
+                    "stage": u.stage,
+                    "role": u.role,
+                    "bytes": u.nbytes,
+                    "flops": u.flops,
+                    "class": u.class_name,
+                    "reason": u.reason,
+                }
+                for u in self.units
+            ],
             "notes": list(self.notes),
         }
 
@@ -269,24 +304,44 @@ class PipelinePlan:
         return cls.from_dict(data, where=str(path), tree=tree)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], *, where: str = "pipeline plan",
-                  tree: SizeTree | None = None) -> PipelinePlan:
+    def from_dict(
+        cls, data: Mapping[str, Any], *, where: str = "pipeline plan", tree: SizeTree | None = None
+    ) -> PipelinePlan:
         """The plan :meth:`to_dict` describes (checked: every bad field is named)."""
         problems = _shape_problems(data)
-        PipelineError.check(problems, f"{where} is not a bigviz pipeline plan",
-                            fix="Fix: write it with PipelinePlan.save_json (or bigviz.plan_pipeline(...).save_json)")
+        PipelineError.check(
+            problems,
+            f"{where} is not a bigviz pipeline plan",
+            fix="Fix: write it with PipelinePlan.save_json (or bigviz.plan_pipeline(...).save_json)",
+        )
         stages = data["stages"]
         return cls(
-            units=tuple(PipelineUnit(u["name"], int(u["stage"]), u["role"], int(u["bytes"]), int(u["flops"]),
-                                     u.get("class", ""), u.get("reason", "")) for u in data["units"]),
+            units=tuple(
+                PipelineUnit(
+                    u["name"],
+                    int(u["stage"]),
+                    u["role"],
+                    int(u["bytes"]),
+                    int(u["flops"]),
+                    u.get("class", ""),
+                    u.get("reason", ""),
+                )
+                for u in data["units"]
+            ),
             cuts=tuple(StageCut(int(c["stage"]), c["before"], c.get("reason", "")) for c in data["cuts"]),
             stage_bytes=tuple(int(s["bytes"]) for s in stages),
             stage_flops=tuple(int(s.get("flops", 0)) for s in stages),
             budgets=tuple(None if s.get("budget") is None else int(s["budget"]) for s in stages),
-            shared=tuple(SharedTensor(s["name"], s["leader"], tuple(s["stages"]), int(s["bytes"]))
-                         for s in data.get("shared", [])),
-            balance=data["balance"], no_split=tuple(data.get("no_split", ())), dtype=data.get("dtype"),
-            notes=tuple(data.get("notes", ())), tree=tree)
+            shared=tuple(
+                SharedTensor(s["name"], s["leader"], tuple(s["stages"]), int(s["bytes"]))
+                for s in data.get("shared", [])
+            ),
+            balance=data["balance"],
+            no_split=tuple(data.get("no_split", ())),
+            dtype=data.get("dtype"),
+            notes=tuple(data.get("notes", ())),
+            tree=tree,
+        )
 
 
 def _shape_problems(data: object) -> list[str]:
@@ -306,8 +361,10 @@ def _shape_problems(data: object) -> list[str]:
         if not isinstance(unit, Mapping) or not {"name", "stage", "role", "bytes", "flops"} <= set(unit):
             problems.append(f"units[{i}] needs name, stage, role, bytes and flops")
         elif not (isinstance(unit["stage"], int) and 0 <= unit["stage"] < n) or unit["role"] not in ROLES:
-            problems.append(f"units[{i}] ({unit['name']!r}): stage {unit['stage']!r} or role {unit['role']!r} "
-                            f"is out of range ({n} stages; roles {', '.join(ROLES)})")
+            problems.append(
+                f"units[{i}] ({unit['name']!r}): stage {unit['stage']!r} or role {unit['role']!r} "
+                f"is out of range ({n} stages; roles {', '.join(ROLES)})"
+            )
     if len(data["cuts"]) != max(n - 1, 0):
         problems.append(f"{len(data['cuts'])} cuts for {n} stages: expected {max(n - 1, 0)}")
     return problems

@@ -12,6 +12,7 @@ Example:
     >>> p.device_map  # GPU 0 keeps room for two streamed-in layers (current + prefetched)
     {'h.0': 0, 'h.1': 'cpu', 'h.2': 'cpu', 'h.3': 'cpu'}
 """
+
 from __future__ import annotations
 
 import html
@@ -164,11 +165,18 @@ class DevicePlan:
         if self.tree is None:
             raise ValueError("this DevicePlan carries no size tree (read from JSON?): plan again to see its dispatch")
         rule = self.rule if self.rule is not None else UnitRule(self.main_device)
-        return make_dispatch_plan(self.tree, self.device_map, rule,
-                                  prefetch=self.prefetch if prefetch is None else prefetch)
+        return make_dispatch_plan(
+            self.tree, self.device_map, rule, prefetch=self.prefetch if prefetch is None else prefetch
+        )
 
-    def cost(self, *, disk_bandwidth: float | str = "NVMe (", compute_seconds: float = 0.0,
-             link_bandwidth: float | str | None = None, depth: int | None = None) -> ForwardEstimate:
+    def cost(
+        self,
+        *,
+        disk_bandwidth: float | str = "NVMe (",
+        compute_seconds: float = 0.0,
+        link_bandwidth: float | str | None = None,
+        depth: int | None = None,
+    ) -> ForwardEstimate:
         """Predicted time per forward pass: streamed units read from disk (and copied to a GPU)
         overlapped with compute, resident units computed only, the resident part read once
         before the first forward (:func:`bigviz.core.streaming.forward_estimate`; pure).
@@ -199,8 +207,13 @@ class DevicePlan:
         link = None
         if self.main_device != "cpu":
             link = find_bandwidth("PCIe 4 x16" if link_bandwidth is None else link_bandwidth, LINK_BANDWIDTH, "link")
-        return forward_estimate(self, disk_bandwidth=disk, compute_seconds=compute_seconds, link_bandwidth=link,
-                                depth=DEFAULT_DEPTH if depth is None else depth)
+        return forward_estimate(
+            self,
+            disk_bandwidth=disk,
+            compute_seconds=compute_seconds,
+            link_bandwidth=link,
+            depth=DEFAULT_DEPTH if depth is None else depth,
+        )
 
     @property
     def kv_cache(self) -> dict[Device, int]:
@@ -253,8 +266,9 @@ class DevicePlan:
 
     def summary(self) -> str:
         """A few lines a person reads: per-device use against budget."""
-        lines = [f"DevicePlan ({self.strategy}, {len(self.placements)} units, execution on "
-                 f"{device_label(self.main_device)})"]
+        lines = [
+            f"DevicePlan ({self.strategy}, {len(self.placements)} units, execution on {device_label(self.main_device)})"
+        ]
         for u in self.usage:
             budget = format_size(u.budget)
             extra = ""
@@ -266,8 +280,11 @@ class DevicePlan:
             lines.append(f"  {device_label(u.device):>7}: {format_size(u.used):>10}{run} of {budget}{extra}")
         if self.workload is not None and self.workload.active:
             w = self.workload
-            lines.insert(1, f"  workload: batch {w.batch_size} x {w.context_length:,} tokens"
-                            + (f", KV cache in {w.kv_dtype}" if w.kv_dtype else ""))
+            lines.insert(
+                1,
+                f"  workload: batch {w.batch_size} x {w.context_length:,} tokens"
+                + (f", KV cache in {w.kv_dtype}" if w.kv_dtype else ""),
+            )
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 
@@ -279,10 +296,21 @@ class DevicePlan:
         import pandas as pd
 
         return pd.DataFrame(
-            [{"module": p.name or "<model>", "class": p.class_name, "device": device_label(p.device),
-              "bytes": p.nbytes, "size": format_size(p.nbytes), "reason": p.reason,
-              "override": p.override, "tied_to": p.tied_to} for p in self.placements],
-            columns=["module", "class", "device", "bytes", "size", "reason", "override", "tied_to"])
+            [
+                {
+                    "module": p.name or "<model>",
+                    "class": p.class_name,
+                    "device": device_label(p.device),
+                    "bytes": p.nbytes,
+                    "size": format_size(p.nbytes),
+                    "reason": p.reason,
+                    "override": p.override,
+                    "tied_to": p.tied_to,
+                }
+                for p in self.placements
+            ],
+            columns=["module", "class", "device", "bytes", "size", "reason", "override", "tied_to"],
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data: the device map, budgets (string keys) and placements, and
@@ -292,12 +320,16 @@ class DevicePlan:
             "main_device": self.main_device,
             "device_map": self.device_map,
             "max_memory": {str(k): v for k, v in self.max_memory.items()},
-            "placements": [{"name": p.name, "device": p.device, "bytes": p.nbytes, "reason": p.reason}
-                           for p in self.placements],
+            "placements": [
+                {"name": p.name, "device": p.device, "bytes": p.nbytes, "reason": p.reason} for p in self.placements
+            ],
         }
         if self.workload is not None:
-            out["workload"] = {"batch_size": self.workload.batch_size,
-                               "context_length": self.workload.context_length, "kv_dtype": self.workload.kv_dtype}
+            out["workload"] = {
+                "batch_size": self.workload.batch_size,
+                "context_length": self.workload.context_length,
+                "kv_dtype": self.workload.kv_dtype,
+            }
             out["kv_cache"] = {str(k): v for k, v in self.kv_cache.items()}
             out["activations"] = {str(k): v for k, v in self.activations.items()}
         return out
@@ -308,28 +340,39 @@ class DevicePlan:
     def _repr_html_(self, max_rows: int = 60) -> str:
         usage_rows = "".join(
             f"<tr><td>{device_label(u.device)}</td><td>{format_size(u.used)}"
-            + (f" + {format_size(u.kv_cache)} KV cache + {format_size(u.activations)} activations"
-               if u.kv_cache or u.activations else "")
+            + (
+                f" + {format_size(u.kv_cache)} KV cache + {format_size(u.activations)} activations"
+                if u.kv_cache or u.activations
+                else ""
+            )
             + f"</td><td>{format_size(u.budget)}</td><td>{format_size(u.reserve + u.offload_reserve)}</td>"
-            f"<td>{_bar(u.fraction)}</td></tr>" for u in self.usage)
+            f"<td>{_bar(u.fraction)}</td></tr>"
+            for u in self.usage
+        )
         rows = "".join(
             f"<tr><td><code>{html.escape(p.name or '<model>')}</code></td><td>{html.escape(p.class_name)}</td>"
             f"<td>{device_label(p.device)}</td><td style='text-align:right'>{format_size(p.nbytes)}</td>"
-            f"<td>{html.escape(p.reason)}</td></tr>" for p in self.placements[:max_rows])
+            f"<td>{html.escape(p.reason)}</td></tr>"
+            for p in self.placements[:max_rows]
+        )
         more = len(self.placements) - max_rows
         if more > 0:
             rows += f"<tr><td colspan=5>... {more} more (see .to_frame())</td></tr>"
         notes = "".join(f"<li>{html.escape(n)}</li>" for n in self.notes)
-        return (f"<div class='bigviz-plan'><b>DevicePlan</b> ({html.escape(self.strategy)}, execution on "
-                f"{device_label(self.main_device)})<table><tr><th>device</th><th>used</th><th>budget</th>"
-                f"<th>reserved</th><th>fill</th></tr>{usage_rows}</table>"
-                + (f"<ul>{notes}</ul>" if notes else "")
-                + f"<table><tr><th>module</th><th>class</th><th>device</th><th>size</th><th>reason</th></tr>"
-                f"{rows}</table></div>")
+        return (
+            f"<div class='bigviz-plan'><b>DevicePlan</b> ({html.escape(self.strategy)}, execution on "
+            f"{device_label(self.main_device)})<table><tr><th>device</th><th>used</th><th>budget</th>"
+            f"<th>reserved</th><th>fill</th></tr>{usage_rows}</table>"
+            + (f"<ul>{notes}</ul>" if notes else "")
+            + f"<table><tr><th>module</th><th>class</th><th>device</th><th>size</th><th>reason</th></tr>"
+            f"{rows}</table></div>"
+        )
 
 
 def _bar(fraction: float) -> str:
     pct = min(fraction, 1.0) * 100 if fraction != float("inf") else 100
     color = "#d55e00" if fraction > 1 else "#0072b2"
-    return (f"<div style='width:120px;background:#eee'><div style='width:{pct:.0f}%;background:{color};"
-            f"height:10px'></div></div>{fraction:.0%}")
+    return (
+        f"<div style='width:120px;background:#eee'><div style='width:{pct:.0f}%;background:{color};"
+        f"height:10px'></div></div>{fraction:.0%}"
+    )

@@ -18,6 +18,7 @@ Example:
     >>> plan.device_map, round(plan.usage_of(0).fraction, 2)
     ({'layers': 0, 'head': 1}, 0.71)
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -29,8 +30,7 @@ from bigviz.core.errors import PlanError
 from bigviz.core.names import ancestors, is_prefix, parent
 from bigviz.core.nosplit import check_no_split, is_no_split, no_split_problems
 from bigviz.core.offload_units import UnitRule, above_blocks, streamed_needs, unit_sizes
-from bigviz.core.run_charges import (Run, charge_run, check_run_fits, run_bytes, run_usage, streamed_run_needs,
-                                     with_run)
+from bigviz.core.run_charges import Run, charge_run, check_run_fits, run_bytes, run_usage, streamed_run_needs, with_run
 from bigviz.core.plan import STRATEGIES, DevicePlan, DeviceUsage, Placement, PlanOptions
 from bigviz.core.tree import SizeTree
 from bigviz.core.devices import Device, device_label, execution_device, normalize_device, streamed_devices
@@ -82,8 +82,7 @@ class _Ties:
         return cls(by_follower, by_leader)
 
 
-def make_plan(tree: SizeTree, max_memory: Mapping[Any, object],
-              options: PlanOptions | None = None) -> DevicePlan:
+def make_plan(tree: SizeTree, max_memory: Mapping[Any, object], options: PlanOptions | None = None) -> DevicePlan:
     """Place every module of ``tree`` within ``max_memory``.
 
     Args:
@@ -121,16 +120,32 @@ def make_plan(tree: SizeTree, max_memory: Mapping[Any, object],
         raise PlanError(_does_not_fit(tree, budgets, state))
     # the room reported kept for weights is what the final placement's units need (the unit rule,
     # as the engine fetches them); the passes may have reserved more on the way
-    notes += [f"{device_label(d)} keeps {format_size(v)} free for offloaded weights streamed in at "
-              f"forward time" for d, v in staging.items() if v > 0]
+    notes += [
+        f"{device_label(d)} keeps {format_size(v)} free for offloaded weights streamed in at forward time"
+        for d, v in staging.items()
+        if v > 0
+    ]
     kv, act = run_usage(state, main)
-    usage = tuple(DeviceUsage(d, budgets[d], caps[d], reserve.get(d, 0), max(staging[d], 0), state.used[d],
-                              kv.get(d, 0), act.get(d, 0)) for d in budgets)
+    usage = tuple(
+        DeviceUsage(
+            d, budgets[d], caps[d], reserve.get(d, 0), max(staging[d], 0), state.used[d], kv.get(d, 0), act.get(d, 0)
+        )
+        for d in budgets
+    )
     if state.run is not None:
         check_run_fits(usage, bool(overrides))
     notes += _warnings(usage, main)
-    return DevicePlan(tuple(state.placements), usage, options.strategy, main, tuple(notes), tree,
-                      workload=options.workload, rule=unit_rule(options, main), prefetch=options.prefetch)
+    return DevicePlan(
+        tuple(state.placements),
+        usage,
+        options.strategy,
+        main,
+        tuple(notes),
+        tree,
+        workload=options.workload,
+        rule=unit_rule(options, main),
+        prefetch=options.prefetch,
+    )
 
 
 def _warnings(usage: tuple[DeviceUsage, ...], main: Device) -> list[str]:
@@ -139,17 +154,22 @@ def _warnings(usage: tuple[DeviceUsage, ...], main: Device) -> list[str]:
     for u in usage:
         over = -u.free
         if over > 0 and u.used:
-            out.append(f"{device_label(u.device)} is over its budget by {format_size(over)} "
-                       f"(overrides put more there than fits)")
+            out.append(
+                f"{device_label(u.device)} is over its budget by {format_size(over)} "
+                f"(overrides put more there than fits)"
+            )
         elif u.device == main and u.used == 0 and u.offload_reserve and u.budget:
-            out.append(f"{device_label(u.device)} holds no weights: its {format_size(u.budget)} is all "
-                       f"needed for the offloaded weights streamed in; give it more memory or use a "
-                       f"smaller dtype")
+            out.append(
+                f"{device_label(u.device)} holds no weights: its {format_size(u.budget)} is all "
+                f"needed for the offloaded weights streamed in; give it more memory or use a "
+                f"smaller dtype"
+            )
     return out
 
 
-def _check_inputs(tree: SizeTree, budgets: dict[Device, int],
-                  options: PlanOptions) -> tuple[dict[str, Device], dict[Device, int]]:
+def _check_inputs(
+    tree: SizeTree, budgets: dict[Device, int], options: PlanOptions
+) -> tuple[dict[str, Device], dict[Device, int]]:
     problems = []
     if options.strategy not in STRATEGIES:
         problems.append(f"unknown strategy {options.strategy!r}: use one of {', '.join(STRATEGIES)}")
@@ -164,8 +184,10 @@ def _check_inputs(tree: SizeTree, budgets: dict[Device, int],
             problems.append(f"override {name!r}: {err}")
             continue
         if overrides[name] not in budgets:
-            problems.append(f"override {name!r} sends it to {device_label(overrides[name])}, which has "
-                            f"no budget: add it to max_memory")
+            problems.append(
+                f"override {name!r} sends it to {device_label(overrides[name])}, which has "
+                f"no budget: add it to max_memory"
+            )
     reserve: dict[Device, int] = {}
     for device, size in (options.reserve or {}).items():
         try:
@@ -190,8 +212,9 @@ def _largest_block(tree: SizeTree, patterns: frozenset[str]) -> int:
     return max(sizes, default=0)
 
 
-def _strategy_caps(tree: SizeTree, budgets: dict[Device, int],
-                   options: PlanOptions) -> tuple[dict[Device, int], list[str]]:
+def _strategy_caps(
+    tree: SizeTree, budgets: dict[Device, int], options: PlanOptions
+) -> tuple[dict[Device, int], list[str]]:
     """How much of each GPU the strategy lets the pass fill (balanced ones spread the model)."""
     caps = dict(budgets)
     gpus = [d for d in budgets if isinstance(d, int)]
@@ -207,25 +230,41 @@ def _strategy_caps(tree: SizeTree, budgets: dict[Device, int],
     if low0:
         caps[gpus[0]] = min(budgets[gpus[0]], max(0, total - sum(caps[g] for g in gpus[1:])))
     capped = [g for g in gpus if caps[g] < budgets[g]]
-    notes = [f"{options.strategy}: {device_label(g)} filled up to {format_size(caps[g])} of "
-             f"{format_size(budgets[g])} so the model spreads over the GPUs" for g in capped]
+    notes = [
+        f"{options.strategy}: {device_label(g)} filled up to {format_size(caps[g])} of "
+        f"{format_size(budgets[g])} so the model spreads over the GPUs"
+        for g in capped
+    ]
     return caps, notes
 
 
-def _greedy(tree: SizeTree, caps: Mapping[Device, int], reserve: Mapping[Device, int],
-            offload: Mapping[Device, int], overrides: Mapping[str, Device],
-            options: PlanOptions, ties: _Ties) -> _Pass:
-    state = _Pass({d: caps[d] - reserve.get(d, 0) - offload[d] for d in caps}, {d: 0 for d in caps},
-                  ties=ties)
+def _greedy(
+    tree: SizeTree,
+    caps: Mapping[Device, int],
+    reserve: Mapping[Device, int],
+    offload: Mapping[Device, int],
+    overrides: Mapping[str, Device],
+    options: PlanOptions,
+    ties: _Ties,
+) -> _Pass:
+    state = _Pass({d: caps[d] - reserve.get(d, 0) - offload[d] for d in caps}, {d: 0 for d in caps}, ties=ties)
     must_split = {a for name in overrides for a in ancestors(parent(name))} if overrides else set()
     if options.kv_cache or options.activations:  # overrides are placed first: charge their run too
         state.run = Run.build(tree, options, _main_device(caps, options), _streamed(_main_device(caps, options)))
     for name in sorted(overrides, key=lambda n: n.count(".") + bool(n)):  # outer ones first
         device = overrides[name]
-        _put(tree, state, name, device, _override_charge(tree, name, overrides),
-             f"override: you put it on {device_label(device)}", override=True)
-    state.follower_units = {f: _follower_unit_bytes(tree, f, leader, options.no_split)
-                            for f, leader in tree.leader_of.items()}
+        _put(
+            tree,
+            state,
+            name,
+            device,
+            _override_charge(tree, name, overrides),
+            f"override: you put it on {device_label(device)}",
+            override=True,
+        )
+    state.follower_units = {
+        f: _follower_unit_bytes(tree, f, leader, options.no_split) for f, leader in tree.leader_of.items()
+    }
     devices = list(caps)
     streamed = _streamed(_main_device(caps, options))
     index = 0
@@ -235,8 +274,11 @@ def _greedy(tree: SizeTree, caps: Mapping[Device, int], reserve: Mapping[Device,
         if name in overrides:
             continue
         size = tree.total(name)
-        splittable = name in tree.nodes and bool(tree.nodes[name].children) and (
-            name in must_split or not is_no_split(tree, name, options.no_split))
+        splittable = (
+            name in tree.nodes
+            and bool(tree.nodes[name].children)
+            and (name in must_split or not is_no_split(tree, name, options.no_split))
+        )
         leader = _outside_leader(ties, name, state.where)
         if name in must_split or (leader and splittable):
             _split(tree, name, stack)
@@ -246,8 +288,9 @@ def _greedy(tree: SizeTree, caps: Mapping[Device, int], reserve: Mapping[Device,
             for follower, _ in ties.by_follower.get(name, ()):
                 if follower in state.promised:
                     state.remaining[device] += state.promised.pop(follower)[1]
-            _put(tree, state, name, device, size,
-                 f"tied to {leader}, which is on {device_label(device)}", tied_to=leader)
+            _put(
+                tree, state, name, device, size, f"tied to {leader}, which is on {device_label(device)}", tied_to=leader
+            )
             continue
         index = _fit(tree, state, name, size, splittable, stack, devices, index, streamed)
     return state
@@ -261,8 +304,17 @@ def _override_charge(tree: SizeTree, name: str, overrides: Mapping[str, Device])
     return tree.total(name) - sum(tree.total(o) for o in outermost)
 
 
-def _fit(tree: SizeTree, state: _Pass, name: str, size: int, splittable: bool,
-         stack: list[str], devices: list[Device], index: int, streamed: tuple[str, ...]) -> int:
+def _fit(
+    tree: SizeTree,
+    state: _Pass,
+    name: str,
+    size: int,
+    splittable: bool,
+    stack: list[str],
+    devices: list[Device],
+    index: int,
+    streamed: tuple[str, ...],
+) -> int:
     """Place ``name`` or split it; returns the resident-device cursor the pass goes on from.
 
     Resident devices (the GPUs, or the cpu when it executes) fill one way, in order, so
@@ -271,8 +323,7 @@ def _fit(tree: SizeTree, state: _Pass, name: str, size: int, splittable: bool,
     embedding does not push every later layer off the GPUs, as it does in accelerate.
     """
     assert state.ties is not None
-    promises = {f: state.follower_units[f] for f, _ in state.ties.by_leader.get(name, ())
-                if not is_prefix(name, f)}
+    promises = {f: state.follower_units[f] for f, _ in state.ties.by_leader.get(name, ()) if not is_prefix(name, f)}
     extra = sum(promises.values())
     resident = [d for d in devices if d not in streamed]
     here = resident[index] if index < len(resident) else None
@@ -289,23 +340,41 @@ def _fit(tree: SizeTree, state: _Pass, name: str, size: int, splittable: bool,
         return index
     if here is not None:
         need = size + run_bytes(tree, state, name, here)
-        miss = (f"{_what(tree, name)} did not fit {device_label(here)} ({format_size(need)} needed, "
-                f"{format_size(max(state.remaining[here], 0))} left)")
+        miss = (
+            f"{_what(tree, name)} did not fit {device_label(here)} ({format_size(need)} needed, "
+            f"{format_size(max(state.remaining[here], 0))} left)"
+        )
         for later in range(index + 1, len(resident)):
             if size + extra + run_bytes(tree, state, name, resident[later]) <= state.remaining[resident[later]]:
                 _accept(tree, state, name, resident[later], size, promises, miss)
                 return later
     for device in (d for d in devices if d in streamed):
         if size + extra <= state.remaining[device]:
-            _accept(tree, state, name, device, size, promises, miss,
-                    f"streamed in from {device_label(device)} at forward time")
+            _accept(
+                tree,
+                state,
+                name,
+                device,
+                size,
+                promises,
+                miss,
+                f"streamed in from {device_label(device)} at forward time",
+            )
             return index
     state.unplaced.append(name)
     return index
 
 
-def _accept(tree: SizeTree, state: _Pass, name: str, device: Device, size: int,
-            promises: Mapping[str, int], miss: str, how: str = "") -> None:
+def _accept(
+    tree: SizeTree,
+    state: _Pass,
+    name: str,
+    device: Device,
+    size: int,
+    promises: Mapping[str, int],
+    miss: str,
+    how: str = "",
+) -> None:
     """Put a unit that fits, keeping room for the tied modules that will follow it."""
     extra = sum(promises.values())
     left = state.remaining[device]
@@ -351,14 +420,33 @@ def _outside_leader(ties: _Ties, name: str, where: Mapping[str, Device]) -> str:
     return ""
 
 
-def _put(tree: SizeTree, state: _Pass, name: str, device: Device, size: int, reason: str,
-         *, override: bool = False, tied_to: str = "", described: bool = False) -> None:
+def _put(
+    tree: SizeTree,
+    state: _Pass,
+    name: str,
+    device: Device,
+    size: int,
+    reason: str,
+    *,
+    override: bool = False,
+    tied_to: str = "",
+    described: bool = False,
+) -> None:
     node = tree.nodes.get(name)
     if state.run is not None:
         reason = charge_run(tree, state, name, device, reason, described)
-    state.placements.append(Placement(
-        name, device, size, reason, node.class_name if node else "", "module" if node else "tensor",
-        override, tied_to))
+    state.placements.append(
+        Placement(
+            name,
+            device,
+            size,
+            reason,
+            node.class_name if node else "",
+            "module" if node else "tensor",
+            override,
+            tied_to,
+        )
+    )
     state.remaining[device] -= size
     state.used[device] += size
     for tensor in tree.subtree_tensors(name):
@@ -377,8 +465,9 @@ def unit_rule(options: PlanOptions, main: Device) -> UnitRule:
         >>> unit_rule(PlanOptions(no_split=frozenset({"Block"})), 0).blocks
         frozenset({'Block'})
     """
-    return UnitRule(main, options.no_split, options.preload, options.reads, options.offload_buffers,
-                    options.same_module)
+    return UnitRule(
+        main, options.no_split, options.preload, options.reads, options.offload_buffers, options.same_module
+    )
 
 
 def _offload_bound(tree: SizeTree, options: PlanOptions) -> int:
@@ -388,7 +477,7 @@ def _offload_bound(tree: SizeTree, options: PlanOptions) -> int:
     above = above_blocks(tree, rule.blocks)
     units = [n.total_bytes for name, n in tree.nodes.items() if not n.container and name not in above]
     units += [tree.tensors[t].nbytes for t in tree.tensors]
-    biggest = sorted(units, reverse=True)[:2 if options.prefetch else 1]
+    biggest = sorted(units, reverse=True)[: 2 if options.prefetch else 1]
     return sum(biggest)
 
 
@@ -420,6 +509,8 @@ def _does_not_fit(tree: SizeTree, budgets: Mapping[Device, int], state: _Pass) -
         kv = sum(state.run.kv_own.values())
         what += f" with its run ({format_size(kv)} of KV cache, {format_size(max(state.run.act_sub.values(), default=0))} of activations per device)"
         fix = " shorten the context or the batch,"
-    return (f"{what} does not fit the budgets ({given}): "
-            f"{format_size(left)} left unplaced ({names}). Raise max_memory,{fix} use a smaller dtype, "
-            f"or leave 'disk' out of max_memory so it is unlimited.")
+    return (
+        f"{what} does not fit the budgets ({given}): "
+        f"{format_size(left)} left unplaced ({names}). Raise max_memory,{fix} use a smaller dtype, "
+        f"or leave 'disk' out of max_memory so it is unlimited."
+    )

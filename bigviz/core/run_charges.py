@@ -54,23 +54,23 @@ class Run:
     def build(cls, tree: SizeTree, options: PlanOptions, main: Device, streamed: tuple[str, ...]) -> Run:
         unknown = [n for n in [*options.kv_cache, *options.activations] if n not in tree.nodes]
         if unknown:
-            raise PlanError(f"cannot plan: KV cache or activation bytes given for names that are no module "
-                            f"of the model: {', '.join(repr(n) for n in unknown[:8])}; key them by module name")
+            raise PlanError(
+                f"cannot plan: KV cache or activation bytes given for names that are no module "
+                f"of the model: {', '.join(repr(n) for n in unknown[:8])}; key them by module name"
+            )
         kv_sub: dict[str, int] = {}
         act_sub: dict[str, int] = {}
         for name, node in reversed(tree.nodes.items()):  # post-order: children before parents
             kv_sub[name] = options.kv_cache.get(name, 0) + sum(kv_sub[c] for c in node.children)
             act_sub[name] = max([options.activations.get(name, 0), *(act_sub[c] for c in node.children)])
-        return cls(options.kv_cache, kv_sub, options.activations, act_sub, frozenset(options.overrides),
-                   main, streamed)
+        return cls(options.kv_cache, kv_sub, options.activations, act_sub, frozenset(options.overrides), main, streamed)
 
     def unit(self, name: str) -> tuple[int, list[str], int]:
         """Cache bytes a unit brings, the split layers it charges for the first time, and its step."""
         inside = self.kv_sub.get(name, 0)
         if name in self.overrides:  # nested overrides carry their own caches to their own devices
             nested = [o for o in self.overrides if o != name and is_prefix(name, o)]
-            inside -= sum(self.kv_sub.get(o, 0) for o in nested if not any(
-                m != o and is_prefix(m, o) for m in nested))
+            inside -= sum(self.kv_sub.get(o, 0) for o in nested if not any(m != o and is_prefix(m, o) for m in nested))
         step = self.act_sub.get(name, 0)
         first = []
         for holder in ancestors(parent(name)) if name else ():
@@ -105,8 +105,9 @@ def with_run(tree: SizeTree, state: _Pass, name: str, device: Device, size: int)
         return f"{format_size(size)} weights"
     kv, _, step = run.unit(name)
     grow = max(0, step - run.act.get(device, 0))
-    return (f"{format_size(size)} weights + {format_size(kv)} KV cache"
-            + (f" + {format_size(grow)} activations" if grow else ""))
+    return f"{format_size(size)} weights + {format_size(kv)} KV cache" + (
+        f" + {format_size(grow)} activations" if grow else ""
+    )
 
 
 def charge_run(tree: SizeTree, state: _Pass, name: str, device: Device, reason: str, described: bool) -> str:
@@ -119,8 +120,10 @@ def charge_run(tree: SizeTree, state: _Pass, name: str, device: Device, reason: 
     if device in run.streamed:
         run.stream_kv += kv
         run.stream_act = max(run.stream_act, step)
-        return reason + (f"; its {format_size(kv)} KV cache and {format_size(step)} of activations live on "
-                         f"{device_label(run.main)}, where it runs")
+        return reason + (
+            f"; its {format_size(kv)} KV cache and {format_size(step)} of activations live on "
+            f"{device_label(run.main)}, where it runs"
+        )
     state.remaining[device] -= kv + max(0, step - run.act.get(device, 0))
     run.kv[device] = run.kv.get(device, 0) + kv
     run.act[device] = max(run.act.get(device, 0), step)
@@ -134,12 +137,18 @@ def check_run_fits(usage: tuple[DeviceUsage, ...], overridden: bool) -> None:
     over = [u for u in usage if u.free < 0 and (u.kv_cache or u.activations)]
     if not over:
         return
-    lines = [f"{device_label(u.device)} needs {format_size(u.used)} weights + {format_size(u.kv_cache)} KV cache + "
-             f"{format_size(u.activations)} activations + {format_size(u.reserve + u.offload_reserve)} reserved, "
-             f"{format_size(-u.free)} over its {format_size(u.budget)}" for u in over]
+    lines = [
+        f"{device_label(u.device)} needs {format_size(u.used)} weights + {format_size(u.kv_cache)} KV cache + "
+        f"{format_size(u.activations)} activations + {format_size(u.reserve + u.offload_reserve)} reserved, "
+        f"{format_size(-u.free)} over its {format_size(u.budget)}"
+        for u in over
+    ]
     hint = " or move your overrides" if overridden else ""
-    raise PlanError("the run does not fit", lines, fix="Shorten the context or the batch, use a smaller KV "
-                                                      f"cache dtype, give the device more memory{hint}.")
+    raise PlanError(
+        "the run does not fit",
+        lines,
+        fix=f"Shorten the context or the batch, use a smaller KV cache dtype, give the device more memory{hint}.",
+    )
 
 
 def streamed_run_needs(state: _Pass, main: Device) -> dict[Device, int]:

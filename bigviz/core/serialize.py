@@ -12,6 +12,7 @@ Example:
     >>> load_device_map(path)
     {'h.0': 0, 'lm_head': 'cpu'}
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,15 @@ from bigviz.core.errors import DeviceMapError
 from bigviz.core.devices import Device, normalize_device
 from bigviz.core.sizes import parse_max_memory
 
-__all__ = ["save_device_map", "load_device_map", "save_max_memory", "load_max_memory", "write_json_atomic",
-           "write_text_atomic", "parse_json"]
+__all__ = [
+    "save_device_map",
+    "load_device_map",
+    "save_max_memory",
+    "load_max_memory",
+    "write_json_atomic",
+    "write_text_atomic",
+    "parse_json",
+]
 
 
 def write_text_atomic(text: str, path: str | os.PathLike[str]) -> None:
@@ -80,8 +88,9 @@ def parse_json(text: str | bytes, where: object, what: str) -> Any:
     try:
         return json.loads(text)
     except RecursionError:
-        raise ValueError(f"{where}: JSON nested too deeply (Python's parser gives up); "
-                         f"this is not a {what} file") from None
+        raise ValueError(
+            f"{where}: JSON nested too deeply (Python's parser gives up); this is not a {what} file"
+        ) from None
     except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ValueError(f"{where}: not valid JSON ({err}); is this a {what} file?") from err
 

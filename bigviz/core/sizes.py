@@ -26,9 +26,16 @@ UNLIMITED = 2**62
 """The budget of a device with no limit (disk, when ``max_memory`` does not name it)."""
 
 _UNITS = {
-    "": 1, "b": 1,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "": 1,
+    "b": 1,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
@@ -121,8 +128,10 @@ def max_memory_problems(max_memory: object) -> tuple[dict[Device, int], list[str
         ({'cpu': 2000000000}, ["key 'gpu': unknown device 'gpu': use a GPU index (0, 1, ...), 'cuda:N', 'cpu', 'disk' or 'mps'"])
     """
     if not isinstance(max_memory, Mapping):
-        raise PlanError(f"max_memory must be a dict {{device: size}}, got {max_memory!r} "
-                        f"(a {type(max_memory).__name__}); e.g. {{0: '10GiB', 'cpu': '30GiB'}}")
+        raise PlanError(
+            f"max_memory must be a dict {{device: size}}, got {max_memory!r} "
+            f"(a {type(max_memory).__name__}); e.g. {{0: '10GiB', 'cpu': '30GiB'}}"
+        )
     out: dict[Device, int] = {}
     keys: dict[Device, object] = {}
     problems: list[str] = []
@@ -133,8 +142,9 @@ def max_memory_problems(max_memory: object) -> tuple[dict[Device, int], list[str
             problems.append(f"key {key!r}: {err}")
             continue
         if device in keys:
-            problems.append(f"keys {keys[device]!r} and {key!r} both name {device_label(device)}: "
-                            "give each device one budget")
+            problems.append(
+                f"keys {keys[device]!r} and {key!r} both name {device_label(device)}: give each device one budget"
+            )
             continue
         keys[device] = key
         try:

@@ -21,6 +21,7 @@ Example:
     >>> plan.stages[0], plan.stage_bytes
     (('emb', 'h.0'), (2800, 2800))
 """
+
 from __future__ import annotations
 
 import bisect
@@ -68,8 +69,9 @@ def pipeline_units(tree: SizeTree, no_split: Collection[str]) -> list[tuple[str,
         return [(name, "block") for name, _ in units]
     first = next(i for i, (_, b) in enumerate(units) if b)
     last = max(i for i, (_, b) in enumerate(units) if b)
-    roles = ["block" if b else "first" if i < first else "last" if i > last else "between"
-             for i, (_, b) in enumerate(units)]
+    roles = [
+        "block" if b else "first" if i < first else "last" if i > last else "between" for i, (_, b) in enumerate(units)
+    ]
     return [(name, role) for (name, _), role in zip(units, roles)]
 
 
@@ -131,8 +133,12 @@ def _items(tree: SizeTree, units: list[tuple[str, str]]) -> _Items:
         i, j = item_of[owner(follower, item_of)], item_of[owner(lead, item_of)]  # type: ignore[index]
         if i != j:
             nbytes[i] += tree.tensor_bytes(lead)
-    return _Items(tuple(tuple(g) for g in groups), dict(units), tuple(nbytes),
-                  tuple(sum(unit_flops(tree, n) for n in g) for g in groups))
+    return _Items(
+        tuple(tuple(g) for g in groups),
+        dict(units),
+        tuple(nbytes),
+        tuple(sum(unit_flops(tree, n) for n in g) for g in groups),
+    )
 
 
 class _Chain:
@@ -150,20 +156,21 @@ class _Chain:
 
     def far(self, p: int, cap: tuple[int, int]) -> int:
         """The last end q such that items p..q-1 fit ``cap`` (p itself when item p does not)."""
-        return min(bisect.bisect_right(self.pm, self.pm[p] + cap[0]),
-                   bisect.bisect_right(self.pb, self.pb[p] + cap[1])) - 1
+        return (
+            min(bisect.bisect_right(self.pm, self.pm[p] + cap[0]), bisect.bisect_right(self.pb, self.pb[p] + cap[1]))
+            - 1
+        )
 
     def near(self, q: int, cap: tuple[int, int]) -> int:
         """The first start p such that items p..q-1 fit ``cap``."""
-        return max(bisect.bisect_left(self.pm, self.pm[q] - cap[0]),
-                   bisect.bisect_left(self.pb, self.pb[q] - cap[1]))
+        return max(bisect.bisect_left(self.pm, self.pm[q] - cap[0]), bisect.bisect_left(self.pb, self.pb[q] - cap[1]))
 
     def too_big(self, cap: tuple[int, int]) -> list[int]:
         """Positions of the items that alone exceed ``cap`` (usually none, or the head)."""
         if not self.n or (self._sorted_m[-1] <= cap[0] and self._sorted_b[-1] <= cap[1]):
             return []
-        big_m = self._by_m[bisect.bisect_right(self._sorted_m, cap[0]):]
-        big_b = self._by_b[bisect.bisect_right(self._sorted_b, cap[1]):]
+        big_m = self._by_m[bisect.bisect_right(self._sorted_m, cap[0]) :]
+        big_b = self._by_b[bisect.bisect_right(self._sorted_b, cap[1]) :]
         return sorted(set(big_m) | set(big_b))
 
 
@@ -181,7 +188,7 @@ def _ends(chain: _Chain, starts: Intervals, cap: tuple[int, int], limit: int) ->
     for a, b in starts:
         b = min(b, chain.n - 1)  # a stage starting at the end would be empty
         lo = a + 1
-        for hole in big[bisect.bisect_left(big, a):bisect.bisect_right(big, b)]:
+        for hole in big[bisect.bisect_left(big, a) : bisect.bisect_right(big, b)]:
             if lo <= hole:
                 found.append((lo, hole))
             lo = hole + 2
@@ -216,8 +223,9 @@ def _reachable(chain: _Chain, caps: Sequence[tuple[int, int]]) -> list[Intervals
     return starts if starts[-1][-1][1] == chain.n else None
 
 
-def _choose(chain: _Chain, starts: list[Intervals], caps: Sequence[tuple[int, int]],
-            shares: Sequence[int]) -> list[int]:
+def _choose(
+    chain: _Chain, starts: list[Intervals], caps: Sequence[tuple[int, int]], shares: Sequence[int]
+) -> list[int]:
     """Stage boundaries (0, b1, ..., n): from the last stage back, each start is the feasible
     one nearest to its even share of the metric."""
     k, total = len(caps), chain.pm[-1]
@@ -268,8 +276,10 @@ def _parse_request(stages: object, balance: str, n_items: int, units: list[tuple
     if budgets and len(budgets) > n_items:
         blocks = [n for n, r in units if r == "block"]
         shown = ", ".join(blocks[:6]) + (" ..." if len(blocks) > 6 else "")
-        problems.append(f"{len(budgets)} stages but only {n_items} no-split units to cut between "
-                        f"({shown}): use at most {n_items} stages, or finer no-split classes")
+        problems.append(
+            f"{len(budgets)} stages but only {n_items} no-split units to cut between "
+            f"({shown}): use at most {n_items} stages, or finer no-split classes"
+        )
     PipelineError.check(problems, "cannot plan pipeline stages")
     return _Request(len(budgets), budgets, balance)
 
@@ -319,9 +329,14 @@ def _balance(chain: _Chain, request: _Request) -> tuple[list[int], int]:
     return _choose(chain, reach, caps(best), caps.shares), best
 
 
-def make_pipeline_plan(tree: SizeTree, stages: int | Sequence[int | str], *,
-                       no_split: Collection[str] = (), balance: str = "bytes",
-                       dtype: str | None = None) -> PipelinePlan:
+def make_pipeline_plan(
+    tree: SizeTree,
+    stages: int | Sequence[int | str],
+    *,
+    no_split: Collection[str] = (),
+    balance: str = "bytes",
+    dtype: str | None = None,
+) -> PipelinePlan:
     """Cut ``tree`` into pipeline stages between no-split units.
 
     Args:
@@ -347,9 +362,15 @@ def make_pipeline_plan(tree: SizeTree, stages: int | Sequence[int | str], *,
     return _assemble(tree, items, bounds, request, no_split, dtype, best)
 
 
-def cut_pipeline(tree: SizeTree, split_points: Sequence[str], *, no_split: Collection[str] = (),
-                 balance: str = "bytes", budgets: Sequence[int | None] | None = None,
-                 dtype: str | None = None) -> PipelinePlan:
+def cut_pipeline(
+    tree: SizeTree,
+    split_points: Sequence[str],
+    *,
+    no_split: Collection[str] = (),
+    balance: str = "bytes",
+    budgets: Sequence[int | None] | None = None,
+    dtype: str | None = None,
+) -> PipelinePlan:
     """The plan with stages beginning at ``split_points`` (blocks of ``tree``, in order).
 
     This re-derives a plan for a model from a saved one: the same cuts, this model's units.
@@ -366,21 +387,35 @@ def cut_pipeline(tree: SizeTree, split_points: Sequence[str], *, no_split: Colle
     units = pipeline_units(tree, no_split)
     items = _items(tree, units)
     where = {next(n for n in group if items.roles[n] == "block"): i for i, group in enumerate(items.names)}
-    problems = [f"split point {p!r} is not a no-split block of this model (blocks: "
-                f"{', '.join(list(where)[:4])} ...)" for p in split_points if p not in where]
+    problems = [
+        f"split point {p!r} is not a no-split block of this model (blocks: {', '.join(list(where)[:4])} ...)"
+        for p in split_points
+        if p not in where
+    ]
     positions = [where[p] for p in split_points if p in where]
     if not problems and (positions != sorted(set(positions)) or (positions and positions[0] == 0)):
-        problems.append(f"split points {list(split_points)} must be distinct blocks in execution order, "
-                        f"after the first block")
-    PipelineError.check(problems, "the pipeline plan does not match this model",
-                        fix="Fix: make the plan for this model (bigviz.plan_pipeline(model, ...))")
+        problems.append(
+            f"split points {list(split_points)} must be distinct blocks in execution order, after the first block"
+        )
+    PipelineError.check(
+        problems,
+        "the pipeline plan does not match this model",
+        fix="Fix: make the plan for this model (bigviz.plan_pipeline(model, ...))",
+    )
     k = len(split_points) + 1
     request = _Request(k, tuple(budgets) if budgets is not None else (None,) * k, balance)
     return _assemble(tree, items, [0, *positions, len(items.names)], request, no_split, dtype, None)
 
 
-def _assemble(tree: SizeTree, items: _Items, bounds: list[int], request: _Request,
-              no_split: Collection[str], dtype: str | None, best: int | None) -> PipelinePlan:
+def _assemble(
+    tree: SizeTree,
+    items: _Items,
+    bounds: list[int],
+    request: _Request,
+    no_split: Collection[str],
+    dtype: str | None,
+    best: int | None,
+) -> PipelinePlan:
     stage_of_item = [s for s in range(request.k) for _ in range(bounds[s], bounds[s + 1])]
     stage_of = {n: stage_of_item[i] for i, group in enumerate(items.names) for n in group}
     shared = _shared(tree, stage_of)
@@ -394,22 +429,46 @@ def _assemble(tree: SizeTree, items: _Items, bounds: list[int], request: _Reques
             stage_bytes[stage] += s.nbytes
     cuts = _cuts(items, bounds, stage_bytes, stage_flops, request, best)
     starts = {c.before: c.reason for c in cuts}
-    units = tuple(PipelineUnit(n, stage_of[n], items.roles[n], tree.total(n), unit_flops(tree, n),
-                               tree.nodes[n].class_name if n in tree.nodes else "",
-                               starts.get(n) or _role_reason(items.roles[n], stage_of[n]))
-                  for group in items.names for n in group)
-    notes = tuple(f"{s.name} is tied to {s.leader} (stage {s.stages[0]}): stage"
-                  f"{'s' if len(s.stages) > 2 else ''} {', '.join(map(str, s.stages[1:]))} load"
-                  f"{'' if len(s.stages) > 2 else 's'} that tensor too ({format_size(s.nbytes)})" for s in shared)
-    return PipelinePlan(units, tuple(cuts), tuple(stage_bytes), tuple(stage_flops), request.budgets,
-                        shared, request.balance, tuple(no_split), dtype, notes, tree)
+    units = tuple(
+        PipelineUnit(
+            n,
+            stage_of[n],
+            items.roles[n],
+            tree.total(n),
+            unit_flops(tree, n),
+            tree.nodes[n].class_name if n in tree.nodes else "",
+            starts.get(n) or _role_reason(items.roles[n], stage_of[n]),
+        )
+        for group in items.names
+        for n in group
+    )
+    notes = tuple(
+        f"{s.name} is tied to {s.leader} (stage {s.stages[0]}): stage"
+        f"{'s' if len(s.stages) > 2 else ''} {', '.join(map(str, s.stages[1:]))} load"
+        f"{'' if len(s.stages) > 2 else 's'} that tensor too ({format_size(s.nbytes)})"
+        for s in shared
+    )
+    return PipelinePlan(
+        units,
+        tuple(cuts),
+        tuple(stage_bytes),
+        tuple(stage_flops),
+        request.budgets,
+        shared,
+        request.balance,
+        tuple(no_split),
+        dtype,
+        notes,
+        tree,
+    )
 
 
 def _role_reason(role: str, stage: int) -> str:
-    return {"first": "runs before the first block (embeddings): first stage",
-            "last": "runs after the last block (final norm, head): last stage",
-            "between": "runs between two blocks: stays with the block before it",
-            }.get(role, f"in stage {stage}")
+    return {
+        "first": "runs before the first block (embeddings): first stage",
+        "last": "runs after the last block (final norm, head): last stage",
+        "between": "runs between two blocks: stays with the block before it",
+    }.get(role, f"in stage {stage}")
 
 
 def _shared(tree: SizeTree, stage_of: dict[str, int]) -> tuple[SharedTensor, ...]:
@@ -424,8 +483,14 @@ def _shared(tree: SizeTree, stage_of: dict[str, int]) -> tuple[SharedTensor, ...
     return tuple(out)
 
 
-def _cuts(items: _Items, bounds: list[int], stage_bytes: list[int], stage_flops: list[int],
-          request: _Request, best: int | None) -> list[StageCut]:
+def _cuts(
+    items: _Items,
+    bounds: list[int],
+    stage_bytes: list[int],
+    stage_flops: list[int],
+    request: _Request,
+    best: int | None,
+) -> list[StageCut]:
     """One cut per stage boundary, with the reason it is where it is."""
     compute = request.balance == "compute"
     load = stage_flops if compute else stage_bytes
@@ -442,9 +507,11 @@ def _cuts(items: _Items, bounds: list[int], stage_bytes: list[int], stage_flops:
             reason = f"given: stage {s} begins here ({fmt(load[s - 1])} | {fmt(load[s])})"
         else:
             later, earlier = load[s - 1] + metric[b], load[s] + metric[b - 1]
-            reason = (f"balanced by {request.balance}: stage {s - 1} {fmt(load[s - 1])}, stage {s} "
-                      f"{fmt(load[s])}; one block later stage {s - 1} would be {fmt(later)}, one block "
-                      f"earlier stage {s} would be {fmt(earlier)}")
+            reason = (
+                f"balanced by {request.balance}: stage {s - 1} {fmt(load[s - 1])}, stage {s} "
+                f"{fmt(load[s])}; one block later stage {s - 1} would be {fmt(later)}, one block "
+                f"earlier stage {s} would be {fmt(earlier)}"
+            )
             if request.budgets[s - 1] is not None:
                 reason += f" (budget {format_size(request.budgets[s - 1])})"  # type: ignore[arg-type]
         cuts.append(StageCut(s, first_block, reason))
@@ -458,22 +525,34 @@ def _does_not_fit(tree: SizeTree, items: _Items, request: _Request) -> PipelineE
     problems = []
     if total > sum(budgets):
         tied = ", tied tensors counted in each stage that loads them" if tree.ties else ""
-        problems.append(f"the stages' weights ({format_size(total)}{tied}) exceed the {len(budgets)} budgets "
-                        f"together ({format_size(sum(budgets))}) by {format_size(total - sum(budgets))}")
+        problems.append(
+            f"the stages' weights ({format_size(total)}{tied}) exceed the {len(budgets)} budgets "
+            f"together ({format_size(sum(budgets))}) by {format_size(total - sum(budgets))}"
+        )
     for group, size in zip(items.names, items.nbytes):
         if size > max(budgets):
-            problems.append(f"{' + '.join(group)} alone needs {format_size(size)}, more than the largest "
-                            f"budget ({format_size(max(budgets))})")
+            problems.append(
+                f"{' + '.join(group)} alone needs {format_size(size)}, more than the largest "
+                f"budget ({format_size(max(budgets))})"
+            )
     if 0 not in items.nbytes:  # every block holds bytes: a stage with nothing to spend holds none
-        problems += [f"stage {s} has a budget of 0 B: every stage holds at least one block"
-                     for s, b in enumerate(budgets) if b == 0]
+        problems += [
+            f"stage {s} has a budget of 0 B: every stage holds at least one block"
+            for s, b in enumerate(budgets)
+            if b == 0
+        ]
     for s, need, budget in _even_fill(items, request.budgets):  # type: ignore[arg-type]
-        problems.append(f"stage {s} ({need[0]}) needs {format_size(need[1])} with a budget of "
-                        f"{format_size(budget)}: {format_size(need[1] - budget)} over")
+        problems.append(
+            f"stage {s} ({need[0]}) needs {format_size(need[1])} with a budget of "
+            f"{format_size(budget)}: {format_size(need[1] - budget)} over"
+        )
     root = tree.nodes[""].class_name or "the model"
     wide = any(spec.dtype in ("float32", "float64") for spec in tree.tensors.values())
-    return PipelineError(f"cannot cut {root} ({format_size(tree.total(''))}) into {request.k} stages within "
-                         f"the budgets", problems, fix=_FIX + (_FIX_DTYPE if wide else ""))
+    return PipelineError(
+        f"cannot cut {root} ({format_size(tree.total(''))}) into {request.k} stages within the budgets",
+        problems,
+        fix=_FIX + (_FIX_DTYPE if wide else ""),
+    )
 
 
 def _even_fill(items: _Items, budgets: Sequence[int]) -> list[tuple[int, tuple[str, int], int]]:

@@ -31,6 +31,7 @@ Example:
     >>> predict_forward(units, disk_bandwidth=2e9, depth=0).seconds  # no overlap: read, compute, ...
     5.0
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -41,8 +42,18 @@ if TYPE_CHECKING:
     from bigviz.core.plan import DevicePlan
     from bigviz.core.tree import SizeTree
 
-__all__ = ["UnitCost", "ForwardEstimate", "predict_forward", "estimate_forward", "compute_seconds",
-           "DEFAULT_DEPTH", "resident_budget", "default_cpu_budget", "plan_forward", "forward_estimate"]
+__all__ = [
+    "UnitCost",
+    "ForwardEstimate",
+    "predict_forward",
+    "estimate_forward",
+    "compute_seconds",
+    "DEFAULT_DEPTH",
+    "resident_budget",
+    "default_cpu_budget",
+    "plan_forward",
+    "forward_estimate",
+]
 
 DEFAULT_DEPTH = 2  # disk units the engine reads ahead of the running one (bigviz.engine.readahead)
 
@@ -70,8 +81,11 @@ class UnitCost:
     compute_seconds: float = 0.0
 
     def __post_init__(self) -> None:
-        problems = [f"{field}={getattr(self, field)!r} must be >= 0"
-                    for field in ("read_bytes", "copy_bytes", "compute_seconds") if getattr(self, field) < 0]
+        problems = [
+            f"{field}={getattr(self, field)!r} must be >= 0"
+            for field in ("read_bytes", "copy_bytes", "compute_seconds")
+            if getattr(self, field) < 0
+        ]
         if problems:
             raise ValueError(f"UnitCost {self.name!r}: " + "; ".join(problems))
 
@@ -184,8 +198,12 @@ def predict_forward(
             streamed_ends.append(compute_end)
     busy = _busy(units, disk_bandwidth, link_bandwidth)
     return ForwardEstimate(
-        seconds=compute_end, read_seconds=busy["disk"], copy_seconds=busy["link"], compute_seconds=busy["compute"],
-        stall_seconds=stall, load_seconds=resident_bytes / disk_bandwidth,
+        seconds=compute_end,
+        read_seconds=busy["disk"],
+        copy_seconds=busy["link"],
+        compute_seconds=busy["compute"],
+        stall_seconds=stall,
+        load_seconds=resident_bytes / disk_bandwidth,
         bottleneck=max(("disk", "link", "compute"), key=lambda k: busy[k]),
     )
 
@@ -232,18 +250,23 @@ def estimate_forward(
     total = resident_bytes + streamed_bytes
     n_resident = resident_units or (1 if resident_bytes else 0)
     n_streamed = max(1, units) if streamed_bytes else 0
-    steps = [UnitCost(f"resident {i}", compute_seconds=_share(compute_seconds, resident_bytes / n_resident, total))
-             for i in range(n_resident)]
+    steps = [
+        UnitCost(f"resident {i}", compute_seconds=_share(compute_seconds, resident_bytes / n_resident, total))
+        for i in range(n_resident)
+    ]
     per_unit = streamed_bytes // n_streamed if n_streamed else 0
     copy = copied_bytes // (n_resident + n_streamed) if copied_bytes else 0
-    steps += [UnitCost(f"streamed {i}", read_bytes=per_unit, compute_seconds=_share(compute_seconds, per_unit, total))
-              for i in range(n_streamed)]
+    steps += [
+        UnitCost(f"streamed {i}", read_bytes=per_unit, compute_seconds=_share(compute_seconds, per_unit, total))
+        for i in range(n_streamed)
+    ]
     if copy:
         steps = [UnitCost(s.name, s.read_bytes, copy, s.compute_seconds) for s in steps]
     if not steps:
         steps = [UnitCost("model", compute_seconds=compute_seconds)]
-    return predict_forward(steps, disk_bandwidth=disk_bandwidth, link_bandwidth=link_bandwidth, depth=depth,
-                           resident_bytes=resident_bytes)
+    return predict_forward(
+        steps, disk_bandwidth=disk_bandwidth, link_bandwidth=link_bandwidth, depth=depth, resident_bytes=resident_bytes
+    )
 
 
 def compute_seconds(parameters: int, tokens: int, *, flops_per_second: float) -> float:
@@ -273,8 +296,9 @@ def resident_budget(cpu_budget: int, *, model_bytes: int, largest_unit: int, dep
     return max(0, cpu_budget - (depth + 1) * largest_unit)
 
 
-def default_cpu_budget(tree: SizeTree, cpu_budget: int, no_split: frozenset[str] = frozenset(), *,
-                       depth: int = DEFAULT_DEPTH) -> int:
+def default_cpu_budget(
+    tree: SizeTree, cpu_budget: int, no_split: frozenset[str] = frozenset(), *, depth: int = DEFAULT_DEPTH
+) -> int:
     """:func:`resident_budget` for a model's size tree: the largest unit the engine streams is
     its largest module placed whole (a no-split block, a leaf module).
 
@@ -287,8 +311,9 @@ def default_cpu_budget(tree: SizeTree, cpu_budget: int, no_split: frozenset[str]
     from bigviz.core.nosplit import is_no_split
 
     units = [n.total_bytes for name, n in tree.nodes.items() if not n.children or is_no_split(tree, name, no_split)]
-    return resident_budget(cpu_budget, model_bytes=tree.nodes[""].total_bytes, largest_unit=max(units, default=0),
-                           depth=depth)
+    return resident_budget(
+        cpu_budget, model_bytes=tree.nodes[""].total_bytes, largest_unit=max(units, default=0), depth=depth
+    )
 
 
 def plan_forward(
@@ -319,12 +344,23 @@ def plan_forward(
         copy = nbytes if gpu and device in ("cpu", "disk") else 0
         units.append(UnitCost(name, read_bytes=read, copy_bytes=copy, compute_seconds=compute_seconds * nbytes / total))
     resident = sum(n for _, d, n in placements if d == "cpu")
-    return predict_forward(units or [UnitCost("model")], disk_bandwidth=disk_bandwidth,
-                           link_bandwidth=link_bandwidth, depth=depth, resident_bytes=resident)
+    return predict_forward(
+        units or [UnitCost("model")],
+        disk_bandwidth=disk_bandwidth,
+        link_bandwidth=link_bandwidth,
+        depth=depth,
+        resident_bytes=resident,
+    )
 
 
-def forward_estimate(plan: DevicePlan, *, disk_bandwidth: float, compute_seconds: float = 0.0,
-                     link_bandwidth: float | None = None, depth: int = DEFAULT_DEPTH) -> ForwardEstimate:
+def forward_estimate(
+    plan: DevicePlan,
+    *,
+    disk_bandwidth: float,
+    compute_seconds: float = 0.0,
+    link_bandwidth: float | None = None,
+    depth: int = DEFAULT_DEPTH,
+) -> ForwardEstimate:
     """:func:`plan_forward` for a :class:`~bigviz.core.plan.DevicePlan` (its placements in
     definition order, the usual execution order; GPU-resident units cost compute only).
 
@@ -338,8 +374,14 @@ def forward_estimate(plan: DevicePlan, *, disk_bandwidth: float, compute_seconds
     """
     main = "cpu" if plan.main_device == "cpu" else "gpu"
     rows = [(p.name, str(p.device) if p.device in ("cpu", "disk") else "gpu", p.nbytes) for p in plan.placements]
-    return plan_forward(rows, disk_bandwidth=disk_bandwidth, compute_seconds=compute_seconds,
-                        link_bandwidth=link_bandwidth, main_device=main, depth=depth)
+    return plan_forward(
+        rows,
+        disk_bandwidth=disk_bandwidth,
+        compute_seconds=compute_seconds,
+        link_bandwidth=link_bandwidth,
+        main_device=main,
+        depth=depth,
+    )
 
 
 def _share(seconds: float, nbytes: float, total: int) -> float:

@@ -16,6 +16,7 @@ Example:
     >>> tree.total(""), tree.total("head"), tree.leader_of["head.weight"]
     (48, 8, 'emb.weight')
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -68,8 +69,9 @@ class SizeTree:
     Build one with :meth:`SizeTree.build`; it is immutable afterwards.
     """
 
-    def __init__(self, nodes: dict[str, ModuleNode], tensors: dict[str, TensorSpec],
-                 ties: tuple[tuple[str, ...], ...]) -> None:
+    def __init__(
+        self, nodes: dict[str, ModuleNode], tensors: dict[str, TensorSpec], ties: tuple[tuple[str, ...], ...]
+    ) -> None:
         self.nodes = nodes
         self.tensors = tensors
         self.ties = ties
@@ -77,8 +79,14 @@ class SizeTree:
         self._memo: dict[tuple[object, ...], Any] = {}
 
     @classmethod
-    def build(cls, tensors: Iterable[TensorSpec], modules: Mapping[str, str] | None = None,
-              ties: Iterable[Sequence[str]] = (), *, containers: Collection[str] = ()) -> SizeTree:
+    def build(
+        cls,
+        tensors: Iterable[TensorSpec],
+        modules: Mapping[str, str] | None = None,
+        ties: Iterable[Sequence[str]] = (),
+        *,
+        containers: Collection[str] = (),
+    ) -> SizeTree:
         """Build the tree. ``modules`` maps module name -> class name in definition order;
         modules it lacks are made from the tensor names (class name ``""``). ``containers``
         names the modules whose forward is never called (``ModuleList``, ``ModuleDict``).
@@ -191,8 +199,9 @@ def _tie_groups(ties: Iterable[Sequence[str]], order: Mapping[str, int]) -> tupl
     return tuple(groups)
 
 
-def _structure(classes: Mapping[str, str], specs: Mapping[str, TensorSpec]
-               ) -> tuple[list[tuple[str, int]], dict[str, list[str]], dict[str, list[str]]]:
+def _structure(
+    classes: Mapping[str, str], specs: Mapping[str, TensorSpec]
+) -> tuple[list[tuple[str, int]], dict[str, list[str]], dict[str, list[str]]]:
     """Pre-order (name, depth), children and direct tensors of every module."""
     children: dict[str, list[str]] = {name: [] for name in classes}
     direct: dict[str, list[str]] = {name: [] for name in classes}
@@ -210,10 +219,15 @@ def _structure(classes: Mapping[str, str], specs: Mapping[str, TensorSpec]
     return preorder, children, direct
 
 
-def _assemble(preorder: list[tuple[str, int]], children: Mapping[str, list[str]],
-              direct: Mapping[str, list[str]], classes: Mapping[str, str],
-              specs: Mapping[str, TensorSpec], followers: set[str],
-              containers: frozenset[str]) -> dict[str, ModuleNode]:
+def _assemble(
+    preorder: list[tuple[str, int]],
+    children: Mapping[str, list[str]],
+    direct: Mapping[str, list[str]],
+    classes: Mapping[str, str],
+    specs: Mapping[str, TensorSpec],
+    followers: set[str],
+    containers: frozenset[str],
+) -> dict[str, ModuleNode]:
     totals: dict[str, tuple[int, int, int]] = {}
     for name, _ in reversed(preorder):  # post-order accumulation
         counted = [specs[t] for t in direct[name] if t not in followers]
@@ -222,7 +236,8 @@ def _assemble(preorder: list[tuple[str, int]], children: Mapping[str, list[str]]
         sub = [totals[c] for c in children[name]]
         totals[name] = (own, own + sum(s[1] for s in sub), params + sum(s[2] for s in sub))
     return {
-        name: ModuleNode(name, classes[name], tuple(children[name]), tuple(direct[name]),
-                         *totals[name], depth, name in containers)
+        name: ModuleNode(
+            name, classes[name], tuple(children[name]), tuple(direct[name]), *totals[name], depth, name in containers
+        )
         for name, depth in preorder
     }

@@ -23,6 +23,7 @@ Example:
     >>> window.nbytes(Workload(context_length=32768), "bfloat16") / 2**20
     16.0
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
@@ -31,8 +32,17 @@ from dataclasses import dataclass, field
 from bigviz.core.errors import PlanError
 from bigviz.core.dtypes import canonical_dtype, itemsize
 
-__all__ = ["Workload", "CacheSpec", "Term", "StepSpec", "RunSpec", "CACHE_KINDS",
-           "kv_cache_bytes", "activation_bytes", "longest_fit"]
+__all__ = [
+    "Workload",
+    "CacheSpec",
+    "Term",
+    "StepSpec",
+    "RunSpec",
+    "CACHE_KINDS",
+    "kv_cache_bytes",
+    "activation_bytes",
+    "longest_fit",
+]
 
 CACHE_KINDS = ("full_attention", "sliding_attention", "latent_attention", "state", "none")
 """What a layer's cache can be; ``latent_attention`` keeps one shared latent per token."""
@@ -63,10 +73,8 @@ class Workload:
         problems = []
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
             problems.append(f"batch_size={self.batch_size!r} must be an integer >= 1")
-        if isinstance(self.context_length, bool) or not isinstance(self.context_length, int) \
-                or self.context_length < 0:
-            problems.append(f"context_length={self.context_length!r} must be an integer >= 0 "
-                            f"(tokens the cache holds)")
+        if isinstance(self.context_length, bool) or not isinstance(self.context_length, int) or self.context_length < 0:
+            problems.append(f"context_length={self.context_length!r} must be an integer >= 0 (tokens the cache holds)")
         if self.kv_dtype is not None:
             try:
                 object.__setattr__(self, "kv_dtype", canonical_dtype(self.kv_dtype))
@@ -210,8 +218,9 @@ def kv_cache_bytes(caches: Mapping[str, Iterable[CacheSpec]], workload: Workload
     return {name: sum(spec.nbytes(workload, dtype) for spec in specs) for name, specs in caches.items()}
 
 
-def activation_bytes(steps: Mapping[str, StepSpec], carried: Iterable[Term], workload: Workload,
-                     dtype: str) -> dict[str, int]:
+def activation_bytes(
+    steps: Mapping[str, StepSpec], carried: Iterable[Term], workload: Workload, dtype: str
+) -> dict[str, int]:
     """Peak bytes alive while each module's step runs: its largest phase plus what the
     forward carries (0 for every module without a context).
 

@@ -12,6 +12,7 @@ The command line runs a checkpoint end to end (see ``python -m bigviz.distribute
 
 Names are imported on first use, so ``import bigviz.distributed`` stays light.
 """
+
 from __future__ import annotations
 
 from bigviz.core.lazy import lazy_exports

@@ -1,4 +1,5 @@
 """``python -m bigviz.distributed``: see :mod:`bigviz.distributed.cli`."""
+
 from __future__ import annotations
 
 import sys

@@ -29,6 +29,7 @@ Example:
     >>> torch.equal(last(first(ids)), model(ids)[0])
     True
 """
+
 from __future__ import annotations
 
 import copy
@@ -74,11 +75,15 @@ class DecoderLayout:
         out = []
         for name, role in units:
             if role == "block" and parent(name) != self.blocks:
-                out.append(f"block {name!r} is not one of the layers in {self.blocks!r}: the stage adapter runs "
-                           f"whole layers (plan with the model's no-split classes)")
+                out.append(
+                    f"block {name!r} is not one of the layers in {self.blocks!r}: the stage adapter runs "
+                    f"whole layers (plan with the model's no-split classes)"
+                )
             elif role != "block" and not any(is_prefix(r, name) for r in runs):
-                out.append(f"{name!r} runs outside the blocks, and the {self.family} stage adapter does not know "
-                           f"how to run it (it runs {', '.join(runs)})")
+                out.append(
+                    f"{name!r} runs outside the blocks, and the {self.family} stage adapter does not know "
+                    f"how to run it (it runs {', '.join(runs)})"
+                )
         return out
 
     def stage(self, model: nn.Module, blocks: Sequence[str], *, first: bool, last: bool) -> nn.Module:
@@ -110,8 +115,9 @@ class DecoderStage(nn.Module):
     which takes token ids, and the last, which returns logits.
     """
 
-    def __init__(self, layout: DecoderLayout, modules: Mapping[str, nn.Module], blocks: Sequence[str], *,
-                 first: bool, last: bool) -> None:
+    def __init__(
+        self, layout: DecoderLayout, modules: Mapping[str, nn.Module], blocks: Sequence[str], *, first: bool, last: bool
+    ) -> None:
         super().__init__()
         self.layout = layout
         self.module_names = tuple(modules)
@@ -217,15 +223,21 @@ class HFStage(nn.Module):
     model's last hidden states (before the final norm, which only the last stage applies).
     """
 
-    def __init__(self, model: nn.Module, layout: DecoderLayout, blocks: Sequence[str], *, first: bool,
-                 last: bool) -> None:
+    def __init__(
+        self, model: nn.Module, layout: DecoderLayout, blocks: Sequence[str], *, first: bool, last: bool
+    ) -> None:
         super().__init__()
         prefix, layers_name = layout.blocks.split(".", 1)
         base = _shallow(getattr(model, prefix))
         keep = set(blocks)
         layers = getattr(base, layers_name)
-        setattr(base, layers_name, nn.ModuleList(
-            layer if f"{layout.blocks}.{i}" in keep else _PassThrough() for i, layer in enumerate(layers)))
+        setattr(
+            base,
+            layers_name,
+            nn.ModuleList(
+                layer if f"{layout.blocks}.{i}" in keep else _PassThrough() for i, layer in enumerate(layers)
+            ),
+        )
         if not first:  # the token embedding is not called on inputs_embeds; positions are already in
             setattr(base, layout.first[0].split(".", 1)[1], _NotHere(layout.first[0]))
             if f"{prefix}.wpe" in layout.first:
@@ -260,11 +272,16 @@ def decoder_layout(model: nn.Module) -> DecoderLayout:
     from bigviz.models import GPT, Llama
 
     if isinstance(model, GPT):
-        return _GPTLayout("bigviz-gpt", ("transformer.wte", "transformer.wpe", "transformer.drop"),
-                          "transformer.h", ("transformer.ln_f", "lm_head"))
+        return _GPTLayout(
+            "bigviz-gpt",
+            ("transformer.wte", "transformer.wpe", "transformer.drop"),
+            "transformer.h",
+            ("transformer.ln_f", "lm_head"),
+        )
     if isinstance(model, Llama):
-        return _LlamaLayout("bigviz-llama", ("model.embed_tokens",), "model.layers", ("model.norm", "lm_head"),
-                            ("model.rotary_emb",))
+        return _LlamaLayout(
+            "bigviz-llama", ("model.embed_tokens",), "model.layers", ("model.norm", "lm_head"), ("model.rotary_emb",)
+        )
     return _hf_layout(model)
 
 
@@ -277,14 +294,19 @@ def _hf_layout(model: nn.Module) -> DecoderLayout:
     missing = [f"{role} ({' or '.join(names)})" for role, names in roles.items() if found[role] is None]
     if base is None or missing or head is None:
         what = (["a base model (base_model_prefix)"] if base is None else missing) + ([] if head else ["lm_head"])
-        raise PipelineError(f"cannot cut {type(model).__name__} into stages by name", [
-            f"the stage adapter runs decoder-only LMs (embeddings -> blocks -> norm -> lm_head); "
-            f"{type(model).__name__} lacks {', '.join(what)}: pass example_args so torch's tracer cuts it instead"],
-            fix="Fix: pass example_args so torch's tracer (torch.distributed.pipelining.pipeline) splits it")
+        raise PipelineError(
+            f"cannot cut {type(model).__name__} into stages by name",
+            [
+                f"the stage adapter runs decoder-only LMs (embeddings -> blocks -> norm -> lm_head); "
+                f"{type(model).__name__} lacks {', '.join(what)}: pass example_args so torch's tracer cuts it instead"
+            ],
+            fix="Fix: pass example_args so torch's tracer (torch.distributed.pipelining.pipeline) splits it",
+        )
     first = [f"{prefix}.{found['embeddings']}"] + [f"{prefix}.{n}" for n in ("wpe", "drop") if _is_module(base, n)]
     context = (f"{prefix}.rotary_emb",) if _is_module(base, "rotary_emb") else ()
-    return _HFLayout("transformers", tuple(first), f"{prefix}.{found['blocks']}",
-                     (f"{prefix}.{found['final norm']}", head), context)
+    return _HFLayout(
+        "transformers", tuple(first), f"{prefix}.{found['blocks']}", (f"{prefix}.{found['final norm']}", head), context
+    )
 
 
 def _first_attr(obj: Any, names: Sequence[str]) -> str | None:

@@ -14,6 +14,7 @@ a bad request fails on every rank before any process loads a weight or joins the
 Then each rank loads its own stage's tensors, a torch schedule runs the micro-batches, and
 rank 0 writes the last position's logits (one row per micro-batch) with ``torch.save``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,9 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bigviz.distributed",
         description="Run a checkpoint as pipeline stages: each rank loads only its stage, a torch schedule runs "
-                    "the micro-batches, rank 0 writes the last position's logits.",
+        "the micro-batches, rank 0 writes the last position's logits.",
         epilog="Launch with torchrun, one process per stage: torchrun --standalone --nproc-per-node 2 "
-               "-m bigviz.distributed CHECKPOINT --stages 2 --input-ids 1,2,3,4 --out logits.pt")
+        "-m bigviz.distributed CHECKPOINT --stages 2 --input-ids 1,2,3,4 --out logits.pt",
+    )
     parser.add_argument("checkpoint", help="checkpoint folder with config.json (transformers or bigviz)")
     how = parser.add_mutually_exclusive_group(required=True)
     how.add_argument("--stages", type=parse_stages, help="number of stages, or per-stage budgets: 20GiB,20GiB")
@@ -78,10 +80,19 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--report", default=None, help="also write a JSON report: plan, and per rank what it loaded")
     parser.add_argument("--dtype", default="auto", help="load weights as this dtype; auto: the checkpoint's")
     parser.add_argument("--balance", default="bytes", choices=["bytes", "compute"])
-    parser.add_argument("--no-split", action="append", default=None, metavar="PATTERN",
-                        help="block class or module-name glob (repeatable); default: the model's own")
-    parser.add_argument("--split", default="auto", choices=["auto", "trace", "wrap"],
-                        help="trace with torch's front end, wrap the stage's modules, or auto (trace, else wrap)")
+    parser.add_argument(
+        "--no-split",
+        action="append",
+        default=None,
+        metavar="PATTERN",
+        help="block class or module-name glob (repeatable); default: the model's own",
+    )
+    parser.add_argument(
+        "--split",
+        default="auto",
+        choices=["auto", "trace", "wrap"],
+        help="trace with torch's front end, wrap the stage's modules, or auto (trace, else wrap)",
+    )
     parser.add_argument("--schedule", default="gpipe", choices=SCHEDULES)
     parser.add_argument("--backend", default=None, help="gloo or nccl (default: nccl with CUDA, else gloo)")
     return parser
@@ -109,8 +120,10 @@ def _argument_problems(args: argparse.Namespace, world: int | None) -> list[str]
     if not Path(args.checkpoint).exists():
         problems.append(f"checkpoint {args.checkpoint} does not exist")
     if world is None:
-        problems.append("not launched by torchrun (no WORLD_SIZE): run torchrun --standalone --nproc-per-node "
-                        "N -m bigviz.distributed ... with N the number of stages")
+        problems.append(
+            "not launched by torchrun (no WORLD_SIZE): run torchrun --standalone --nproc-per-node "
+            "N -m bigviz.distributed ... with N the number of stages"
+        )
     return problems
 
 
@@ -128,12 +141,15 @@ def _prepare(args: argparse.Namespace) -> _Job:
     if args.plan is not None:
         plan = PipelinePlan.load_json(args.plan)
     else:
-        plan = plan_pipeline(model, args.stages, no_split_module_classes=args.no_split, balance=args.balance,
-                             dtype=dtype)
+        plan = plan_pipeline(
+            model, args.stages, no_split_module_classes=args.no_split, balance=args.balance, dtype=dtype
+        )
     problems = []
     if world != plan.n_stages:
-        problems.append(f"{world} processes for a {plan.n_stages}-stage plan: launch one per stage "
-                        f"(torchrun --nproc-per-node {plan.n_stages})")
+        problems.append(
+            f"{world} processes for a {plan.n_stages}-stage plan: launch one per stage "
+            f"(torchrun --nproc-per-node {plan.n_stages})"
+        )
     vocab = _vocab_size(model)
     too_big = [i for i in args.input_ids if vocab is not None and i >= vocab]
     if too_big:
@@ -169,18 +185,33 @@ def _run(job: _Job) -> dict[str, Any] | None:
     try:
         batch = torch.tensor([args.input_ids] * args.microbatches, dtype=torch.long, device=device)  # (M, T)
         rss_before = _rss()
-        stage = build_stage(job.model, args.checkpoint, job.plan, job.rank, device=device,
-                            example_args=(batch[:1],), split=args.split, dtype=job.dtype)
+        stage = build_stage(
+            job.model,
+            args.checkpoint,
+            job.plan,
+            job.rank,
+            device=device,
+            example_args=(batch[:1],),
+            split=args.split,
+            dtype=job.dtype,
+        )
         schedule = (Schedule1F1B if args.schedule == "1f1b" else ScheduleGPipe)(stage, args.microbatches)
         with torch.no_grad():
             out = schedule.step(batch) if job.rank == 0 else schedule.step()
         built = stage.bigviz
-        report = {"rank": job.rank, "stage": built.rank, "method": built.method, "fallback": built.fallback,
-                  "device": str(built.device), "modules": list(job.plan.stages[job.rank]),
-                  "loaded": built.loaded, "bytes_loaded": built.nbytes,
-                  "planned_bytes": job.plan.stage_bytes[job.rank],
-                  "rss_before_load_bytes": rss_before,
-                  "peak_rss_bytes": _max_rss()}
+        report = {
+            "rank": job.rank,
+            "stage": built.rank,
+            "method": built.method,
+            "fallback": built.fallback,
+            "device": str(built.device),
+            "modules": list(job.plan.stages[job.rank]),
+            "loaded": built.loaded,
+            "bytes_loaded": built.nbytes,
+            "planned_bytes": job.plan.stage_bytes[job.rank],
+            "rss_before_load_bytes": rss_before,
+            "peak_rss_bytes": _max_rss(),
+        }
         if built.rank == job.world - 1:
             logits = out[0] if isinstance(out, (tuple, list)) else out
             report["logits"] = logits[:, -1, :].detach().to("cpu")  # (M, vocab): the last position
@@ -224,9 +255,18 @@ def _write(job: _Job, result: dict[str, Any]) -> None:
         raise
     print(f"wrote {out}: logits of the last position, shape {tuple(logits.shape)}, {logits.dtype}")
     if job.args.report:
-        write_json_atomic({"checkpoint": str(job.args.checkpoint), "input_ids": job.args.input_ids,
-                           "microbatches": job.args.microbatches, "schedule": job.args.schedule,
-                           "dtype": job.dtype, "plan": job.plan.to_dict(), "ranks": ranks}, job.args.report)
+        write_json_atomic(
+            {
+                "checkpoint": str(job.args.checkpoint),
+                "input_ids": job.args.input_ids,
+                "microbatches": job.args.microbatches,
+                "schedule": job.args.schedule,
+                "dtype": job.dtype,
+                "plan": job.plan.to_dict(),
+                "ranks": ranks,
+            },
+            job.args.report,
+        )
         print(f"wrote {job.args.report}")
 
 
@@ -247,7 +287,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = _run(job)
     if result is not None:
         for r in sorted(result["ranks"], key=lambda r: r["rank"]):
-            print(f"rank {r['rank']}: stage {r['stage']} ({r['method']}) loaded {len(r['loaded'])} tensors, "
-                  f"{r['bytes_loaded']} bytes, on {r['device']}")
+            print(
+                f"rank {r['rank']}: stage {r['stage']} ({r['method']}) loaded {len(r['loaded'])} tensors, "
+                f"{r['bytes_loaded']} bytes, on {r['device']}"
+            )
         _write(job, result)
     return 0

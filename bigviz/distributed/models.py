@@ -17,6 +17,7 @@ Example:
     >>> type(empty).__name__, empty.lm_head.weight.device.type, checkpoint_dtype(folder)
     ('GPT', 'meta', 'float32')
 """
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,10 @@ def read_config(checkpoint: str | Path) -> dict[str, Any]:
         PipelineError: no such file, or not a JSON object with a ``model_type``; with the fix.
     """
     path = _folder(checkpoint) / "config.json"
-    fix = ("Fix: save bigviz models with bigviz.save_sharded(model, folder, config=model.config) and "
-           "transformers models with model.save_pretrained(folder)")
+    fix = (
+        "Fix: save bigviz models with bigviz.save_sharded(model, folder, config=model.config) and "
+        "transformers models with model.save_pretrained(folder)"
+    )
     if not path.is_file():
         raise PipelineError(f"{path} does not exist: the checkpoint does not say which model it holds", fix=fix)
     try:
@@ -73,8 +76,10 @@ def empty_model(checkpoint: str | Path) -> nn.Module:
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as err:
-        raise PipelineError(f"{checkpoint} holds a transformers model ({config['model_type']}), and transformers "
-                            f"is not installed", fix="Fix: pip install transformers") from err
+        raise PipelineError(
+            f"{checkpoint} holds a transformers model ({config['model_type']}), and transformers is not installed",
+            fix="Fix: pip install transformers",
+        ) from err
     hf_config = AutoConfig.from_pretrained(_folder(checkpoint))
     with init_empty_weights():
         return AutoModelForCausalLM.from_config(hf_config).eval()

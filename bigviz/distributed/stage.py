@@ -27,6 +27,7 @@ Example:
     >>> last.method, last.loaded[0], "transformer.h.0.ln_1.weight" in last.loaded
     ('wrap', 'transformer.wte.weight', False)
 """
+
 from __future__ import annotations
 
 import warnings
@@ -87,12 +88,15 @@ class StageBuild:
     def summary(self) -> str:
         """One line for a log: stage, method, what was loaded, where."""
         how = f"{self.method}" + (f", tracing failed: {self.fallback}" if self.fallback else "")
-        return (f"stage {self.rank} of {self.n_stages} ({how}): loaded {len(self.loaded)} tensors "
-                f"({format_size(self.nbytes)}) onto {self.device}")
+        return (
+            f"stage {self.rank} of {self.n_stages} ({how}): loaded {len(self.loaded)} tensors "
+            f"({format_size(self.nbytes)}) onto {self.device}"
+        )
 
 
-def check_pipeline(model: nn.Module, checkpoint: str | Path | CheckpointIndex, pipeline_plan: PipelinePlan,
-                   *, adapter: bool = True) -> tuple[PipelinePlan, LoadPlan]:
+def check_pipeline(
+    model: nn.Module, checkpoint: str | Path | CheckpointIndex, pipeline_plan: PipelinePlan, *, adapter: bool = True
+) -> tuple[PipelinePlan, LoadPlan]:
     """Check, from headers alone, that ``pipeline_plan`` fits ``model`` and ``checkpoint``.
 
     Run it identically on every rank before anything loads. Returns the plan re-derived for
@@ -119,10 +123,12 @@ def check_pipeline(model: nn.Module, checkpoint: str | Path | CheckpointIndex, p
         problems += err.problems
     if adapter and model_plan is not None:
         problems += _adapter_problems(model, model_plan)
-    PipelineError.check(problems, f"the pipeline plan does not fit {type(model).__name__} and its checkpoint; "
-                                  f"nothing was loaded",
-                        fix="Fix: each line says what is wrong; a plan made for this model "
-                            "(bigviz.plan_pipeline(model, stages)) and the checkpoint it was saved to fit")
+    PipelineError.check(
+        problems,
+        f"the pipeline plan does not fit {type(model).__name__} and its checkpoint; nothing was loaded",
+        fix="Fix: each line says what is wrong; a plan made for this model "
+        "(bigviz.plan_pipeline(model, stages)) and the checkpoint it was saved to fit",
+    )
     assert model_plan is not None and load_plan is not None
     return model_plan, load_plan
 
@@ -130,18 +136,37 @@ def check_pipeline(model: nn.Module, checkpoint: str | Path | CheckpointIndex, p
 def _replan(model: nn.Module, plan: PipelinePlan) -> PipelinePlan:
     """The plan with the same cuts for this model: same blocks per stage, within budgets."""
     tree = module_tree(model, plan.dtype)
-    mine = cut_pipeline(tree, plan.split_points, no_split=plan.no_split, balance=plan.balance,
-                        budgets=plan.budgets, dtype=plan.dtype)
-    problems = [f"stage {s}: the plan has blocks {_span(plan.blocks(s))}, this model {_span(mine.blocks(s))}"
-                for s in range(plan.n_stages) if plan.blocks(s) != mine.blocks(s)]
+    mine = cut_pipeline(
+        tree, plan.split_points, no_split=plan.no_split, balance=plan.balance, budgets=plan.budgets, dtype=plan.dtype
+    )
+    problems = [
+        f"stage {s}: the plan has blocks {_span(plan.blocks(s))}, this model {_span(mine.blocks(s))}"
+        for s in range(plan.n_stages)
+        if plan.blocks(s) != mine.blocks(s)
+    ]
     unknown = [u.name for u in plan.units if u.name not in tree.nodes and u.name not in tree.tensors]
-    problems += [f"the plan names {len(unknown)} module(s) this model lacks: {', '.join(unknown[:5])}"] if unknown else []
-    problems += [f"stage {s} needs {format_size(b)}, over its budget of {format_size(budget)}"
-                 for s, (b, budget) in enumerate(zip(mine.stage_bytes, plan.budgets))
-                 if budget is not None and b > budget]
+    problems += (
+        [f"the plan names {len(unknown)} module(s) this model lacks: {', '.join(unknown[:5])}"] if unknown else []
+    )
+    problems += [
+        f"stage {s} needs {format_size(b)}, over its budget of {format_size(budget)}"
+        for s, (b, budget) in enumerate(zip(mine.stage_bytes, plan.budgets))
+        if budget is not None and b > budget
+    ]
     PipelineError.check(problems, "the pipeline plan does not match this model")
-    return PipelinePlan(mine.units, mine.cuts, mine.stage_bytes, mine.stage_flops, mine.budgets, mine.shared,
-                        mine.balance, mine.no_split, mine.dtype, mine.notes, tree)
+    return PipelinePlan(
+        mine.units,
+        mine.cuts,
+        mine.stage_bytes,
+        mine.stage_flops,
+        mine.budgets,
+        mine.shared,
+        mine.balance,
+        mine.no_split,
+        mine.dtype,
+        mine.notes,
+        tree,
+    )
 
 
 def _span(blocks: Sequence[str]) -> str:
@@ -182,9 +207,17 @@ def _default_device(device: torch.device | str | int | None) -> torch.device:
     return torch.device("cpu")
 
 
-def build_stage_module(model: nn.Module, checkpoint: str | Path | CheckpointIndex, pipeline_plan: PipelinePlan,
-                       rank: int, *, device: torch.device | str | int | None = None, example_args: Any = None,
-                       split: str = "auto", dtype: torch.dtype | str | None = None) -> StageBuild:
+def build_stage_module(
+    model: nn.Module,
+    checkpoint: str | Path | CheckpointIndex,
+    pipeline_plan: PipelinePlan,
+    rank: int,
+    *,
+    device: torch.device | str | int | None = None,
+    example_args: Any = None,
+    split: str = "auto",
+    dtype: torch.dtype | str | None = None,
+) -> StageBuild:
     """Cut stage ``rank`` out of ``model`` (built on meta) and load only its tensors.
 
     Args:
@@ -213,12 +246,14 @@ def build_stage_module(model: nn.Module, checkpoint: str | Path | CheckpointInde
             _set_tensor(module, name, _model_tensor(model, name))
         _retarget(module, device)
     _finish(module, device)
-    return StageBuild(module, rank, model_plan.n_stages, method, result.loaded, result.bytes_loaded, device,
-                      model_plan, fallback)
+    return StageBuild(
+        module, rank, model_plan.n_stages, method, result.loaded, result.bytes_loaded, device, model_plan, fallback
+    )
 
 
-def _stage_module(model: nn.Module, plan: PipelinePlan, rank: int, split: str, example_args: Any,
-                  loadable: set[str]) -> tuple[nn.Module, list[str], str, str]:
+def _stage_module(
+    model: nn.Module, plan: PipelinePlan, rank: int, split: str, example_args: Any, loadable: set[str]
+) -> tuple[nn.Module, list[str], str, str]:
     """The stage module, the model tensor names it holds, the method used, why not trace."""
     fallback = ""
     if split == "trace" or (split == "auto" and example_args is not None):
@@ -226,11 +261,15 @@ def _stage_module(model: nn.Module, plan: PipelinePlan, rank: int, split: str, e
             return (*_traced(model, plan, rank, example_args, loadable), "trace", "")
         except Exception as err:  # torch's tracer fails in many model-specific ways
             if split == "trace":
-                raise PipelineError(f"torch's tracer could not split {type(model).__name__}: "
-                                    f"{type(err).__name__}: {err}", fix="Fix: use split='wrap'") from err
+                raise PipelineError(
+                    f"torch's tracer could not split {type(model).__name__}: {type(err).__name__}: {err}",
+                    fix="Fix: use split='wrap'",
+                ) from err
             fallback = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
-        PipelineError.check(_adapter_problems(model, plan), f"cannot build stage {rank} (tracing failed: "
-                                                            f"{fallback}); nothing was loaded")
+        PipelineError.check(
+            _adapter_problems(model, plan),
+            f"cannot build stage {rank} (tracing failed: {fallback}); nothing was loaded",
+        )
     layout = decoder_layout(model)
     first, last = rank == 0, rank == plan.n_stages - 1
     module = layout.stage(model, plan.blocks(rank), first=first, last=last)
@@ -239,14 +278,16 @@ def _stage_module(model: nn.Module, plan: PipelinePlan, rank: int, split: str, e
     return module, names, "wrap", fallback
 
 
-def _tensor_names(tree: SizeTree, layout: DecoderLayout, blocks: Sequence[str], *, first: bool,
-                  last: bool) -> list[str]:
+def _tensor_names(
+    tree: SizeTree, layout: DecoderLayout, blocks: Sequence[str], *, first: bool, last: bool
+) -> list[str]:
     modules = layout.modules_for(blocks, first=first, last=last)
     return [t for m in modules if m in tree.nodes for t in tree.subtree_tensors(m)]
 
 
-def _traced(model: nn.Module, plan: PipelinePlan, rank: int, example_args: Any,
-            loadable: set[str]) -> tuple[nn.Module, list[str]]:
+def _traced(
+    model: nn.Module, plan: PipelinePlan, rank: int, example_args: Any, loadable: set[str]
+) -> tuple[nn.Module, list[str]]:
     """Split with torch's front end; every stage's tensors must be the model's, by name, so
     every rank decides the same way whether tracing is usable."""
     from torch.distributed.pipelining import SplitPoint, pipeline
@@ -316,23 +357,32 @@ def _set_tensor(root: nn.Module, name: str, tensor: torch.Tensor | None) -> None
     store[leaf(name)] = tensor
 
 
-def _load(model: nn.Module, checkpoint: str | Path | CheckpointIndex, load_plan: LoadPlan, names: Sequence[str],
-          device: torch.device, dtype: torch.dtype | str | None) -> LoadResult:
+def _load(
+    model: nn.Module,
+    checkpoint: str | Path | CheckpointIndex,
+    load_plan: LoadPlan,
+    names: Sequence[str],
+    device: torch.device,
+    dtype: torch.dtype | str | None,
+) -> LoadResult:
     """Load the checkpoint keys that fill ``names`` (and their tied names), nothing else."""
     wanted = set(names)
     keys = {load.key for load in load_plan.loads if wanted.intersection(load.aliases)}
     index = CheckpointIndex.open(checkpoint).subset(keys)
-    return load_checkpoint_in_model(model, index, device_map={"": str(device)}, dtype=dtype, strict=False,
-                                    progress=False)
+    return load_checkpoint_in_model(
+        model, index, device_map={"": str(device)}, dtype=dtype, strict=False, progress=False
+    )
 
 
 def _check_fillable(model: nn.Module, names: Sequence[str], loadable: set[str]) -> None:
     """Before loading: every tensor of the stage is real already or filled by the checkpoint."""
     empty = [n for n in names if (t := _model_tensor(model, n)) is not None and t.is_meta and n not in loadable]
-    PipelineError.check(empty, "these tensors of the stage are on meta and the checkpoint does not hold them; "
-                               "nothing was loaded",
-                        fix="Fix: build the model with bigviz.init_empty_weights(), which keeps buffers real "
-                            "(a rotary embedding's inv_freq is computed, not saved)")
+    PipelineError.check(
+        empty,
+        "these tensors of the stage are on meta and the checkpoint does not hold them; nothing was loaded",
+        fix="Fix: build the model with bigviz.init_empty_weights(), which keeps buffers real "
+        "(a rotary embedding's inv_freq is computed, not saved)",
+    )
 
 
 def _finish(module: nn.Module, device: torch.device) -> None:
@@ -341,9 +391,18 @@ def _finish(module: nn.Module, device: torch.device) -> None:
     module.to(device).eval()
 
 
-def build_stage(model: nn.Module, checkpoint: str | Path | CheckpointIndex, pipeline_plan: PipelinePlan,
-                rank: int, *, device: torch.device | str | int | None = None, example_args: Any = None,
-                split: str = "auto", dtype: torch.dtype | str | None = None, group: Any = None) -> Any:
+def build_stage(
+    model: nn.Module,
+    checkpoint: str | Path | CheckpointIndex,
+    pipeline_plan: PipelinePlan,
+    rank: int,
+    *,
+    device: torch.device | str | int | None = None,
+    example_args: Any = None,
+    split: str = "auto",
+    dtype: torch.dtype | str | None = None,
+    group: Any = None,
+) -> Any:
     """A ``torch.distributed.pipelining.PipelineStage`` for stage ``rank``, loaded from ``checkpoint``.
 
     The process group must be initialised, with one rank per stage. Arguments are those of
@@ -364,11 +423,14 @@ def build_stage(model: nn.Module, checkpoint: str | Path | CheckpointIndex, pipe
 
     world = dist.get_world_size(group) if dist.is_initialized() else None
     if world is not None and world != pipeline_plan.n_stages:
-        raise PipelineError(f"the plan has {pipeline_plan.n_stages} stages but the process group has {world} ranks",
-                            fix=f"Fix: launch {pipeline_plan.n_stages} processes (torchrun --nproc-per-node "
-                                f"{pipeline_plan.n_stages}) or plan for {world} stages")
-    built = build_stage_module(model, checkpoint, pipeline_plan, rank, device=device, example_args=example_args,
-                               split=split, dtype=dtype)
+        raise PipelineError(
+            f"the plan has {pipeline_plan.n_stages} stages but the process group has {world} ranks",
+            fix=f"Fix: launch {pipeline_plan.n_stages} processes (torchrun --nproc-per-node "
+            f"{pipeline_plan.n_stages}) or plan for {world} stages",
+        )
+    built = build_stage_module(
+        model, checkpoint, pipeline_plan, rank, device=device, example_args=example_args, split=split, dtype=dtype
+    )
     stage = PipelineStage(built.module, rank, built.n_stages, built.device, group=group)
     stage.bigviz = built  # type: ignore[attr-defined]
     return stage

@@ -11,6 +11,7 @@ Example:
     >>> _ = model(torch.ones(1, 2))
     >>> hook.offload()
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -37,7 +38,6 @@ from bigviz.modeling.inventory import ModelInventory
 from bigviz.planning.chain import INVALID_MAP, dispatch_plan_for, map_problems, resolve_device_map
 
 __all__ = ["load_checkpoint_and_dispatch", "cpu_offload", "cpu_offload_with_hook", "disk_offload"]
-
 
 
 def load_checkpoint_and_dispatch(
@@ -104,48 +104,89 @@ def load_checkpoint_and_dispatch(
 
     check_mode(resident)  # before anything is read
     inventory = inventory_of(model)  # ties made, then the model's one walk for this call
-    mapping, made = resolve_device_map(inventory, device_map, max_memory=max_memory, dtype=dtype,
-                                       no_split_module_classes=no_split_module_classes,
-                                       preload_module_classes=preload_module_classes, offload_buffers=offload_buffers)
+    mapping, made = resolve_device_map(
+        inventory,
+        device_map,
+        max_memory=max_memory,
+        dtype=dtype,
+        no_split_module_classes=no_split_module_classes,
+        preload_module_classes=preload_module_classes,
+        offload_buffers=offload_buffers,
+    )
     if mapping is None:
-        load_checkpoint_in_model(inventory, checkpoint, None, dtype=dtype, offload_folder=offload_folder,
-                                 strict=strict, progress=False)
+        load_checkpoint_in_model(
+            inventory, checkpoint, None, dtype=dtype, offload_folder=offload_folder, strict=strict, progress=False
+        )
         return model.eval()
     mapping = device_map_in_model_names(inventory, checkpoint, mapping)  # a map planned from headers
-    index, loads, canonical = _checked_plans(inventory, checkpoint, mapping, dtype=dtype, strict=strict,
-                                             offload_folder=offload_folder)
+    index, loads, canonical = _checked_plans(
+        inventory, checkpoint, mapping, dtype=dtype, strict=strict, offload_folder=offload_folder
+    )
     result = execute_load_plan(inventory, index, loads, progress=False)
     inventory = inventory.refreshed()  # same structure, the tensors the load put in
     blocks = no_split_module_classes
     if blocks is None and made is not None and made.rule is not None:
         blocks = made.rule.blocks  # the planner's blocks (globs too): the units it reserved room for
-    plan = dispatch_plan_for(inventory, canonical, main_device=made.main_device if made is not None else None,
-                             no_split_module_classes=blocks, preload_module_classes=preload_module_classes,
-                             offload_buffers=offload_buffers, prefetch=prefetch)
+    plan = dispatch_plan_for(
+        inventory,
+        canonical,
+        main_device=made.main_device if made is not None else None,
+        no_split_module_classes=blocks,
+        preload_module_classes=preload_module_classes,
+        offload_buffers=offload_buffers,
+        prefetch=prefetch,
+    )
     stores = [result.disk] if result.disk is not None else []
-    execute_dispatch(inventory, plan, stores, skip_keys=skip_keys, force_hooks=force_hooks,
-                     offload_folder=offload_folder, owned=stores)
+    execute_dispatch(
+        inventory,
+        plan,
+        stores,
+        skip_keys=skip_keys,
+        force_hooks=force_hooks,
+        offload_folder=offload_folder,
+        owned=stores,
+    )
     settle_residency(model, resident=resident)
     return model.eval()
 
 
-def _checked_plans(inventory: ModelInventory, checkpoint: str | Path, mapping: Mapping[str, Any], *,
-                   dtype: Any, strict: bool, offload_folder: str | Path | None
-                   ) -> tuple[CheckpointIndex, LoadPlan, dict[str, Any]]:
+def _checked_plans(
+    inventory: ModelInventory,
+    checkpoint: str | Path,
+    mapping: Mapping[str, Any],
+    *,
+    dtype: Any,
+    strict: bool,
+    offload_folder: str | Path | None,
+) -> tuple[CheckpointIndex, LoadPlan, dict[str, Any]]:
     """The one validation pass of a load-and-dispatch: the device map (names, devices this
     machine has, coverage) and the checkpoint (keys, shapes, files), every problem in one
     error, before anything is read."""
     canonical, problems = map_problems(inventory.tree(), mapping)
-    index, loads = plan_load(inventory, checkpoint, canonical if not problems else mapping, dtype=dtype,
-                             offload_folder=offload_folder, strict=strict, check=False)
+    index, loads = plan_load(
+        inventory,
+        checkpoint,
+        canonical if not problems else mapping,
+        dtype=dtype,
+        offload_folder=offload_folder,
+        strict=strict,
+        check=False,
+    )
     if problems and not plan_problems(loads, strict=strict, map_checked=True)[0]:
         DeviceMapError.check(problems, INVALID_MAP, fix=MISSING_DEVICE_FIX)
-    check_plan(loads, strict=strict, where=f"'{index.path}' into {type(inventory.model).__name__}", more=problems,
-               map_checked=True)
+    check_plan(
+        loads,
+        strict=strict,
+        where=f"'{index.path}' into {type(inventory.model).__name__}",
+        more=problems,
+        map_checked=True,
+    )
     return index, loads, canonical
 
 
-def _offload_map(inventory: ModelInventory, storage: str, preload_module_classes: Sequence[str] | None) -> dict[str, str]:
+def _offload_map(
+    inventory: ModelInventory, storage: str, preload_module_classes: Sequence[str] | None
+) -> dict[str, str]:
     """One entry per block-sized unit: instances of the model's no-split classes (its
     transformer blocks) whole, and every other module's own tensors."""
     keep_whole = set(inventory.no_split) | set(preload_module_classes or ())

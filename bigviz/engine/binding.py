@@ -113,7 +113,8 @@ class Binding:
 
     units: list[BoundUnit] = field(default_factory=list)
     resident: list[tuple[list[Slot], list[Tensor], torch.device, tuple[str, Mapping[str, Tensor]] | None]] = field(
-        default_factory=list)
+        default_factory=list
+    )
     to_write: dict[str, Tensor] = field(default_factory=dict)
     to_pin: dict[str, Tensor] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
@@ -148,8 +149,13 @@ def bind(plan: DispatchPlan, inventory: ModelInventory, stores: Sequence[Mapping
     return binding
 
 
-def bound_units(model: nn.Module, device_map: Mapping[str, object], *, main_device: object = None,
-                stores: Sequence[Mapping[str, Tensor]] = ()) -> list[BoundUnit]:
+def bound_units(
+    model: nn.Module,
+    device_map: Mapping[str, object],
+    *,
+    main_device: object = None,
+    stores: Sequence[Mapping[str, Tensor]] = (),
+) -> list[BoundUnit]:
     """The offload units of ``device_map`` on ``model``, planned and bound (nothing moves).
 
     Example:
@@ -164,9 +170,14 @@ def bound_units(model: nn.Module, device_map: Mapping[str, object], *, main_devi
     return bind(dispatch_plan_for(inventory, device_map, main_device=main_device), inventory, stores).units
 
 
-def _stream_source(plan: DispatchPlan, inventory: ModelInventory, key: str, group: tuple[str, ...],
-                   stores: Sequence[Mapping[str, Tensor]],
-                   binding: Binding) -> tuple[str, Mapping[str, Tensor] | None] | None:
+def _stream_source(
+    plan: DispatchPlan,
+    inventory: ModelInventory,
+    key: str,
+    group: tuple[str, ...],
+    stores: Sequence[Mapping[str, Tensor]],
+    binding: Binding,
+) -> tuple[str, Mapping[str, Tensor] | None] | None:
     """``(key, store)`` the units read a streamed tensor from; store None: written (disk) or
     pinned (cpu) at dispatch."""
     tensor = inventory.tensor(key)
@@ -184,8 +195,13 @@ def _stream_source(plan: DispatchPlan, inventory: ModelInventory, key: str, grou
     return key, None
 
 
-def _add_fetch(unit: BoundUnit, inventory: ModelInventory, fetch: Fetch,
-               found: tuple[str, Mapping[str, Tensor] | None], placeholders: dict[int, Tensor]) -> None:
+def _add_fetch(
+    unit: BoundUnit,
+    inventory: ModelInventory,
+    fetch: Fetch,
+    found: tuple[str, Mapping[str, Tensor] | None],
+    placeholders: dict[int, Tensor],
+) -> None:
     key, store = found
     tensor = inventory.tensor(fetch.key)
     if store is not None:
@@ -207,8 +223,9 @@ def _add_fetch(unit: BoundUnit, inventory: ModelInventory, fetch: Fetch,
         unit.requires_grad |= slot[2] == "param" and current.requires_grad
 
 
-def _bind_resident(binding: Binding, inventory: ModelInventory, resident: Resident,
-                   stores: Sequence[Mapping[str, Tensor]]) -> None:
+def _bind_resident(
+    binding: Binding, inventory: ModelInventory, resident: Resident, stores: Sequence[Mapping[str, Tensor]]
+) -> None:
     slots = [inventory.slots[n] for n in resident.names]
     tensors = list({id(t): t for t in (inventory.tensor(n) for n in resident.names)}.values())
     found = None
@@ -226,11 +243,15 @@ def _lookup_names(inventory: ModelInventory, group: Iterable[str]) -> list[str]:
 
 
 def _not_found(name: str) -> str:
-    return (f"{name}: on meta and in no weights mapping; load it first "
-            "(load_checkpoint_in_model) or pass weights= holding it")
+    return (
+        f"{name}: on meta and in no weights mapping; load it first "
+        "(load_checkpoint_in_model) or pass weights= holding it"
+    )
 
 
-def find_source(names: Sequence[str], stores: Iterable[Mapping[str, Tensor]]) -> tuple[str, Mapping[str, Tensor]] | None:
+def find_source(
+    names: Sequence[str], stores: Iterable[Mapping[str, Tensor]]
+) -> tuple[str, Mapping[str, Tensor]] | None:
     """The first ``(key, store)`` holding a tensor under one of ``names``.
 
     Example:

@@ -12,6 +12,7 @@ Example:
     >>> send_to_device({"x": torch.ones(1), "cache": object()}, "cpu", skip_keys=["cache"])["x"]
     tensor([1.])
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
@@ -67,13 +68,12 @@ def check_devices_exist(device_map: Mapping[str, Any], *, main_device: Any = Non
         bigviz.core.errors.DeviceMapError: this machine lacks devices the map names (1 problem):
           - device map names GPU 3 (h.0), which this machine does not have (cuda:3; ...
     """
-    DeviceMapError.check(absent_device_problems(device_map, main_device=main_device), MISSING_DEVICES,
-                         fix=MISSING_DEVICE_FIX)
+    DeviceMapError.check(
+        absent_device_problems(device_map, main_device=main_device), MISSING_DEVICES, fix=MISSING_DEVICE_FIX
+    )
 
 
-def send_to_device(
-    obj: Any, device: DeviceLike, *, skip_keys: Iterable[str] = (), non_blocking: bool = False
-) -> Any:
+def send_to_device(obj: Any, device: DeviceLike, *, skip_keys: Iterable[str] = (), non_blocking: bool = False) -> Any:
     """Move every tensor inside ``obj`` (tuples, lists, dicts, nested) to ``device``.
 
     Objects that are not tensors or containers (a KV cache, a config) pass through; so do

@@ -26,6 +26,7 @@ Example:
     ...     torch.equal(model(x), expected), model[2].weight.device.type
     (True, 'meta')
 """
+
 from __future__ import annotations
 
 import functools
@@ -50,8 +51,14 @@ from bigviz.engine.weights import as_slot_value, open_offload_folder, pin, set_s
 from bigviz.modeling.inventory import ModelInventory
 from bigviz.planning.chain import dispatch_plan_for
 
-__all__ = ["dispatch_model", "dispatch_inventory", "execute_dispatch", "DispatchOptions", "DispatchState",
-           "DEFAULT_SKIP_KEYS"]
+__all__ = [
+    "dispatch_model",
+    "dispatch_inventory",
+    "execute_dispatch",
+    "DispatchOptions",
+    "DispatchState",
+    "DEFAULT_SKIP_KEYS",
+]
 
 DEFAULT_SKIP_KEYS: tuple[str, ...] = ("cache", "past_key_values")
 
@@ -109,9 +116,7 @@ class _RootHook(AlignDevicesHook):
     """The model's own hook: inputs in, outputs back, pass boundaries, and the undo."""
 
     def __init__(self, state: DispatchState, *, skip_keys: Iterable[str]) -> None:
-        super().__init__(
-            state.options.main_device, io_same_device=True, skip_keys=skip_keys, scheduler=state.scheduler
-        )
+        super().__init__(state.options.main_device, io_same_device=True, skip_keys=skip_keys, scheduler=state.scheduler)
         self.state = state
 
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
@@ -213,35 +218,69 @@ def dispatch_model(
         {'0': 'cpu', '1': 'cpu'}
     """
     return dispatch_inventory(
-        ModelInventory.of(model), device_map, main_device=main_device,
-        offload_folder=offload_folder if offload_folder is not None else offload_dir, offload_buffers=offload_buffers,
-        prefetch=prefetch, skip_keys=skip_keys, preload_module_classes=preload_module_classes,
-        no_split_module_classes=no_split_module_classes, stores=[s for s in (weights, state_dict) if s is not None],
-        force_hooks=force_hooks)
+        ModelInventory.of(model),
+        device_map,
+        main_device=main_device,
+        offload_folder=offload_folder if offload_folder is not None else offload_dir,
+        offload_buffers=offload_buffers,
+        prefetch=prefetch,
+        skip_keys=skip_keys,
+        preload_module_classes=preload_module_classes,
+        no_split_module_classes=no_split_module_classes,
+        stores=[s for s in (weights, state_dict) if s is not None],
+        force_hooks=force_hooks,
+    )
 
 
-def dispatch_inventory(inventory: ModelInventory, device_map: Mapping[str, Any], *, main_device: Any = None,
-                       offload_folder: str | Path | None = None, offload_buffers: bool = False, prefetch: bool = True,
-                       skip_keys: str | Sequence[str] | None = None,
-                       preload_module_classes: Sequence[str] | None = None,
-                       no_split_module_classes: Sequence[str] | None = None,
-                       stores: Sequence[Mapping[str, Tensor]] = (), force_hooks: bool = False,
-                       owned: Sequence[Any] = ()) -> nn.Module:
+def dispatch_inventory(
+    inventory: ModelInventory,
+    device_map: Mapping[str, Any],
+    *,
+    main_device: Any = None,
+    offload_folder: str | Path | None = None,
+    offload_buffers: bool = False,
+    prefetch: bool = True,
+    skip_keys: str | Sequence[str] | None = None,
+    preload_module_classes: Sequence[str] | None = None,
+    no_split_module_classes: Sequence[str] | None = None,
+    stores: Sequence[Mapping[str, Tensor]] = (),
+    force_hooks: bool = False,
+    owned: Sequence[Any] = (),
+) -> nn.Module:
     """`dispatch_model` on a model's inventory: plan (one validation pass: names, devices,
     coverage, all problems at once, before anything moves), then execute."""
     if getattr(inventory.model, "_bigviz_dispatch", None) is not None:
         raise ValueError("dispatch_model: this model is already dispatched; call bigviz.remove_hooks(model) first")
-    plan = dispatch_plan_for(inventory, device_map, main_device=main_device,
-                             no_split_module_classes=no_split_module_classes,
-                             preload_module_classes=preload_module_classes, offload_buffers=offload_buffers,
-                             prefetch=prefetch)
-    return execute_dispatch(inventory, plan, stores, skip_keys=skip_keys, force_hooks=force_hooks,
-                            offload_folder=offload_folder, owned=owned)
+    plan = dispatch_plan_for(
+        inventory,
+        device_map,
+        main_device=main_device,
+        no_split_module_classes=no_split_module_classes,
+        preload_module_classes=preload_module_classes,
+        offload_buffers=offload_buffers,
+        prefetch=prefetch,
+    )
+    return execute_dispatch(
+        inventory,
+        plan,
+        stores,
+        skip_keys=skip_keys,
+        force_hooks=force_hooks,
+        offload_folder=offload_folder,
+        owned=owned,
+    )
 
 
-def execute_dispatch(inventory: ModelInventory, plan: DispatchPlan, stores: Sequence[Mapping[str, Tensor]] = (),
-                     *, skip_keys: str | Sequence[str] | None = None, force_hooks: bool = False,
-                     offload_folder: str | Path | None = None, owned: Sequence[Any] = ()) -> nn.Module:
+def execute_dispatch(
+    inventory: ModelInventory,
+    plan: DispatchPlan,
+    stores: Sequence[Mapping[str, Tensor]] = (),
+    *,
+    skip_keys: str | Sequence[str] | None = None,
+    force_hooks: bool = False,
+    offload_folder: str | Path | None = None,
+    owned: Sequence[Any] = (),
+) -> nn.Module:
     """Carry out a checked dispatch plan on ``inventory``'s model: bind it (every problem
     raised at once, before anything moves), write or pin what streams from memory, place the
     resident tensors, and hook the units. Returns the model, with ``hf_device_map`` set.
@@ -250,9 +289,13 @@ def execute_dispatch(inventory: ModelInventory, plan: DispatchPlan, stores: Sequ
     """
     model = inventory.model
     options = DispatchOptions(
-        main_device=torch_device(plan.main_device), offload_folder=_folder(offload_folder),
-        offload_buffers=plan.rule.offload_buffers, prefetch=plan.prefetch, skip_keys=_skip_keys(model, skip_keys),
-        preload_module_classes=tuple(sorted(plan.rule.preload)), no_split_module_classes=tuple(sorted(plan.rule.blocks)),
+        main_device=torch_device(plan.main_device),
+        offload_folder=_folder(offload_folder),
+        offload_buffers=plan.rule.offload_buffers,
+        prefetch=plan.prefetch,
+        skip_keys=_skip_keys(model, skip_keys),
+        preload_module_classes=tuple(sorted(plan.rule.preload)),
+        no_split_module_classes=tuple(sorted(plan.rule.blocks)),
     )
     binding = _checked_binding(inventory, plan, options, stores)
     state = DispatchState(dict(plan.device_map), options, plan, owned=list(owned))
@@ -276,8 +319,9 @@ def _skip_keys(model: nn.Module, skip_keys: str | Sequence[str] | None) -> tuple
     return tuple(dict.fromkeys((*declared, *DEFAULT_SKIP_KEYS)))
 
 
-def _checked_binding(inventory: ModelInventory, plan: DispatchPlan, options: DispatchOptions,
-                     stores: Sequence[Mapping[str, Tensor]]) -> Binding:
+def _checked_binding(
+    inventory: ModelInventory, plan: DispatchPlan, options: DispatchOptions, stores: Sequence[Mapping[str, Tensor]]
+) -> Binding:
     binding = bind(plan, inventory, stores)
     problems = list(binding.problems)
     if binding.to_write and options.offload_folder is not None:
@@ -314,8 +358,12 @@ def _materialise(binding: Binding, options: DispatchOptions, state: DispatchStat
     state.units = binding.units
 
 
-def _place(slots: list[tuple[nn.Module, str, str]], tensors: list[Tensor], device: torch.device,
-           found: tuple[str, Mapping[str, Tensor]] | None) -> None:
+def _place(
+    slots: list[tuple[nn.Module, str, str]],
+    tensors: list[Tensor],
+    device: torch.device,
+    found: tuple[str, Mapping[str, Tensor]] | None,
+) -> None:
     if found is None:
         for tensor in tensors:
             if tensor.device != device:
@@ -324,7 +372,9 @@ def _place(slots: list[tuple[nn.Module, str, str]], tensors: list[Tensor], devic
     key, store = found
     tensor = tensors[0]
     value = store[key]
-    value = value.to(device=device, dtype=tensor.dtype) if value.device != device or value.dtype != tensor.dtype else value
+    value = (
+        value.to(device=device, dtype=tensor.dtype) if value.device != device or value.dtype != tensor.dtype else value
+    )
     new = as_slot_value(value, slots[0][2], requires_grad=tensor.requires_grad)
     for slot in slots:
         set_slot(slot, new)

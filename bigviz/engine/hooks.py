@@ -22,6 +22,7 @@ Example:
     >>> layer(torch.ones(1)).item()
     1.0
 """
+
 from __future__ import annotations
 
 import functools

@@ -19,6 +19,7 @@ Example:
     >>> layer(torch.ones(1, 2)).device
     device(type='cpu')
 """
+
 from __future__ import annotations
 
 import threading
@@ -35,8 +36,14 @@ from bigviz.engine.prefetch import Scheduler
 from bigviz.engine.binding import BoundUnit
 from bigviz.engine.weights import as_slot_value, set_slot
 
-__all__ = ["AlignDevicesHook", "OffloadHook", "CpuOffload", "UserCpuOffloadHook", "OffloadedTrainingError",
-           "ForwardLock"]
+__all__ = [
+    "AlignDevicesHook",
+    "OffloadHook",
+    "CpuOffload",
+    "UserCpuOffloadHook",
+    "OffloadedTrainingError",
+    "ForwardLock",
+]
 
 
 class OffloadedTrainingError(RuntimeError):
@@ -310,8 +317,9 @@ class CpuOffload(ModelHook):
     def __init__(
         self, execution_device: DeviceLike | None = None, prev_module_hook: UserCpuOffloadHook | None = None
     ) -> None:
-        self.execution_device = torch_device(execution_device if execution_device is not None
-                                             else default_execution_device())
+        self.execution_device = torch_device(
+            execution_device if execution_device is not None else default_execution_device()
+        )
         self.prev_module_hook = prev_module_hook
         self.on_device = False
         self.calls = 0
@@ -331,4 +339,3 @@ class CpuOffload(ModelHook):
             module.to(self.execution_device)
             self.on_device = True
         return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
-

@@ -27,6 +27,7 @@ Example:
     ...     sorted(scheduler.acquire(units[0]))
     ['0.bias', '0.weight']
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -72,8 +73,7 @@ class Handle:
             _verify(self.unit)  # read ahead, maybe before a file changed: check it is unchanged now
         except Exception as exc:
             raise FetchError(
-                f"fetching the weights of {self.unit.name!r} (offloaded to {self.unit.storage}) "
-                f"failed: {exc}"
+                f"fetching the weights of {self.unit.name!r} (offloaded to {self.unit.storage}) failed: {exc}"
             ) from exc
         if isinstance(result, tuple):  # CUDA: (tensors, event recorded after the copies)
             tensors, event = result
@@ -325,8 +325,9 @@ class Scheduler:
             page-in hints only: a GPU fetcher would hold a unit's memory between calls.
     """
 
-    def __init__(self, units: Sequence[BoundUnit], fetcher: Fetcher, *, prefetch: bool, wrap: bool = True,
-                 depth: int = 1) -> None:
+    def __init__(
+        self, units: Sequence[BoundUnit], fetcher: Fetcher, *, prefetch: bool, wrap: bool = True, depth: int = 1
+    ) -> None:
         self.units = list(units)
         self.depth = depth  # units fetched ahead of the running one (issue 12: a fetcher may want more)
         self.fetcher = fetcher

@@ -28,6 +28,7 @@ Example:
     >>> (os.path.samefile(span.path, path), span.offset, span.length) if span else "not Linux"
     (True, 4096, 8192)
 """
+
 from __future__ import annotations
 
 import bisect
@@ -47,7 +48,16 @@ from bigviz.engine.prefetch import Handle, _cast, _read
 from bigviz.engine.binding import BoundUnit as Unit
 from bigviz.engine.weights import nbytes
 
-__all__ = ["FileSpan", "FileMaps", "file_span", "StreamingFetcher", "StreamStats", "populate", "drop_pages", "merge_spans"]
+__all__ = [
+    "FileSpan",
+    "FileMaps",
+    "file_span",
+    "StreamingFetcher",
+    "StreamStats",
+    "populate",
+    "drop_pages",
+    "merge_spans",
+]
 
 PAGE = mmap.PAGESIZE
 MADV_DONTNEED = 4
@@ -221,8 +231,9 @@ class StreamingFetcher:
 
     def __init__(self, *, readers: int = 4, chunk_bytes: int = 16 * 2**20, drop: bool = True) -> None:
         if readers < 1 or chunk_bytes < PAGE:
-            raise ValueError(f"StreamingFetcher: readers={readers!r} must be >= 1 and chunk_bytes="
-                             f"{chunk_bytes!r} >= {PAGE}")
+            raise ValueError(
+                f"StreamingFetcher: readers={readers!r} must be >= 1 and chunk_bytes={chunk_bytes!r} >= {PAGE}"
+            )
         self.readers, self.chunk_bytes, self.drop = readers, chunk_bytes, drop
         self.stats = StreamStats()
         self._pool: ThreadPoolExecutor | None = None

@@ -41,6 +41,7 @@ Example:
     >>> report.tensors, report.nbytes, layer.weight[1, 0].item()
     (1, 8192, 32.0)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,7 +59,16 @@ from torch import Tensor, nn
 from bigviz.core.streaming import DEFAULT_DEPTH
 from bigviz.engine.readahead import FileMaps, FileSpan, StreamingFetcher, file_span
 
-__all__ = ["ResidentReport", "Residency", "make_resident", "settle_residency", "decide", "check_mode", "stream_depth", "RESIDENCY_MODES"]
+__all__ = [
+    "ResidentReport",
+    "Residency",
+    "make_resident",
+    "settle_residency",
+    "decide",
+    "check_mode",
+    "stream_depth",
+    "RESIDENCY_MODES",
+]
 
 RESIDENCY_MODES = ("auto", "copy", "map")
 PAGE_CACHE_SHARE = 0.9  # of available RAM: what the page cache can be expected to keep
@@ -102,8 +112,10 @@ def check_mode(resident: object) -> None:
         >>> check_mode("auto")
     """
     if resident not in RESIDENCY_MODES:
-        raise ValueError(f"resident={resident!r}: use one of {', '.join(map(repr, RESIDENCY_MODES))} "
-                         "('auto': copy the resident weights into RAM only when the model does not fit)")
+        raise ValueError(
+            f"resident={resident!r}: use one of {', '.join(map(repr, RESIDENCY_MODES))} "
+            "('auto': copy the resident weights into RAM only when the model does not fit)"
+        )
 
 
 def decide(resident_bytes: int, streamed_bytes: int, *, available: int, requested: str = "auto") -> tuple[str, str]:
@@ -119,8 +131,10 @@ def decide(resident_bytes: int, streamed_bytes: int, *, available: int, requeste
         return requested, f"resident={requested!r} asked for"
     if total <= room:
         return "map", f"the model ({total:,} B) fits in the page cache ({room:,} B): zero-copy memory maps"
-    return "copy", (f"the model ({total:,} B) does not fit in the page cache ({room:,} B): the resident part "
-                    "is copied into process memory, disk units are streamed and dropped after use")
+    return "copy", (
+        f"the model ({total:,} B) does not fit in the page cache ({room:,} B): the resident part "
+        "is copied into process memory, disk units are streamed and dropped after use"
+    )
 
 
 def stream_depth(available: int, largest_unit: int, *, margin: int = 2**30, most: int = DEFAULT_DEPTH) -> int:
@@ -171,8 +185,9 @@ def make_resident(model: nn.Module, *, readers: int = 4, progress: bool = True) 
     todo = [(m, a, k, t, s) for m, a, k, t in _cpu_tensors(model) if (s := file_span(t, maps)) is not None]
     unique: dict[tuple[int, int], FileSpan] = {(s.address, s.length): s for *_, s in todo}
     start = time.perf_counter()
-    with tqdm(total=sum(s.length for s in unique.values()), unit="B", unit_scale=True, desc="resident",
-              disable=not progress) as bar:
+    with tqdm(
+        total=sum(s.length for s in unique.values()), unit="B", unit_scale=True, desc="resident", disable=not progress
+    ) as bar:
         buffers = _read_all(list(unique.values()), readers, bar.update)
     for module, attr, kind, tensor, span in todo:
         key = (span.address, span.length, tensor.dtype, tuple(tensor.shape))
@@ -188,8 +203,11 @@ def make_resident(model: nn.Module, *, readers: int = 4, progress: bool = True) 
 def _read_all(spans: list[FileSpan], readers: int, done: object) -> dict[tuple[int, int], Tensor]:
     """Each span read into a new anonymous buffer, in file order, by ``readers`` threads."""
     out = {(s.address, s.length): torch.empty(s.length, dtype=torch.uint8) for s in spans}
-    pieces = [(s, out[(s.address, s.length)], i, min(_CHUNK, s.length - i))
-              for s in sorted(spans, key=lambda s: (s.path, s.offset)) for i in range(0, s.length, _CHUNK)]
+    pieces = [
+        (s, out[(s.address, s.length)], i, min(_CHUNK, s.length - i))
+        for s in sorted(spans, key=lambda s: (s.path, s.offset))
+        for i in range(0, s.length, _CHUNK)
+    ]
     with ThreadPoolExecutor(max(1, readers), thread_name_prefix="bigviz-resident") as pool:
         for n in pool.map(lambda p: _read_piece(*p), pieces):
             done(n)  # type: ignore[operator]
@@ -217,8 +235,9 @@ def _read_piece(span: FileSpan, buffer: Tensor, start: int, length: int) -> int:
     return length
 
 
-def settle_residency(model: nn.Module, *, resident: str = "auto", readers: int = 4, progress: bool = True,
-                     available: int | None = None) -> Residency:
+def settle_residency(
+    model: nn.Module, *, resident: str = "auto", readers: int = 4, progress: bool = True, available: int | None = None
+) -> Residency:
     """Choose how a dispatched model keeps its weights (:func:`decide`) and set it up.
 
     With ``"copy"``: memory-mapped CPU weights are copied into process memory

@@ -18,6 +18,7 @@ Example:
     >>> [g.names for g in tensor_groups(model) if len(g.names) > 1]
     [['a.weight', 'b.weight']]
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
@@ -194,9 +195,7 @@ def pin(tensor: Tensor) -> Tensor:
     return cpu.pin_memory()
 
 
-def find_source(
-    group: TensorGroup, stores: Iterable[Mapping[str, Tensor]]
-) -> tuple[str, Mapping[str, Tensor]] | None:
+def find_source(group: TensorGroup, stores: Iterable[Mapping[str, Tensor]]) -> tuple[str, Mapping[str, Tensor]] | None:
     """The first ``(key, store)`` holding this tensor under one of its names or aliases.
 
     Example:

@@ -5,6 +5,7 @@ Example:
     >>> "cpu" in budgets
     True
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping

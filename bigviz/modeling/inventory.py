@@ -106,16 +106,20 @@ class ModelInventory:
             first-defined name first.
     """
 
-    def __init__(self, model: nn.Module, modules: dict[str, nn.Module], slots: dict[str, Slot],
-                 computed: frozenset[str]) -> None:
+    def __init__(
+        self, model: nn.Module, modules: dict[str, nn.Module], slots: dict[str, Slot], computed: frozenset[str]
+    ) -> None:
         self.model = model
         self.modules = modules
         self.slots = slots
         self._computed = computed  # names of non-persistent buffers
         self.tensors: tuple[ModelTensor, ...] = tuple(_describe(slots, computed))
         self.ties: tuple[tuple[str, ...], ...] = tuple(
-            tuple(g) for g in merge_groups(_identity_ties(self.tensors) + _storage_ties(slots)
-                                           + _declared_ties(model, modules, slots)))
+            tuple(g)
+            for g in merge_groups(
+                _identity_ties(self.tensors) + _storage_ties(slots) + _declared_ties(model, modules, slots)
+            )
+        )
         self._trees: dict[tuple[object, ...], SizeTree] = {}
 
     @classmethod
@@ -264,8 +268,17 @@ def _describe(slots: Mapping[str, Slot], computed: frozenset[str]) -> Iterator[M
         device = tensor.device
         where = device_names.get(device) or device_names.setdefault(device, str(device))
         persistent = kind == "param" or any(m[0] not in computed for m in members)
-        yield ModelTensor(name, tuple(m[0] for m in members), tuple(tensor.shape), tensor.dtype, kind, persistent,
-                          device.type == "meta", tensor.requires_grad, where)
+        yield ModelTensor(
+            name,
+            tuple(m[0] for m in members),
+            tuple(tensor.shape),
+            tensor.dtype,
+            kind,
+            persistent,
+            device.type == "meta",
+            tensor.requires_grad,
+            where,
+        )
 
 
 def _identity_ties(tensors: Iterable[ModelTensor]) -> list[list[str]]:
@@ -282,8 +295,14 @@ def _storage_ties(slots: Mapping[str, Slot]) -> list[list[str]]:
         if tensor.device.type == "meta" or tensor.numel() == 0 or id(tensor) in seen:
             continue  # meta tensors have no memory; an object's own names are identity ties
         seen.add(id(tensor))
-        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
-               tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        key = (
+            tensor.device,
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.dtype,
+        )
         by_key.setdefault(key, []).append(name)
     return [names for names in by_key.values() if len(names) > 1]
 
@@ -336,4 +355,3 @@ def merge_groups(groups: list[list[str]]) -> list[list[str]]:
         members.setdefault(root(name), []).append(name)
     merged = sorted(members.values(), key=lambda m: max(order[n] for n in m))
     return [sorted(m, key=lambda n: (order[n], n)) for m in merged]
-

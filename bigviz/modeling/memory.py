@@ -17,6 +17,7 @@ Example:
     >>> tracker.peak, tracker.live
     (8000, 8000)
 """
+
 from __future__ import annotations
 
 import itertools
@@ -29,8 +30,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["TensorTracker", "RunMeasurement", "measure_generate", "cache_tensors", "cache_bytes_by_device",
-           "storage_key"]
+__all__ = [
+    "TensorTracker",
+    "RunMeasurement",
+    "measure_generate",
+    "cache_tensors",
+    "cache_bytes_by_device",
+    "storage_key",
+]
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
@@ -60,8 +67,11 @@ class TensorTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         # a view or an in-place result shares an input's storage: new memory only if the
         # input's storage was itself made in the block (a weight's transpose is not)
-        inputs = {storage_key(t) for t in tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        inputs = {
+            storage_key(t)
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and t.device.type != "meta"
+        }
         for tensor in tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
                 self._track(tensor, inputs)
@@ -176,8 +186,9 @@ class RunMeasurement:
     prefill_activations: int
 
 
-def measure_generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
-                     **generate_kwargs: Any) -> RunMeasurement:
+def measure_generate(
+    model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int, **generate_kwargs: Any
+) -> RunMeasurement:
     """Run ``model.generate`` and measure its cache and its prefill (first forward).
 
     Works for transformers models (the cache comes back with ``return_dict_in_generate``)
@@ -207,13 +218,19 @@ def measure_generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_to
         seen["peak"] = tracker.peak
         seen["activations"] = tracker.peak_without(tracker.live_ids(list(cache_tensors(cache))))
 
-    hooks = [model.register_forward_pre_hook(before, with_kwargs=True),
-             model.register_forward_hook(after, with_kwargs=True)]
+    hooks = [
+        model.register_forward_pre_hook(before, with_kwargs=True),
+        model.register_forward_hook(after, with_kwargs=True),
+    ]
     try:
         with torch.no_grad():
-            out = model.generate(input_ids, max_new_tokens, **generate_kwargs) \
-                if _is_reference(model) else model.generate(input_ids, max_new_tokens=max_new_tokens,
-                                                             return_dict_in_generate=True, **generate_kwargs)
+            out = (
+                model.generate(input_ids, max_new_tokens, **generate_kwargs)
+                if _is_reference(model)
+                else model.generate(
+                    input_ids, max_new_tokens=max_new_tokens, return_dict_in_generate=True, **generate_kwargs
+                )
+            )
     finally:
         for hook in hooks:
             hook.remove()

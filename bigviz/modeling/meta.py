@@ -7,6 +7,7 @@ Example:
     >>> model[0].weight.device.type
     'meta'
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator

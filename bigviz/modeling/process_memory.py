@@ -20,6 +20,7 @@ Example:
     >>> peak.above()["RssAnon"] >= 32 * 2**20, rss_anon() > 0
     (True, True)
 """
+
 from __future__ import annotations
 
 import resource
@@ -158,6 +159,7 @@ class PeakMemory:
     def __enter__(self) -> PeakMemory:
         return self.start()
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 trace: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
         self.stop()

@@ -12,6 +12,7 @@ Example:
     >>> direct_reads(torch.nn.Sequential(torch.nn.MultiheadAttention(4, 2)))
     {'0.out_proj': '0'}
 """
+
 from __future__ import annotations
 
 import dis
@@ -73,8 +74,22 @@ def reads_of(modules: Iterable[tuple[str, nn.Module]]) -> dict[str, str]:
 
 
 # reading these of a tensor needs no data: ``self.lm_head.weight.dtype`` is not a read
-_METADATA = frozenset({"dtype", "device", "shape", "ndim", "is_meta", "requires_grad", "is_cuda", "dim",
-                       "size", "numel", "element_size", "is_floating_point"})
+_METADATA = frozenset(
+    {
+        "dtype",
+        "device",
+        "shape",
+        "ndim",
+        "is_meta",
+        "requires_grad",
+        "is_cuda",
+        "dim",
+        "size",
+        "numel",
+        "element_size",
+        "is_floating_point",
+    }
+)
 
 
 @functools.cache
@@ -101,7 +116,8 @@ def _self_chains(cls: type) -> frozenset[tuple[str, ...]]:
 
 def _is_method(value: object) -> bool:
     return isinstance(value, (types.FunctionType, staticmethod, classmethod, property)) or (
-        callable(value) and hasattr(value, "__wrapped__"))
+        callable(value) and hasattr(value, "__wrapped__")
+    )
 
 
 def _codes(value: object) -> list[types.CodeType]:

@@ -11,6 +11,7 @@ Example:
     >>> compute_module_sizes(nn.Linear(4, 2))
     {'': 40}
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -44,8 +45,11 @@ def find_tied_parameters(model: ModelOrInventory) -> list[list[str]]:
     return [list(g) for g in tree.ties if all(tree.tensors[n].kind == "param" for n in g)]
 
 
-def module_tree(model: ModelOrInventory, dtype: torch.dtype | str | None = None,
-                special_dtypes: Mapping[str, torch.dtype | str] | None = None) -> SizeTree:
+def module_tree(
+    model: ModelOrInventory,
+    dtype: torch.dtype | str | None = None,
+    special_dtypes: Mapping[str, torch.dtype | str] | None = None,
+) -> SizeTree:
     """The model's :class:`SizeTree`, optionally re-sized to ``dtype`` (floating tensors only;
     ``special_dtypes`` maps module or tensor names to a dtype that wins for them).
 
@@ -57,8 +61,11 @@ def module_tree(model: ModelOrInventory, dtype: torch.dtype | str | None = None,
     return ModelInventory.of(model).tree(dtype, special_dtypes)
 
 
-def compute_module_sizes(model: ModelOrInventory, dtype: torch.dtype | str | None = None,
-                         special_dtypes: Mapping[str, torch.dtype | str] | None = None) -> dict[str, int]:
+def compute_module_sizes(
+    model: ModelOrInventory,
+    dtype: torch.dtype | str | None = None,
+    special_dtypes: Mapping[str, torch.dtype | str] | None = None,
+) -> dict[str, int]:
     """Bytes of every module (``""`` = the whole model), parameters and buffers, ties once.
 
     Example:
@@ -69,9 +76,13 @@ def compute_module_sizes(model: ModelOrInventory, dtype: torch.dtype | str | Non
     return module_tree(model, dtype, special_dtypes).size_map()
 
 
-def size_table(model: ModelOrInventory | SizeTree, dtype: torch.dtype | str | None = None,
-               special_dtypes: Mapping[str, torch.dtype | str] | None = None, *,
-               max_depth: int | None = None) -> pd.DataFrame:
+def size_table(
+    model: ModelOrInventory | SizeTree,
+    dtype: torch.dtype | str | None = None,
+    special_dtypes: Mapping[str, torch.dtype | str] | None = None,
+    *,
+    max_depth: int | None = None,
+) -> pd.DataFrame:
     """A table of modules: module, class, parameters, bytes, share, tied-to, depth.
 
     Example:
@@ -88,7 +99,15 @@ def size_table(model: ModelOrInventory | SizeTree, dtype: torch.dtype | str | No
         if max_depth is not None and node.depth > max_depth:
             continue
         tied = sorted({tree.leader_of[t] for t in node.tensors if t in tree.leader_of})
-        rows.append({"module": name or "<model>", "class": node.class_name, "parameters": node.n_params,
-                     "bytes": node.total_bytes, "share": node.total_bytes / total,
-                     "tied_to": ", ".join(tied), "depth": node.depth})
+        rows.append(
+            {
+                "module": name or "<model>",
+                "class": node.class_name,
+                "parameters": node.n_params,
+                "bytes": node.total_bytes,
+                "share": node.total_bytes / total,
+                "tied_to": ", ".join(tied),
+                "depth": node.depth,
+            }
+        )
     return pd.DataFrame(rows, columns=["module", "class", "parameters", "bytes", "share", "tied_to", "depth"])

@@ -24,6 +24,7 @@ Example:
     >>> kv_cache_bytes(model, 1, 100)                      # 100 tokens x 2 x 2 x 16 x 4 bytes
     {'model.layers.0': 25600, 'model.layers.1': 25600}
 """
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,15 @@ from bigviz.core.workload import CacheSpec, RunSpec, StepSpec, Term, Workload
 from bigviz.models.gpt import GPT
 from bigviz.models.llama import Llama
 
-__all__ = ["run_spec", "kv_cache_bytes", "model_from_config", "is_config_source", "compute_dtype",
-           "shipped_configs", "config_path"]
+__all__ = [
+    "run_spec",
+    "kv_cache_bytes",
+    "model_from_config",
+    "is_config_source",
+    "compute_dtype",
+    "shipped_configs",
+    "config_path",
+]
 
 ModelOrConfig = Any  # nn.Module, transformers PretrainedConfig, GPTConfig/LlamaConfig, config path
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -124,8 +132,9 @@ def model_from_config(source: Any) -> nn.Module:
     try:
         from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
     except ImportError as err:  # an optional dependency: planning from checkpoints needs none
-        raise ValueError("planning from a config.json builds the model with transformers: "
-                         "pip install transformers") from err
+        raise ValueError(
+            "planning from a config.json builds the model with transformers: pip install transformers"
+        ) from err
     config = _read_config(source, AutoConfig, PretrainedConfig)
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     dtype = getattr(torch, str(dtype).removeprefix("torch."), None) if dtype is not None else None
@@ -172,13 +181,16 @@ def _read_config(source: Any, auto_config: Any, base: type) -> Any:
             raise ValueError(f"cannot read {where} as a model config: {err}") from err
     model_type = data.pop("model_type", None)
     if not model_type:
-        raise ValueError(f"{where} has no 'model_type' key: it must be a transformers config.json "
-                         f"(e.g. \"model_type\": \"llama\")")
+        raise ValueError(
+            f'{where} has no \'model_type\' key: it must be a transformers config.json (e.g. "model_type": "llama")'
+        )
     try:
         return auto_config.for_model(model_type, **data)
     except (ValueError, KeyError) as err:
-        raise ValueError(f"{where}: model_type {model_type!r} is not one transformers knows ({err}); "
-                         f"upgrade transformers or check the file") from err
+        raise ValueError(
+            f"{where}: model_type {model_type!r} is not one transformers knows ({err}); "
+            f"upgrade transformers or check the file"
+        ) from err
 
 
 # ---- public entry points ---------------------------------------------------------------------
@@ -192,8 +204,9 @@ def compute_dtype(model: nn.Module) -> str:
     return counts.most_common(1)[0][0] if counts else "float32"
 
 
-def kv_cache_bytes(model_or_config: ModelOrConfig, batch_size: int, context_length: int,
-                   dtype: torch.dtype | str | None = None) -> dict[str, int]:
+def kv_cache_bytes(
+    model_or_config: ModelOrConfig, batch_size: int, context_length: int, dtype: torch.dtype | str | None = None
+) -> dict[str, int]:
     """Bytes of KV cache (or recurrent state) per layer module for a run.
 
     Args:
@@ -255,16 +268,25 @@ def run_spec(model: nn.Module, *, dtype: torch.dtype | str | None = None, device
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
         if getattr(config, "is_encoder_decoder", False):
-            raise ValueError(f"bigviz plans the run of decoder-only models; {type(model).__name__} is an "
-                             f"encoder-decoder: give kv_cache={{module: bytes}} and activations={{module: bytes}}")
+            raise ValueError(
+                f"bigviz plans the run of decoder-only models; {type(model).__name__} is an "
+                f"encoder-decoder: give kv_cache={{module: bytes}} and activations={{module: bytes}}"
+            )
         spec = _hf_spec(model, config.get_text_config(decoder=True), compute, cpu)
         if hasattr(model, "can_generate") and not model.can_generate():  # an encoder: nothing is cached
-            spec = RunSpec(spec.dtype, {n: (CacheSpec("none"),) for n in spec.caches}, spec.steps, spec.carried,
-                           (*spec.notes, "no KV cache: the model does not generate"))
+            spec = RunSpec(
+                spec.dtype,
+                {n: (CacheSpec("none"),) for n in spec.caches},
+                spec.steps,
+                spec.carried,
+                (*spec.notes, "no KV cache: the model does not generate"),
+            )
         return spec
-    raise ValueError(f"bigviz does not know the attention layout of {type(model).__name__}: it reads bigviz's "
-                     f"GPT and Llama and transformers models. Give the bytes per module yourself: "
-                     f"bigviz.plan(model, ..., kv_cache={{module: bytes}}, activations={{module: bytes}})")
+    raise ValueError(
+        f"bigviz does not know the attention layout of {type(model).__name__}: it reads bigviz's "
+        f"GPT and Llama and transformers models. Give the bytes per module yourself: "
+        f"bigviz.plan(model, ..., kv_cache={{module: bytes}}, activations={{module: bytes}})"
+    )
 
 
 # ---- which module is layer i -------------------------------------------------------------------
@@ -272,14 +294,18 @@ def _layer_list(model: nn.Module, n_layers: int) -> str:
     """The ``nn.ModuleList`` of the decoder layers: ``n_layers`` long, holding the modules
     that carry a ``layer_idx`` (attention, mixers). The first such list in definition order."""
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) == n_layers and any(
-                isinstance(getattr(m, "layer_idx", None), int) for m in module.modules()):
+        if (
+            isinstance(module, nn.ModuleList)
+            and len(module) == n_layers
+            and any(isinstance(getattr(m, "layer_idx", None), int) for m in module.modules())
+        ):
             return name
     for name, module in model.named_modules():  # layers without a layer_idx anywhere
         if isinstance(module, nn.ModuleList) and len(module) == n_layers:
             return name
-    raise ValueError(f"cannot find the {n_layers} decoder layers of {type(model).__name__} "
-                     f"(an nn.ModuleList of {n_layers} modules)")
+    raise ValueError(
+        f"cannot find the {n_layers} decoder layers of {type(model).__name__} (an nn.ModuleList of {n_layers} modules)"
+    )
 
 
 def _layer_names(model: nn.Module, n_layers: int) -> list[str]:
@@ -313,15 +339,24 @@ def _reference_spec(model: nn.Module, dtype: str, *, gpt: bool) -> RunSpec:
         carried = (Term(2 * hidden), Term(hidden, batched=False), Term(1, _INT64, batched=False))
     else:  # q, k, v projected, then rotated (x * cos + rotate_half(x) * sin); repeat_kv for the call
         rep = 2 * q if kv_heads != heads else 0
-        phases = ((Term(hidden), Term(4 * q + 2 * kv)), (Term(hidden), Term(2 * q + rep)),
-                  (Term(hidden), Term(3 * q)), (Term(2 * hidden), Term(3 * ffn)))
+        phases = (
+            (Term(hidden), Term(4 * q + 2 * kv)),
+            (Term(hidden), Term(2 * q + rep)),
+            (Term(hidden), Term(3 * q)),
+            (Term(2 * hidden), Term(3 * ffn)),
+        )
         carried = (Term(hidden), Term(2 * head_dim, batched=False), Term(1, _INT64, batched=False))
     layer = StepSpec(phases)
     steps: dict[str, StepSpec] = {name: layer for name in names}
     vocab = model.lm_head.out_features
     steps["lm_head"] = StepSpec(((Term(hidden), Term(vocab)),))  # the final norm and every logit
-    return RunSpec(dtype, {name: cache for name in names}, steps, carried,
-                   notes=("bigviz reference model: logits for every prompt token",))
+    return RunSpec(
+        dtype,
+        {name: cache for name in names},
+        steps,
+        carried,
+        notes=("bigviz reference model: logits for every prompt token",),
+    )
 
 
 # ---- transformers models -----------------------------------------------------------------------
@@ -346,8 +381,16 @@ class _Dims:
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         ffn = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
         attn = getattr(config, "_attn_implementation", None) or "eager"
-        return cls(int(config.num_hidden_layers), hidden, heads, int(kv_heads), int(head_dim), int(ffn),
-                   int(getattr(config, "vocab_size", 0) or 0), str(attn))
+        return cls(
+            int(config.num_hidden_layers),
+            hidden,
+            heads,
+            int(kv_heads),
+            int(head_dim),
+            int(ffn),
+            int(getattr(config, "vocab_size", 0) or 0),
+            str(attn),
+        )
 
 
 def _layer_types(config: Any, n_layers: int) -> tuple[list[str], list[dict[str, Any]]]:
@@ -360,8 +403,9 @@ def _layer_types(config: Any, n_layers: int) -> tuple[list[str], list[dict[str, 
         types, kwargs = get_layer_types_and_kwargs(config)
         return list(types), list(kwargs)
     window = getattr(config, "sliding_window", None)
-    types = list(getattr(config, "layer_types", None) or
-                 ["sliding_attention" if window else "full_attention"] * n_layers)
+    types = list(
+        getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * n_layers
+    )
     return types, [{"sliding_window": window} if "sliding" in t else {} for t in types]
 
 
@@ -372,21 +416,28 @@ def _hf_caches(config: Any, dims: _Dims, names: Sequence[str]) -> dict[str, tupl
     for name, kind, extra in zip(names, types, kwargs):
         specs: list[CacheSpec] = []
         if kind in ("full_attention", "sliding_attention", "chunked_attention", "hybrid", "hybrid_sliding"):
-            specs.append(_attention_cache(config, dims, extra.get("sliding_window") if "sliding" in kind
-                                          or kind == "chunked_attention" else None))
+            specs.append(
+                _attention_cache(
+                    config,
+                    dims,
+                    extra.get("sliding_window") if "sliding" in kind or kind == "chunked_attention" else None,
+                )
+            )
         if kind in ("linear_attention", "conv", "hybrid", "hybrid_sliding"):
             state = _state_cache(config)
             if state is None:
-                problems.append(f"{name}: layer type {kind!r} of model type "
-                                f"{getattr(config, 'model_type', '?')!r}")
+                problems.append(f"{name}: layer type {kind!r} of model type {getattr(config, 'model_type', '?')!r}")
                 continue
             specs.append(state)
         if kind == "dummy" or not specs:
             specs.append(CacheSpec("none"))
         out[name] = tuple(specs)
     if problems:
-        raise ValueError("bigviz does not know the recurrent state of: " + "; ".join(problems)
-                         + ". Give the bytes per module with kv_cache={module: bytes}")
+        raise ValueError(
+            "bigviz does not know the recurrent state of: "
+            + "; ".join(problems)
+            + ". Give the bytes per module with kv_cache={module: bytes}"
+        )
     return out
 
 
@@ -395,8 +446,9 @@ def _attention_cache(config: Any, dims: _Dims, window: int | None) -> CacheSpec:
     if lora:  # MLA: transformers caches the shared latent and the rotary key, not the heads
         return CacheSpec("latent_attention", heads=1, k_dim=int(lora), v_dim=int(config.qk_rope_head_dim))
     if window:
-        return CacheSpec("sliding_attention", heads=dims.kv_heads, k_dim=dims.head_dim, v_dim=dims.head_dim,
-                         window=int(window))
+        return CacheSpec(
+            "sliding_attention", heads=dims.kv_heads, k_dim=dims.head_dim, v_dim=dims.head_dim, window=int(window)
+        )
     return CacheSpec("full_attention", heads=dims.kv_heads, k_dim=dims.head_dim, v_dim=dims.head_dim)
 
 
@@ -429,8 +481,9 @@ def _hf_spec(model: nn.Module, config: Any, dtype: str, cpu: bool) -> RunSpec:
     return RunSpec(dtype, caches, steps, carried, notes=tuple(notes))
 
 
-def _decoder_steps(config: Any, dims: _Dims, types: Sequence[str], kwargs: Sequence[Mapping[str, Any]],
-                   cpu: bool) -> tuple[tuple[Term, ...], list[StepSpec], list[str]]:
+def _decoder_steps(
+    config: Any, dims: _Dims, types: Sequence[str], kwargs: Sequence[Mapping[str, Any]], cpu: bool
+) -> tuple[tuple[Term, ...], list[StepSpec], list[str]]:
     """Attention decoders (GPT-2, Llama, Mistral, Gemma 2, Qwen2, Mixtral, DeepSeek, ...)."""
     gpt2 = getattr(config, "model_type", "") == "gpt2"
     masks = _mask_terms(dims, types, kwargs)
@@ -494,8 +547,13 @@ def _mla_phase(config: Any, dims: _Dims, cpu: bool) -> tuple[Term, ...]:
     latent = int(config.kv_lora_rank) + rope
     per_token = Term(heads * (3 * qk + rope + (int(config.qk_nope_head_dim) + v)) + latent)
     if cpu and qk != v:  # SDPA's math kernel: scaled q, scores and their softmax (float32)
-        return (Term(dims.hidden), per_token, Term(heads * qk), Term(heads, 8.0, per="pair"),
-                Term(1, 4.0, batched=False, per="pair"))
+        return (
+            Term(dims.hidden),
+            per_token,
+            Term(heads * qk),
+            Term(heads, 8.0, per="pair"),
+            Term(1, 4.0, batched=False, per="pair"),
+        )
     return (Term(dims.hidden), per_token, Term(2 * heads * v))
 
 
@@ -516,8 +574,11 @@ def _mlp_phase(config: Any, dims: _Dims, index: int, gpt2: bool) -> tuple[Term, 
 def _experts(config: Any, index: int) -> tuple[int, int, int, int] | None:
     """``(experts, top_k, expert width, shared width)`` of layer ``index``, or ``None`` for a
     dense layer (DeepSeek's first ``first_k_dense_replace`` layers are dense)."""
-    n = (getattr(config, "num_local_experts", None) or getattr(config, "n_routed_experts", None)
-         or getattr(config, "num_experts", None))
+    n = (
+        getattr(config, "num_local_experts", None)
+        or getattr(config, "n_routed_experts", None)
+        or getattr(config, "num_experts", None)
+    )
     top_k = getattr(config, "num_experts_per_tok", None)
     if not n or not top_k or index < int(getattr(config, "first_k_dense_replace", 0) or 0):
         return None

@@ -12,6 +12,7 @@ Example:
     >>> round(sum(p.numel() for p in model.parameters()) / 1e9, 2)
     1.56
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -35,7 +36,8 @@ __all__ = [
 PRESETS: tuple[str, ...] = (*GPT_PRESETS, *LLAMA_PRESETS)
 # config.json "model_type" -> (config class, model class): how a checkpoint says what it holds
 MODEL_TYPES: dict[str, tuple[type, type[nn.Module]]] = {
-    GPTConfig.model_type: (GPTConfig, GPT), LlamaConfig.model_type: (LlamaConfig, Llama),
+    GPTConfig.model_type: (GPTConfig, GPT),
+    LlamaConfig.model_type: (LlamaConfig, Llama),
 }
 
 

@@ -13,6 +13,7 @@ Example:
     >>> cache.seq_len
     5
 """
+
 from __future__ import annotations
 
 import torch

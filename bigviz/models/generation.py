@@ -12,6 +12,7 @@ Example:
     >>> generate(model, torch.zeros(1, 3, dtype=torch.long), 4, max_len=64).shape
     torch.Size([1, 7])
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -36,8 +37,7 @@ def lm_loss(logits: Tensor, targets: Tensor | None) -> Tensor | None:
     targets move to the logits' device: a device map may put the head anywhere."""
     if targets is None:
         return None
-    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.to(logits.device).view(-1),
-                           ignore_index=-1)
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.to(logits.device).view(-1), ignore_index=-1)
 
 
 def next_token(

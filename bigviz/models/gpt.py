@@ -13,6 +13,7 @@ Example:
     >>> logits.shape, loss
     (torch.Size([2, 5, 128]), None)
 """
+
 from __future__ import annotations
 
 import math
@@ -62,9 +63,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
-            raise ValueError(
-                f"GPTConfig: n_embd={self.n_embd} must be divisible by n_head={self.n_head}"
-            )
+            raise ValueError(f"GPTConfig: n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> GPTConfig:

@@ -14,6 +14,7 @@ Example:
     >>> logits.shape
     torch.Size([1, 6, 256])
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,9 +40,7 @@ LLAMA_PRESETS: dict[str, dict[str, int]] = {
     "llama-7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008),
     "llama-13b": dict(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, ffn_dim=13824),
     "llama-70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672),
-    "llama-tiny": dict(
-        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=172, vocab_size=256, max_seq_len=128
-    ),
+    "llama-tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=172, vocab_size=256, max_seq_len=128),
 }
 
 
@@ -76,9 +75,7 @@ class LlamaConfig:
         elif self.head_dim % 2:
             problems.append(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
         if self.n_heads % self.n_kv_heads:
-            problems.append(
-                f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}"
-            )
+            problems.append(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         if problems:
             raise ValueError("LlamaConfig: " + "; ".join(problems))
 
@@ -173,9 +170,7 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(config.dim, kv_dim, bias=False)
         self.o_proj = nn.Linear(config.dim, config.dim, bias=False)
 
-    def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, *, cache: KVCache | None = None
-    ) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, *, cache: KVCache | None = None) -> Tensor:
         B, T, _ = x.shape
         hd = self.head_dim
         q = self.q_proj(x).view(B, T, self.n_heads, hd).transpose(1, 2)  # (B, nh, T, hd)
@@ -214,9 +209,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, *, cache: KVCache | None = None
-    ) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, *, cache: KVCache | None = None) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache=cache)
         return x + self.mlp(self.post_attention_layernorm(x))  # (B, T, dim)
 

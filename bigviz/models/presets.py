@@ -8,6 +8,7 @@ Example:
     >>> from_preset(Cfg, {"wide": {"width": 8}}, "wide", {})
     Cfg(width=8)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,9 +20,7 @@ __all__ = ["from_preset", "config_dict", "from_config_dict"]
 C = TypeVar("C")
 
 
-def from_preset(
-    cls: type[C], presets: Mapping[str, Mapping[str, Any]], name: str, overrides: Mapping[str, Any]
-) -> C:
+def from_preset(cls: type[C], presets: Mapping[str, Mapping[str, Any]], name: str, overrides: Mapping[str, Any]) -> C:
     """Build ``cls`` from ``presets[name]`` updated by ``overrides``.
 
     Raises:

@@ -12,6 +12,7 @@ Example:
     $ python -m bigviz.models.train_tiny            # rewrites bigviz/models/tiny/
     $ python -m bigviz.models.train_tiny --steps 50 --out /tmp/tiny   # a quick try elsewhere
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,8 @@ def _batch(data: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor
     """``BATCH`` random windows of the corpus, each as long as the context, and their next bytes."""
     T = TINY_CONFIG.block_size
     starts = torch.randint(0, len(data) - T - 1, (BATCH,), generator=generator)
-    x = torch.stack([data[s:s + T] for s in starts])  # (B, T)
-    y = torch.stack([data[s + 1:s + T + 1] for s in starts])  # (B, T): shifted by one
+    x = torch.stack([data[s : s + T] for s in starts])  # (B, T)
+    y = torch.stack([data[s + 1 : s + T + 1] for s in starts])  # (B, T): shifted by one
     return x, y
 
 

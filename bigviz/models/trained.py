@@ -14,6 +14,7 @@ Example:
     >>> decode_bytes(model.generate(encode_bytes("A plan says "), 30)[0])
     'A plan says where each module lives: on a '
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -56,8 +57,9 @@ def tiny_gpt() -> GPT:
 
     from safetensors.torch import load_file
 
-    config = GPTConfig(**{k: v for k, v in json.loads((TINY_DIR / "config.json").read_text()).items()
-                          if k != "model_type"})
+    config = GPTConfig(
+        **{k: v for k, v in json.loads((TINY_DIR / "config.json").read_text()).items() if k != "model_type"}
+    )
     with torch.device("meta"):
         model = GPT(config)
     state = load_file(str(TINY_DIR / "model.safetensors"))
@@ -65,8 +67,9 @@ def tiny_gpt() -> GPT:
     model.tie_weights()  # assign=True replaced wte's Parameter: tie the head to the new one
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
-        raise ValueError(f"{TINY_DIR / 'model.safetensors'} lacks {missing}: retrain it with "
-                         "python -m bigviz.models.train_tiny")
+        raise ValueError(
+            f"{TINY_DIR / 'model.safetensors'} lacks {missing}: retrain it with python -m bigviz.models.train_tiny"
+        )
     return model.eval()
 
 

@@ -16,6 +16,7 @@ Example:
     >>> infer_auto_device_map(model, {0: "150KB", "cpu": "1GB"})  # accelerate's default: in order
     {'0': 0, '1': 'cpu', '2': 'cpu', '3': 'cpu'}
 """
+
 from __future__ import annotations
 
 from bigviz.planning.chain import dispatch_plan, dispatch_plan_for, load_plan
@@ -26,7 +27,20 @@ from bigviz.planning.pipeline import plan_pipeline
 from bigviz.planning.workload import model_run_spec, workload_bytes
 
 __all__ = [
-    "ModelLike", "as_tree", "check_device_map", "default_no_split", "dispatch_plan", "dispatch_plan_for",
-    "infer_auto_device_map", "load_plan", "max_context", "model_run_spec", "plan", "plan_pipeline",
-    "position_limit", "resolve_model", "unit_knobs", "workload_bytes",
+    "ModelLike",
+    "as_tree",
+    "check_device_map",
+    "default_no_split",
+    "dispatch_plan",
+    "dispatch_plan_for",
+    "infer_auto_device_map",
+    "load_plan",
+    "max_context",
+    "model_run_spec",
+    "plan",
+    "plan_pipeline",
+    "position_limit",
+    "resolve_model",
+    "unit_knobs",
+    "workload_bytes",
 ]

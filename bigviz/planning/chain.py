@@ -46,8 +46,9 @@ __all__ = ["load_plan", "dispatch_plan", "dispatch_plan_for", "map_problems", "r
 INVALID_MAP = "invalid device_map"
 
 
-def map_problems(tree: SizeTree, device_map: Mapping[Any, object], *, main_device: object = None,
-                 machine: bool = True) -> tuple[dict[str, Device], list[str]]:
+def map_problems(
+    tree: SizeTree, device_map: Mapping[Any, object], *, main_device: object = None, machine: bool = True
+) -> tuple[dict[str, Device], list[str]]:
     """The map completed and canonical, and every problem with it for this model (and, with
     ``machine``, for this machine: devices it lacks).
 
@@ -90,8 +91,14 @@ def _canonical_or_none(value: object) -> Device | None:
         return None
 
 
-def check_map(tree: SizeTree, device_map: Mapping[Any, object], *, main_device: object = None,
-              more: Collection[str] = (), machine: bool = True) -> dict[str, Device]:
+def check_map(
+    tree: SizeTree,
+    device_map: Mapping[Any, object],
+    *,
+    main_device: object = None,
+    more: Collection[str] = (),
+    machine: bool = True,
+) -> dict[str, Device]:
     """The completed canonical map, or one `DeviceMapError` with every problem (and ``more``)."""
     canonical, problems = map_problems(tree, device_map, main_device=main_device, machine=machine)
     problems += list(more)
@@ -100,10 +107,18 @@ def check_map(tree: SizeTree, device_map: Mapping[Any, object], *, main_device: 
     return canonical
 
 
-def dispatch_plan_for(inventory: ModelInventory, device_map: Mapping[Any, object], *,
-                      main_device: object = None, no_split_module_classes: Collection[str] | None = None,
-                      preload_module_classes: Collection[str] | None = None, offload_buffers: bool = False,
-                      prefetch: bool = True, tree: SizeTree | None = None, machine: bool = True) -> DispatchPlan:
+def dispatch_plan_for(
+    inventory: ModelInventory,
+    device_map: Mapping[Any, object],
+    *,
+    main_device: object = None,
+    no_split_module_classes: Collection[str] | None = None,
+    preload_module_classes: Collection[str] | None = None,
+    offload_buffers: bool = False,
+    prefetch: bool = True,
+    tree: SizeTree | None = None,
+    machine: bool = True,
+) -> DispatchPlan:
     """The checked dispatch plan of ``device_map`` on a model's inventory.
 
     ``machine=False`` plans for hardware this machine lacks (no check that its devices exist).
@@ -115,16 +130,27 @@ def dispatch_plan_for(inventory: ModelInventory, device_map: Mapping[Any, object
     canonical = check_map(tree, device_map, main_device=main_device, machine=machine)
     main = normalize_device(main_device) if main_device is not None else execution_device(canonical.values())
     blocks = no_split_module_classes if no_split_module_classes is not None else inventory.no_split
-    rule = UnitRule(main, frozenset(blocks), frozenset(preload_module_classes or ()),
-                    {m: r for m, r in inventory.reads.items() if m in tree.nodes}, offload_buffers,
-                    {k: v for k, v in inventory.same_module.items() if k in tree.nodes})
+    rule = UnitRule(
+        main,
+        frozenset(blocks),
+        frozenset(preload_module_classes or ()),
+        {m: r for m, r in inventory.reads.items() if m in tree.nodes},
+        offload_buffers,
+        {k: v for k, v in inventory.same_module.items() if k in tree.nodes},
+    )
     return make_dispatch_plan(tree, canonical, rule, prefetch=prefetch).check()
 
 
-def resolve_device_map(model: nn.Module | ModelInventory, device_map: Any, *, max_memory: Any = None,
-                       no_split_module_classes: Collection[str] | None = None, dtype: Any = None,
-                       preload_module_classes: Collection[str] | None = None,
-                       offload_buffers: bool = False) -> tuple[dict[str, Any] | None, DevicePlan | None]:
+def resolve_device_map(
+    model: nn.Module | ModelInventory,
+    device_map: Any,
+    *,
+    max_memory: Any = None,
+    no_split_module_classes: Collection[str] | None = None,
+    dtype: Any = None,
+    preload_module_classes: Collection[str] | None = None,
+    offload_buffers: bool = False,
+) -> tuple[dict[str, Any] | None, DevicePlan | None]:
     """``(map, plan)`` from what a user passes as ``device_map``: a strategy name (planned
     now), a `DevicePlan`, a dict, or None."""
     if device_map is None:
@@ -134,19 +160,32 @@ def resolve_device_map(model: nn.Module | ModelInventory, device_map: Any, *, ma
             raise ValueError(f"device_map={device_map!r}: use one of {', '.join(STRATEGIES)}, a dict or a DevicePlan")
         from bigviz.planning.device_plan import plan
 
-        made = plan(model, max_memory, strategy=device_map, no_split_module_classes=no_split_module_classes,
-                    dtype=dtype, preload_module_classes=preload_module_classes, offload_buffers=offload_buffers)
+        made = plan(
+            model,
+            max_memory,
+            strategy=device_map,
+            no_split_module_classes=no_split_module_classes,
+            dtype=dtype,
+            preload_module_classes=preload_module_classes,
+            offload_buffers=offload_buffers,
+        )
         return dict(made.device_map), made
     if isinstance(device_map, DevicePlan):
         return dict(device_map.device_map), device_map
     return dict(device_map), None
 
 
-def load_plan(model: nn.Module | ModelInventory, checkpoint: str | Path | CheckpointIndex,
-              device_map: Any = None, *, dtype: torch.dtype | str | None = None,
-              offload_folder: str | Path | None = None, strict: bool = True,
-              keep_in_fp32_modules: Sequence[str] | None = None,
-              key_mapping: Mapping[str, str] | None = None) -> LoadPlan:
+def load_plan(
+    model: nn.Module | ModelInventory,
+    checkpoint: str | Path | CheckpointIndex,
+    device_map: Any = None,
+    *,
+    dtype: torch.dtype | str | None = None,
+    offload_folder: str | Path | None = None,
+    strict: bool = True,
+    keep_in_fp32_modules: Sequence[str] | None = None,
+    key_mapping: Mapping[str, str] | None = None,
+) -> LoadPlan:
     """The load plan of ``checkpoint`` into ``model``: for each model tensor, the checkpoint
     key(s), file, byte offsets, stored and loaded dtype, conversion and target device; made
     from headers alone (nothing is read), checked, and printable (``.summary()``,
@@ -178,15 +217,31 @@ def load_plan(model: nn.Module | ModelInventory, checkpoint: str | Path | Checkp
     mapping, _ = resolve_device_map(inventory, device_map)
     if mapping is not None:
         mapping = device_map_in_model_names(inventory, checkpoint, mapping)
-    return plan_load(inventory, checkpoint, mapping, dtype=dtype, offload_folder=offload_folder, strict=strict,
-                     keep_in_fp32_modules=keep_in_fp32_modules, key_mapping=key_mapping)[1]
+    return plan_load(
+        inventory,
+        checkpoint,
+        mapping,
+        dtype=dtype,
+        offload_folder=offload_folder,
+        strict=strict,
+        keep_in_fp32_modules=keep_in_fp32_modules,
+        key_mapping=key_mapping,
+    )[1]
 
 
-def dispatch_plan(model: nn.Module | ModelInventory, checkpoint: str | Path | CheckpointIndex | None = None,
-                  device_map: Any = "auto", *, max_memory: Any = None, main_device: object = None,
-                  no_split_module_classes: Collection[str] | None = None,
-                  preload_module_classes: Collection[str] | None = None, offload_buffers: bool = False,
-                  prefetch: bool = True, dtype: torch.dtype | str | None = None) -> DispatchPlan:
+def dispatch_plan(
+    model: nn.Module | ModelInventory,
+    checkpoint: str | Path | CheckpointIndex | None = None,
+    device_map: Any = "auto",
+    *,
+    max_memory: Any = None,
+    main_device: object = None,
+    no_split_module_classes: Collection[str] | None = None,
+    preload_module_classes: Collection[str] | None = None,
+    offload_buffers: bool = False,
+    prefetch: bool = True,
+    dtype: torch.dtype | str | None = None,
+) -> DispatchPlan:
     """The dispatch plan of ``device_map`` on ``model``: the offload units a dispatch fetches
     (the module each hook sits on, where its weights are stored, the tensors and buffers it
     fetches, their bytes), in fetch order, and the tensors that stay resident; printable
@@ -217,9 +272,15 @@ def dispatch_plan(model: nn.Module | ModelInventory, checkpoint: str | Path | Ch
           from disk: 1 unit, 160 B (<model>)
     """
     inventory = inventory_of(model) if checkpoint is not None else ModelInventory.of(model)
-    mapping, made = resolve_device_map(inventory, device_map, max_memory=max_memory, dtype=dtype,
-                                       no_split_module_classes=no_split_module_classes,
-                                       preload_module_classes=preload_module_classes, offload_buffers=offload_buffers)
+    mapping, made = resolve_device_map(
+        inventory,
+        device_map,
+        max_memory=max_memory,
+        dtype=dtype,
+        no_split_module_classes=no_split_module_classes,
+        preload_module_classes=preload_module_classes,
+        offload_buffers=offload_buffers,
+    )
     if mapping is None:
         raise ValueError("dispatch_plan: give a device_map (a strategy such as 'auto', a dict or a DevicePlan)")
     tree = inventory.tree()
@@ -229,8 +290,15 @@ def dispatch_plan(model: nn.Module | ModelInventory, checkpoint: str | Path | Ch
         tree = tree.with_dtype(None, {a: str(x.dtype).removeprefix("torch.") for x in loads.loads for a in x.aliases})
     if made is not None and made.rule is not None:
         main_device = made.main_device if main_device is None else main_device
-        no_split_module_classes = (made.rule.blocks if no_split_module_classes is None else no_split_module_classes)
-    return dispatch_plan_for(inventory, mapping, main_device=main_device, tree=tree,
-                             no_split_module_classes=no_split_module_classes,
-                             preload_module_classes=preload_module_classes, offload_buffers=offload_buffers,
-                             prefetch=prefetch, machine=False)
+        no_split_module_classes = made.rule.blocks if no_split_module_classes is None else no_split_module_classes
+    return dispatch_plan_for(
+        inventory,
+        mapping,
+        main_device=main_device,
+        tree=tree,
+        no_split_module_classes=no_split_module_classes,
+        preload_module_classes=preload_module_classes,
+        offload_buffers=offload_buffers,
+        prefetch=prefetch,
+        machine=False,
+    )

@@ -8,6 +8,7 @@ Example:
     >>> max_context(model, {"cpu": "10MiB"})
     64
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -26,9 +27,16 @@ from bigviz.planning.models import ModelLike, resolve_model
 __all__ = ["max_context", "position_limit"]
 
 
-def max_context(model: ModelLike, max_memory: Mapping[Any, object] | None = None, batch_size: int = 1, *,
-                allow_offload: bool = False, device_map: DevicePlan | Mapping[str, object] | None = None,
-                limit: int | None = None, **plan_kwargs: object) -> int:
+def max_context(
+    model: ModelLike,
+    max_memory: Mapping[Any, object] | None = None,
+    batch_size: int = 1,
+    *,
+    allow_offload: bool = False,
+    device_map: DevicePlan | Mapping[str, object] | None = None,
+    limit: int | None = None,
+    **plan_kwargs: object,
+) -> int:
     """The longest context whose run fits, by bisection on the (linear-time) planner.
 
     "Fits" means the plan succeeds with every device within its budget (weights, KV cache,

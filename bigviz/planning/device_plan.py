@@ -11,6 +11,7 @@ Example:
     >>> infer_auto_device_map(model, {0: "150KB", "cpu": "1GB"})  # accelerate's default: in order
     {'0': 0, '1': 'cpu', '2': 'cpu', '3': 'cpu'}
 """
+
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
@@ -35,15 +36,26 @@ from bigviz.planning.workload import device_type, workload_bytes
 __all__ = ["plan", "infer_auto_device_map", "check_device_map", "keep_direct_reads_resident", "unit_knobs"]
 
 
-def plan(model: ModelLike, max_memory: Mapping[Any, object] | None = None, *,
-         strategy: str = "auto", no_split_module_classes: Collection[str] | None = None,
-         dtype: torch.dtype | str | None = None, reserve: Mapping[Any, object] | None = None,
-         overrides: Mapping[str, object] | None = None,
-         special_dtypes: Mapping[str, torch.dtype | str] | None = None,
-         offload_reserve: bool = True, prefetch: bool = True,
-         batch_size: int = 1, context_length: int | None = None, kv_dtype: torch.dtype | str | None = None,
-         kv_cache: Mapping[str, int] | None = None, activations: Mapping[str, int] | None = None,
-         preload_module_classes: Collection[str] | None = None, offload_buffers: bool = False) -> DevicePlan:
+def plan(
+    model: ModelLike,
+    max_memory: Mapping[Any, object] | None = None,
+    *,
+    strategy: str = "auto",
+    no_split_module_classes: Collection[str] | None = None,
+    dtype: torch.dtype | str | None = None,
+    reserve: Mapping[Any, object] | None = None,
+    overrides: Mapping[str, object] | None = None,
+    special_dtypes: Mapping[str, torch.dtype | str] | None = None,
+    offload_reserve: bool = True,
+    prefetch: bool = True,
+    batch_size: int = 1,
+    context_length: int | None = None,
+    kv_dtype: torch.dtype | str | None = None,
+    kv_cache: Mapping[str, int] | None = None,
+    activations: Mapping[str, int] | None = None,
+    preload_module_classes: Collection[str] | None = None,
+    offload_buffers: bool = False,
+) -> DevicePlan:
     """Plan where every module goes, with bytes and a reason for each placement.
 
     Args:
@@ -90,13 +102,22 @@ def plan(model: ModelLike, max_memory: Mapping[Any, object] | None = None, *,
 
         budgets["cpu"] = default_cpu_budget(tree, budgets["cpu"], frozenset(no_split))
     workload = Workload(batch_size, context_length or 0, None if kv_dtype is None else str(kv_dtype))
-    kv, act = workload_bytes(model, tree, workload, dtype=dtype, device_type=device_type(budgets),
-                             kv_cache=kv_cache, activations=activations)
+    kv, act = workload_bytes(
+        model, tree, workload, dtype=dtype, device_type=device_type(budgets), kv_cache=kv_cache, activations=activations
+    )
     inventory = inventory_or_none(model)
-    options = PlanOptions(strategy=strategy, no_split=frozenset(no_split), reserve=dict(reserve or {}),
-                          overrides=dict(overrides or {}), offload_reserve=offload_reserve, prefetch=prefetch,
-                          kv_cache=kv, activations=act, workload=workload if (kv or act) else None,
-                          **unit_knobs(inventory, tree, preload_module_classes, offload_buffers))
+    options = PlanOptions(
+        strategy=strategy,
+        no_split=frozenset(no_split),
+        reserve=dict(reserve or {}),
+        overrides=dict(overrides or {}),
+        offload_reserve=offload_reserve,
+        prefetch=prefetch,
+        kv_cache=kv,
+        activations=act,
+        workload=workload if (kv or act) else None,
+        **unit_knobs(inventory, tree, preload_module_classes, offload_buffers),
+    )
     result = make_plan(tree, budgets, options)
     return keep_direct_reads_resident(result, inventory, tree, budgets, options)
 
@@ -110,8 +131,12 @@ class UnitKnobs(TypedDict):
     offload_buffers: bool
 
 
-def unit_knobs(inventory: ModelInventory | None, tree: SizeTree, preload: Collection[str] | None = None,
-               offload_buffers: bool = False) -> UnitKnobs:
+def unit_knobs(
+    inventory: ModelInventory | None,
+    tree: SizeTree,
+    preload: Collection[str] | None = None,
+    offload_buffers: bool = False,
+) -> UnitKnobs:
     """The unit rule's knobs a model gives (`PlanOptions` fields): its direct reads and its
     modules shared under two names, with the preload classes and buffer rule of the dispatch.
 
@@ -123,12 +148,21 @@ def unit_knobs(inventory: ModelInventory | None, tree: SizeTree, preload: Collec
     """
     reads = {m: r for m, r in (inventory.reads if inventory is not None else {}).items() if m in tree.nodes}
     same = inventory.same_module if inventory is not None else {}
-    return {"reads": reads, "same_module": {k: v for k, v in same.items() if k in tree.nodes},
-            "preload": frozenset(preload or ()), "offload_buffers": offload_buffers}
+    return {
+        "reads": reads,
+        "same_module": {k: v for k, v in same.items() if k in tree.nodes},
+        "preload": frozenset(preload or ()),
+        "offload_buffers": offload_buffers,
+    }
 
 
-def keep_direct_reads_resident(result: DevicePlan, model: ModelInventory | None, tree: SizeTree,
-                                budgets: Mapping[Device, int], options: PlanOptions) -> DevicePlan:
+def keep_direct_reads_resident(
+    result: DevicePlan,
+    model: ModelInventory | None,
+    tree: SizeTree,
+    budgets: Mapping[Device, int],
+    options: PlanOptions,
+) -> DevicePlan:
     """Plan again with the modules read directly by a parent's code (not called: DeBERTa's
     ``rel_embeddings``, an ``nn.MultiheadAttention``'s ``out_proj``) on the execution device,
     where the plan had streamed them. bigviz's engine fetches such weights with their reader;
@@ -141,18 +175,24 @@ def keep_direct_reads_resident(result: DevicePlan, model: ModelInventory | None,
         return result
     blocks = [n for n in tree.nodes if n and is_no_split(tree, n, options.no_split)]
     modules = model.modules
-    reads = {m: r for m, r in model.reads.items() if m in tree.nodes and (
-        not any(is_prefix(b, m) for b in blocks) or type(modules[r]).__module__.startswith("torch.nn."))}
+    reads = {
+        m: r
+        for m, r in model.reads.items()
+        if m in tree.nodes
+        and (not any(is_prefix(b, m) for b in blocks) or type(modules[r]).__module__.startswith("torch.nn."))
+    }
     streamed = streamed_devices(result.main_device)
     moved = [m for m in reads if m not in options.overrides and device_of(m, result.unit_map) in streamed]
     if not moved:
         return result
     overrides = {**options.overrides, **dict.fromkeys(moved, result.main_device)}
     again = make_plan(tree, budgets, replace(options, overrides=overrides))
-    why = {m: f"read directly by {reads[m] or 'the model'}'s code (not called): kept on "
-              f"{device_label(result.main_device)}, where every loader can use it" for m in moved}
-    placements = tuple(replace(p, reason=why[p.name], override=False) if p.name in why else p
-                       for p in again.placements)
+    why = {
+        m: f"read directly by {reads[m] or 'the model'}'s code (not called): kept on "
+        f"{device_label(result.main_device)}, where every loader can use it"
+        for m in moved
+    }
+    placements = tuple(replace(p, reason=why[p.name], override=False) if p.name in why else p for p in again.placements)
     return replace(again, placements=placements, _cache={})
 
 
@@ -161,13 +201,20 @@ def _as_names(names: Collection[str] | str) -> list[str]:
     return [names] if isinstance(names, str) else list(names)
 
 
-def infer_auto_device_map(model: ModelLike, max_memory: Mapping[Any, object] | None = None,
-                          no_split_module_classes: Collection[str] | None = None,
-                          dtype: torch.dtype | str | None = None,
-                          special_dtypes: Mapping[str, torch.dtype | str] | None = None,
-                          verbose: bool = False, clean_result: bool = True, offload_buffers: bool = False,
-                          *, strategy: str = "sequential", reserve: Mapping[Any, object] | None = None,
-                          overrides: Mapping[str, object] | None = None) -> dict[str, Device]:
+def infer_auto_device_map(
+    model: ModelLike,
+    max_memory: Mapping[Any, object] | None = None,
+    no_split_module_classes: Collection[str] | None = None,
+    dtype: torch.dtype | str | None = None,
+    special_dtypes: Mapping[str, torch.dtype | str] | None = None,
+    verbose: bool = False,
+    clean_result: bool = True,
+    offload_buffers: bool = False,
+    *,
+    strategy: str = "sequential",
+    reserve: Mapping[Any, object] | None = None,
+    overrides: Mapping[str, object] | None = None,
+) -> dict[str, Device]:
     """Accelerate's function with bigviz's planner behind it: a ``{module: device}`` dict.
 
     Like accelerate's, it fills the devices in order (``strategy="sequential"``): GPU 0 up to
@@ -183,8 +230,16 @@ def infer_auto_device_map(model: ModelLike, max_memory: Mapping[Any, object] | N
         >>> infer_auto_device_map(nn.Linear(10, 10), {"cpu": "1KB"})
         {'': 'cpu'}
     """
-    result = plan(model, max_memory, strategy=strategy, no_split_module_classes=no_split_module_classes,
-                  dtype=dtype, special_dtypes=special_dtypes, reserve=reserve, overrides=overrides)
+    result = plan(
+        model,
+        max_memory,
+        strategy=strategy,
+        no_split_module_classes=no_split_module_classes,
+        dtype=dtype,
+        special_dtypes=special_dtypes,
+        reserve=reserve,
+        overrides=overrides,
+    )
     if verbose:
         print(result.summary())
         for p in result.placements:
@@ -192,8 +247,9 @@ def infer_auto_device_map(model: ModelLike, max_memory: Mapping[Any, object] | N
     return result.device_map if clean_result else dict(result.unit_map)
 
 
-def check_device_map(model: ModelLike, device_map: Mapping[str, object], *,
-                     devices: Collection[Device] | None = None) -> dict[str, Device]:
+def check_device_map(
+    model: ModelLike, device_map: Mapping[str, object], *, devices: Collection[Device] | None = None
+) -> dict[str, Device]:
     """Check that ``device_map`` covers every tensor of ``model`` with known devices.
 
     Returns the map with canonical devices (``"cuda:1"`` -> ``1``).
@@ -208,6 +264,3 @@ def check_device_map(model: ModelLike, device_map: Mapping[str, object], *,
         {'': 0}
     """
     return validate_device_map(as_tree(model), device_map, devices)
-
-
-

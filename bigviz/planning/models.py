@@ -6,6 +6,7 @@ Example:
     >>> as_tree(nn.Linear(4, 2)).total(""), default_no_split(nn.Linear(4, 2), as_tree(nn.Linear(4, 2)))
     (40, [])
 """
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,11 @@ def resolve_model(model: ModelLike) -> ModelLike:
     return model_from_config(model) if is_config_source(model) else model
 
 
-def as_tree(model: ModelLike, dtype: torch.dtype | str | None = None,
-            special_dtypes: Mapping[str, torch.dtype | str] | None = None) -> SizeTree:
+def as_tree(
+    model: ModelLike,
+    dtype: torch.dtype | str | None = None,
+    special_dtypes: Mapping[str, torch.dtype | str] | None = None,
+) -> SizeTree:
     """A size tree from a model, a tree, or a checkpoint path (headers only, no weights).
 
     A checkpoint folder with a transformers ``config.json`` is described in the model's names

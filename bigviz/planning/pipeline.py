@@ -8,6 +8,7 @@ Example:
     >>> plan_pipeline(model, 2).split_points
     ('transformer.h.2',)
 """
+
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
@@ -21,9 +22,14 @@ from bigviz.planning.models import ModelLike, as_tree, default_no_split
 __all__ = ["plan_pipeline"]
 
 
-def plan_pipeline(model_or_checkpoint: ModelLike, stages: int | Sequence[int | str], *,
-                  no_split_module_classes: Collection[str] | None = None, balance: str = "bytes",
-                  dtype: torch.dtype | str | None = None) -> PipelinePlan:
+def plan_pipeline(
+    model_or_checkpoint: ModelLike,
+    stages: int | Sequence[int | str],
+    *,
+    no_split_module_classes: Collection[str] | None = None,
+    balance: str = "bytes",
+    dtype: torch.dtype | str | None = None,
+) -> PipelinePlan:
     """Cut a model into pipeline stages (one per rank) between its no-split blocks.
 
     Stages are contiguous runs of blocks in execution order; embeddings run in the first
@@ -54,7 +60,8 @@ def plan_pipeline(model_or_checkpoint: ModelLike, stages: int | Sequence[int | s
         (('transformer.h.2',), 'lm_head', 'transformer.wte.weight')
     """
     tree = as_tree(model_or_checkpoint, dtype)
-    no_split = (no_split_module_classes if no_split_module_classes is not None
-                else default_no_split(model_or_checkpoint, tree))
+    no_split = (
+        no_split_module_classes if no_split_module_classes is not None else default_no_split(model_or_checkpoint, tree)
+    )
     label = str(dtype).removeprefix("torch.") if dtype is not None else None
     return make_pipeline_plan(tree, stages, no_split=list(no_split), balance=balance, dtype=label)

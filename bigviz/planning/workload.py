@@ -11,6 +11,7 @@ Example:
     >>> sorted(kv)[:1], all(v > 0 for v in kv.values())
     (['transformer.h.0'], True)
 """
+
 from __future__ import annotations
 
 import os
@@ -34,9 +35,16 @@ def device_type(budgets: Mapping[Device, int]) -> str:
     return "cuda" if any(isinstance(d, int) or d == "mps" for d in budgets) else "cpu"
 
 
-def workload_bytes(model: ModelLike, tree: SizeTree, workload: Workload, *, dtype: object = None,
-                   device_type: str = "cuda", kv_cache: Mapping[str, int] | None = None,
-                   activations: Mapping[str, int] | None = None) -> tuple[dict[str, int], dict[str, int]]:
+def workload_bytes(
+    model: ModelLike,
+    tree: SizeTree,
+    workload: Workload,
+    *,
+    dtype: object = None,
+    device_type: str = "cuda",
+    kv_cache: Mapping[str, int] | None = None,
+    activations: Mapping[str, int] | None = None,
+) -> tuple[dict[str, int], dict[str, int]]:
     """``(KV cache bytes, activation bytes)`` per module of ``tree`` for ``workload``
     (empty without a context): read from the model (a checkpoint: from its ``config.json``)
     unless given by hand."""
@@ -50,22 +58,25 @@ def workload_bytes(model: ModelLike, tree: SizeTree, workload: Workload, *, dtyp
     return kv, act
 
 
-def model_run_spec(model: ModelLike, tree: SizeTree, *, dtype: object = None,
-                   device_type: str = "cuda") -> RunSpec:
+def model_run_spec(model: ModelLike, tree: SizeTree, *, dtype: object = None, device_type: str = "cuda") -> RunSpec:
     """The run spec of a model, with its modules named as in ``tree``."""
     source = model
     if isinstance(model, (str, os.PathLike)):
         config = Path(model) / "config.json" if Path(model).is_dir() else None
         if config is None or not config.is_file():
-            raise ValueError(f"to plan a run (context_length) bigviz reads the attention layout from the "
-                             f"model or its config.json, and {str(model)!r} has none next to its weights: pass "
-                             f"the model, put its config.json there, or give kv_cache= and activations=")
+            raise ValueError(
+                f"to plan a run (context_length) bigviz reads the attention layout from the "
+                f"model or its config.json, and {str(model)!r} has none next to its weights: pass "
+                f"the model, put its config.json there, or give kv_cache= and activations="
+            )
         source = model_from_config(config)
     if isinstance(source, ModelInventory):
         source = source.model
     if not isinstance(source, nn.Module):
-        raise ValueError("to plan a run (context_length) from a SizeTree, give kv_cache= and activations= "
-                         "(bytes per module): a tree does not say how the model attends")
+        raise ValueError(
+            "to plan a run (context_length) from a SizeTree, give kv_cache= and activations= "
+            "(bytes per module): a tree does not say how the model attends"
+        )
     spec = run_spec(source, dtype=None if dtype is None else str(dtype), device_type=device_type)
     return _renamed(spec, tree)
 
@@ -79,17 +90,30 @@ def _renamed(spec: RunSpec, tree: SizeTree) -> RunSpec:
     mapping: dict[str, str] = {}
     missing: list[str] = []
     for name in names:
-        found = name if name in tree.nodes else next(
-            (c for c in (name.partition(".")[2], *(f"{p}.{name}" for p in _top_levels(tree))) if c in tree.nodes), None)
+        found = (
+            name
+            if name in tree.nodes
+            else next(
+                (c for c in (name.partition(".")[2], *(f"{p}.{name}" for p in _top_levels(tree))) if c in tree.nodes),
+                None,
+            )
+        )
         if found is None:
             missing.append(name)
         else:
             mapping[name] = found
     if missing:
-        raise ValueError(f"the checkpoint has no modules named like the model's layers ({', '.join(missing[:4])}"
-                         f"{' ...' if len(missing) > 4 else ''}): give kv_cache= and activations= by module name")
-    return RunSpec(spec.dtype, {mapping[k]: v for k, v in spec.caches.items()},
-                   {mapping[k]: v for k, v in spec.steps.items()}, spec.carried, spec.notes)
+        raise ValueError(
+            f"the checkpoint has no modules named like the model's layers ({', '.join(missing[:4])}"
+            f"{' ...' if len(missing) > 4 else ''}): give kv_cache= and activations= by module name"
+        )
+    return RunSpec(
+        spec.dtype,
+        {mapping[k]: v for k, v in spec.caches.items()},
+        {mapping[k]: v for k, v in spec.steps.items()},
+        spec.carried,
+        spec.notes,
+    )
 
 
 def _top_levels(tree: SizeTree) -> list[str]:

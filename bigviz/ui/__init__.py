@@ -10,6 +10,7 @@ Example:
     >>> fig.data[0].type
     'treemap'
 """
+
 from __future__ import annotations
 
 from bigviz.core.lazy import lazy_exports

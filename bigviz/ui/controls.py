@@ -8,6 +8,7 @@ Example:
     >>> slider_spec(8 * 2**30, 6 * 2**30)
     (10.0, 0.02, '.2f')
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,8 +26,17 @@ from bigviz.ui.palette import chip
 from bigviz.core.cost import DISK_BANDWIDTH, HARDWARE_PRESETS, LINK_BANDWIDTH
 from bigviz.ui.presets import DTYPE_CHOICES
 
-__all__ = ["GiB", "CUSTOM", "KV_DTYPES", "slider_spec", "Controls", "make_controls", "budget_row", "DeviceRows",
-           "assemble"]
+__all__ = [
+    "GiB",
+    "CUSTOM",
+    "KV_DTYPES",
+    "slider_spec",
+    "Controls",
+    "make_controls",
+    "budget_row",
+    "DeviceRows",
+    "assemble",
+]
 
 GiB = 2**30
 CUSTOM = "(custom budgets)"
@@ -103,40 +113,72 @@ def _label(text: str, width: str = "110px") -> widgets.Label:
     return widgets.Label(text, layout=widgets.Layout(width=width))
 
 
-KV_DTYPES: dict[str, str | None] = {"as compute": None, "float16": "float16", "bfloat16": "bfloat16",
-                                     "float8": "float8_e4m3fn", "float32": "float32"}
+KV_DTYPES: dict[str, str | None] = {
+    "as compute": None,
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float8": "float8_e4m3fn",
+    "float32": "float32",
+}
 """Dropdown label -> dtype of the KV cache (``None``: the compute dtype)."""
 
 
-def make_controls(*, strategy: str, dtype_label: str, no_split: str, modules: list[str],
-                  depth: int, max_depth: int, batch: int = 1, context: int = 0, kv_label: str = "as compute",
-                  max_context: int | None = None) -> Controls:
+def make_controls(
+    *,
+    strategy: str,
+    dtype_label: str,
+    no_split: str,
+    modules: list[str],
+    depth: int,
+    max_depth: int,
+    batch: int = 1,
+    context: int = 0,
+    kv_label: str = "as compute",
+    max_context: int | None = None,
+) -> Controls:
     """Build the controls (the per-device rows are added by :func:`budget_row`)."""
     wide = widgets.Layout(width="98%")
     narrow = {"description_width": "60px"}
     return Controls(
-        title=widgets.HTML(), status=widgets.HTML(), log=widgets.Output(),
-        preset=widgets.Dropdown(options=[CUSTOM, *HARDWARE_PRESETS], value=CUSTOM, description="hardware",
-                                layout=wide),
+        title=widgets.HTML(),
+        status=widgets.HTML(),
+        log=widgets.Output(),
+        preset=widgets.Dropdown(options=[CUSTOM, *HARDWARE_PRESETS], value=CUSTOM, description="hardware", layout=wide),
         devices=widgets.VBox(),
-        add_gpu=widgets.Button(description="+ GPU", tooltip="add a GPU with the last GPU's budget",
-                               layout=widgets.Layout(width="90px")),
-        remove_gpu=widgets.Button(description="- GPU", tooltip="remove the last GPU",
-                                  layout=widgets.Layout(width="90px")),
+        add_gpu=widgets.Button(
+            description="+ GPU", tooltip="add a GPU with the last GPU's budget", layout=widgets.Layout(width="90px")
+        ),
+        remove_gpu=widgets.Button(
+            description="- GPU", tooltip="remove the last GPU", layout=widgets.Layout(width="90px")
+        ),
         strategy=widgets.Dropdown(options=list(STRATEGIES), value=strategy, description="strategy"),
         dtype=widgets.Dropdown(options=list(DTYPE_CHOICES), value=dtype_label, description="dtype"),
-        no_split=widgets.Text(value=no_split, description="no-split", continuous_update=False, layout=wide,
-                              placeholder="classes or name globs, comma-separated"),
-        usage=widgets.HTML(), legend=widgets.HTML(), cost=widgets.HTML(), table=widgets.HTML(),
+        no_split=widgets.Text(
+            value=no_split,
+            description="no-split",
+            continuous_update=False,
+            layout=wide,
+            placeholder="classes or name globs, comma-separated",
+        ),
+        usage=widgets.HTML(),
+        legend=widgets.HTML(),
+        cost=widgets.HTML(),
+        table=widgets.HTML(),
         dispatch=widgets.HTML(),
-        link=widgets.Dropdown(options=list(LINK_BANDWIDTH), value="PCIe 4 x16 (~25 GB/s pinned)",
-                              description="link", layout=wide),
-        disk=widgets.Dropdown(options=list(DISK_BANDWIDTH), value="NVMe (~3 GB/s)", description="disk",
-                              layout=wide),
-        depth=widgets.IntSlider(value=depth, min=1, max=max(max_depth, 1), description="depth",
-                                continuous_update=False),
-        module=widgets.Combobox(options=modules, placeholder="type to search a module", description="module",
-                                ensure_option=False, layout=widgets.Layout(width="420px")),
+        link=widgets.Dropdown(
+            options=list(LINK_BANDWIDTH), value="PCIe 4 x16 (~25 GB/s pinned)", description="link", layout=wide
+        ),
+        disk=widgets.Dropdown(options=list(DISK_BANDWIDTH), value="NVMe (~3 GB/s)", description="disk", layout=wide),
+        depth=widgets.IntSlider(
+            value=depth, min=1, max=max(max_depth, 1), description="depth", continuous_update=False
+        ),
+        module=widgets.Combobox(
+            options=modules,
+            placeholder="type to search a module",
+            description="module",
+            ensure_option=False,
+            layout=widgets.Layout(width="420px"),
+        ),
         target=widgets.Dropdown(description="device", layout=widgets.Layout(width="200px")),
         assign=widgets.Button(description="Assign", button_style="primary"),
         unassign=widgets.Button(description="Unassign"),
@@ -146,38 +188,81 @@ def make_controls(*, strategy: str, dtype_label: str, no_split: str, modules: li
         json_view=widgets.HTML(),
         html_path=widgets.Text(value="plan.html", description="report"),
         save_html=widgets.Button(description="Save HTML report", icon="save"),
-        checkpoint=widgets.Text(description="checkpoint", placeholder="folder, index or .safetensors file",
-                                layout=widgets.Layout(width="420px")),
-        offload_folder=widgets.Text(description="offload to", placeholder="(optional) folder for disk weights",
-                                    layout=widgets.Layout(width="420px")),
+        checkpoint=widgets.Text(
+            description="checkpoint",
+            placeholder="folder, index or .safetensors file",
+            layout=widgets.Layout(width="420px"),
+        ),
+        offload_folder=widgets.Text(
+            description="offload to",
+            placeholder="(optional) folder for disk weights",
+            layout=widgets.Layout(width="420px"),
+        ),
         run=widgets.Button(description="Load and dispatch", button_style="warning", icon="play"),
         progress=widgets.IntProgress(value=0, min=0, max=3, description="", layout=widgets.Layout(width="300px")),
         run_result=widgets.HTML(),
-        batch=widgets.BoundedIntText(value=batch, min=1, max=1 << 20, description="batch", style=narrow,
-                                     layout=widgets.Layout(width="150px"), continuous_update=False),
-        context=widgets.BoundedIntText(value=context, min=0, max=max_context or 1 << 24, step=1024,
-                                       description="context", style=narrow, continuous_update=False,
-                                       tooltip="tokens each sequence's KV cache holds; 0: weights only",
-                                       layout=widgets.Layout(width="190px")),
-        kv_dtype=widgets.Dropdown(options=list(KV_DTYPES), value=kv_label, description="KV dtype", style=narrow,
-                                  layout=widgets.Layout(width="230px")),
-        find_context=widgets.Button(description="Longest context", icon="search",
-                                    tooltip="find the longest context that fits these budgets (bisection)"),
+        batch=widgets.BoundedIntText(
+            value=batch,
+            min=1,
+            max=1 << 20,
+            description="batch",
+            style=narrow,
+            layout=widgets.Layout(width="150px"),
+            continuous_update=False,
+        ),
+        context=widgets.BoundedIntText(
+            value=context,
+            min=0,
+            max=max_context or 1 << 24,
+            step=1024,
+            description="context",
+            style=narrow,
+            continuous_update=False,
+            tooltip="tokens each sequence's KV cache holds; 0: weights only",
+            layout=widgets.Layout(width="190px"),
+        ),
+        kv_dtype=widgets.Dropdown(
+            options=list(KV_DTYPES),
+            value=kv_label,
+            description="KV dtype",
+            style=narrow,
+            layout=widgets.Layout(width="230px"),
+        ),
+        find_context=widgets.Button(
+            description="Longest context",
+            icon="search",
+            tooltip="find the longest context that fits these budgets (bisection)",
+        ),
         fit=widgets.HTML(),
     )
 
 
-def budget_row(device: Device, budget: int, reserve: int,
-               model_bytes: int) -> tuple[widgets.HBox, widgets.FloatSlider, widgets.BoundedFloatText]:
+def budget_row(
+    device: Device, budget: int, reserve: int, model_bytes: int
+) -> tuple[widgets.HBox, widgets.FloatSlider, widgets.BoundedFloatText]:
     """One device's row: its chip, a budget slider and a reserve box, both in GiB."""
     top, step, fmt = slider_spec(budget, model_bytes)
-    slider = widgets.FloatSlider(value=budget / GiB, min=0.0, max=top, step=step, readout_format=fmt,
-                                 continuous_update=False, description="GiB",
-                                 style={"description_width": "28px"}, layout=widgets.Layout(width="250px"))
-    reserve_box = widgets.BoundedFloatText(value=reserve / GiB, min=0.0, max=top, step=step * 10,
-                                           description="reserve", style={"description_width": "50px"},
-                                           tooltip="GiB kept free for activations and KV cache",
-                                           layout=widgets.Layout(width="130px"))
+    slider = widgets.FloatSlider(
+        value=budget / GiB,
+        min=0.0,
+        max=top,
+        step=step,
+        readout_format=fmt,
+        continuous_update=False,
+        description="GiB",
+        style={"description_width": "28px"},
+        layout=widgets.Layout(width="250px"),
+    )
+    reserve_box = widgets.BoundedFloatText(
+        value=reserve / GiB,
+        min=0.0,
+        max=top,
+        step=step * 10,
+        description="reserve",
+        style={"description_width": "50px"},
+        tooltip="GiB kept free for activations and KV cache",
+        layout=widgets.Layout(width="130px"),
+    )
     name = widgets.HTML(chip(device), layout=widgets.Layout(width="62px"))
     return widgets.HBox([name, slider, reserve_box]), slider, reserve_box
 
@@ -193,8 +278,13 @@ class DeviceRows:
         self.reserves: dict[Device, widgets.BoundedFloatText] = {}
         self.rows: dict[Device, widgets.HBox] = {}
 
-    def sync(self, budgets: Mapping[Device, int], reserve: Mapping[Device, int], model_bytes: int,
-             quietly: Callable[[], AbstractContextManager[None]]) -> None:
+    def sync(
+        self,
+        budgets: Mapping[Device, int],
+        reserve: Mapping[Device, int],
+        model_bytes: int,
+        quietly: Callable[[], AbstractContextManager[None]],
+    ) -> None:
         """Show ``budgets``; values set here do not fire the callbacks (``quietly``)."""
         for device in [d for d in self.sliders if d not in budgets]:
             for table in (self.sliders, self.reserves, self.rows):
@@ -226,23 +316,43 @@ def assemble(c: Controls, figure: Any, *below: Any) -> widgets.VBox:
     under the settings at full width. The status line keeps its height when empty, so a
     re-plan message does not shift the app.
     """
-    left = widgets.VBox([
-        c.preset, c.devices, widgets.HBox([c.add_gpu, c.remove_gpu]), c.strategy, c.dtype, c.no_split,
-        widgets.HTML("<b>Run</b> (KV cache and prefill activations)"), widgets.HBox([c.batch, c.context]),
-        widgets.HBox([c.kv_dtype, c.find_context]), c.fit,
-        widgets.HTML("<b>Memory</b>"), c.usage, widgets.HTML("<b>Cost</b>"), c.link, c.disk, c.cost,
-    ], layout=widgets.Layout(width="460px", min_width="460px"))
-    right = widgets.VBox([c.legend, figure, *below, c.depth],
-                         layout=widgets.Layout(flex="1 1 300px", min_width="300px", overflow="hidden"))
+    left = widgets.VBox(
+        [
+            c.preset,
+            c.devices,
+            widgets.HBox([c.add_gpu, c.remove_gpu]),
+            c.strategy,
+            c.dtype,
+            c.no_split,
+            widgets.HTML("<b>Run</b> (KV cache and prefill activations)"),
+            widgets.HBox([c.batch, c.context]),
+            widgets.HBox([c.kv_dtype, c.find_context]),
+            c.fit,
+            widgets.HTML("<b>Memory</b>"),
+            c.usage,
+            widgets.HTML("<b>Cost</b>"),
+            c.link,
+            c.disk,
+            c.cost,
+        ],
+        layout=widgets.Layout(width="460px", min_width="460px"),
+    )
+    right = widgets.VBox(
+        [c.legend, figure, *below, c.depth],
+        layout=widgets.Layout(flex="1 1 300px", min_width="300px", overflow="hidden"),
+    )
     c.status.layout = widgets.Layout(min_height="28px")  # one line of widget text
     overrides = widgets.VBox([widgets.HBox([c.module, c.target]), widgets.HBox([c.assign, c.unassign]), c.overrides])
-    export = widgets.VBox([widgets.HBox([c.json_path, c.save_json]), widgets.HBox([c.html_path, c.save_html]),
-                           c.json_view])
+    export = widgets.VBox(
+        [widgets.HBox([c.json_path, c.save_json]), widgets.HBox([c.html_path, c.save_html]), c.json_view]
+    )
     run = widgets.VBox([c.checkpoint, c.offload_folder, widgets.HBox([c.run, c.progress]), c.run_result])
     table = widgets.Box([c.table], layout=widgets.Layout(max_height="420px", overflow="auto"))
     dispatch = widgets.Box([c.dispatch], layout=widgets.Layout(max_height="420px", overflow="auto"))
-    tabs = widgets.Tab(children=[table, dispatch, overrides, export, run],
-                       titles=("Placements", "Dispatch", "Overrides", "Export", "Run"))
+    tabs = widgets.Tab(
+        children=[table, dispatch, overrides, export, run],
+        titles=("Placements", "Dispatch", "Overrides", "Export", "Run"),
+    )
     body = widgets.HBox([left, right], layout=widgets.Layout(flex_flow="row wrap", width="100%"))
     return widgets.VBox([c.title, c.status, c.log, body, tabs])
 

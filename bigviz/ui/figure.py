@@ -7,6 +7,7 @@ SVG copy for frontends without plotly. The live figure fits the width of its col
 follows it (:mod:`bigviz.ui.livefigure`), a page reloaded while the kernel runs draws the
 current plan, and a click on a tile picks its module.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,18 @@ from typing import Any
 from bigviz.core.pipeline import PipelinePlan
 from bigviz.core.plan import DevicePlan
 from bigviz.ui.svg import figure_svg
-from bigviz.ui.treemap import (TreemapLayout, TreemapStyle, apply_layout, apply_style, figure_title,
-                               layout_of, maxdepth_for, style_for, style_of, treemap)
+from bigviz.ui.treemap import (
+    TreemapLayout,
+    TreemapStyle,
+    apply_layout,
+    apply_style,
+    figure_title,
+    layout_of,
+    maxdepth_for,
+    style_for,
+    style_of,
+    treemap,
+)
 
 __all__ = ["FigureView", "COLUMN_CLASS"]
 
@@ -34,8 +45,7 @@ class FigureView:
         figure: the plotly figure shown (a ``FigureWidget`` when ``live``).
     """
 
-    def __init__(self, plan: DevicePlan, *, depth: int | None = None, height: int = 560,
-                 live: bool = True) -> None:
+    def __init__(self, plan: DevicePlan, *, depth: int | None = None, height: int = 560, live: bool = True) -> None:
         assert plan.tree is not None
         self.depth = depth
         self.height = height
@@ -112,6 +122,7 @@ class FigureView:
             name = self.layout.names[ids.index(tile_id)] if tile_id in ids else ""
             if name:
                 callback(name)
+
         self.helper.on_click(clicked)
 
     def set_depth(self, depth: int | None) -> None:
@@ -124,8 +135,7 @@ class FigureView:
         """Put the figure into the Output widget as plotly's notebook mime type, with an
         SVG and an HTML copy for frontends without plotly's renderer."""
         data = {
-            "application/vnd.plotly.v1+json": {**json.loads(self.figure.to_json()),
-                                               "config": {"displaylogo": False}},
+            "application/vnd.plotly.v1+json": {**json.loads(self.figure.to_json()), "config": {"displaylogo": False}},
             "image/svg+xml": figure_svg(self.figure),
             "text/html": self.figure.to_html(full_html=False, include_plotlyjs="cdn"),
             "text/plain": "treemap (static: FigureWidget unavailable)",

@@ -23,6 +23,7 @@ Example:
     >>> fig.get_state()["_widget_data"][0]["values"]  # a reconnecting page draws this
     [2]
 """
+
 from __future__ import annotations
 
 import copy

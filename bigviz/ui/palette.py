@@ -9,6 +9,7 @@ Example:
     >>> device_color(0), device_color("cpu"), device_color("disk")
     ('#0072B2', '#F0E442', '#6E6E6E')
 """
+
 from __future__ import annotations
 
 import html
@@ -19,8 +20,14 @@ from bigviz.core.devices import Device, device_label
 __all__ = ["OKABE_ITO", "GPU_COLORS", "SPLIT_COLOR", "device_color", "text_color", "chip", "legend_html"]
 
 OKABE_ITO = {
-    "black": "#000000", "orange": "#E69F00", "sky_blue": "#56B4E9", "bluish_green": "#009E73",
-    "yellow": "#F0E442", "blue": "#0072B2", "vermillion": "#D55E00", "reddish_purple": "#CC79A7",
+    "black": "#000000",
+    "orange": "#E69F00",
+    "sky_blue": "#56B4E9",
+    "bluish_green": "#009E73",
+    "yellow": "#F0E442",
+    "blue": "#0072B2",
+    "vermillion": "#D55E00",
+    "reddish_purple": "#CC79A7",
 }
 GPU_COLORS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#D55E00", "#56B4E9")
 # Past six GPUs the hues repeat, darkened, so GPU 6 still differs from GPU 0.
@@ -60,12 +67,15 @@ def chip(device: Device | None, text: str | None = None) -> str:
     """
     color = device_color(device)
     label = html.escape(text if text is not None else (device_label(device) if device is not None else "split"))
-    return (f"<span style='display:inline-block;padding:1px 7px;margin:1px 3px 1px 0;border-radius:3px;"
-            f"background:{color};color:{text_color(color)};font-size:12px;white-space:nowrap'>{label}</span>")
+    return (
+        f"<span style='display:inline-block;padding:1px 7px;margin:1px 3px 1px 0;border-radius:3px;"
+        f"background:{color};color:{text_color(color)};font-size:12px;white-space:nowrap'>{label}</span>"
+    )
 
 
-def legend_html(devices: Iterable[Device], *, captions: dict[Device, str] | None = None,
-                show_split: bool = True) -> str:
+def legend_html(
+    devices: Iterable[Device], *, captions: dict[Device, str] | None = None, show_split: bool = True
+) -> str:
     """A row of chips, one per device (treemaps have no legend of their own).
 
     Args:

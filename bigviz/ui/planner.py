@@ -19,6 +19,7 @@ Example:
     >>> planner.device_map, planner.overrides
     ({'0': 'cpu', '1': 'cpu', '2': 'cpu', '3': 0}, {'3': 0})
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -62,6 +63,7 @@ TABLE_ROWS = 300  # rows drawn in the widget; planner.table has them all
 
 def _guarded(method: Callable[..., None]) -> Callable[..., None]:
     """A widget callback whose errors land, visible, in the planner's log (not lost)."""
+
     @functools.wraps(method)
     def callback(self: Planner, *args: Any) -> None:
         if self._quiet:
@@ -71,6 +73,7 @@ def _guarded(method: Callable[..., None]) -> Callable[..., None]:
         except Exception as err:  # shown to the person at the controls, who can fix it
             self.controls.status.value = describe_error(err)
             self.controls.log.append_stderr(traceback.format_exc())
+
     return callback
 
 
@@ -92,15 +95,33 @@ class Planner:
             ``bigviz.plan``); the "Run" controls change them.
     """
 
-    def __init__(self, model_or_checkpoint: Any, max_memory: Mapping[object, object] | None = None, *,
-                 strategy: str = "auto", no_split_module_classes: Collection[str] | None = None,
-                 dtype: object = None, depth: int | None = None, live: bool = True,
-                 batch_size: int = 1, context_length: int | None = None, kv_dtype: object = None) -> None:
+    def __init__(
+        self,
+        model_or_checkpoint: Any,
+        max_memory: Mapping[object, object] | None = None,
+        *,
+        strategy: str = "auto",
+        no_split_module_classes: Collection[str] | None = None,
+        dtype: object = None,
+        depth: int | None = None,
+        live: bool = True,
+        batch_size: int = 1,
+        context_length: int | None = None,
+        kv_dtype: object = None,
+    ) -> None:
         self.model = model_or_checkpoint if hasattr(model_or_checkpoint, "named_modules") else None
-        self.state = PlannerState.from_model(model_or_checkpoint, max_memory, strategy=strategy,
-                                             no_split_module_classes=no_split_module_classes, dtype=dtype)
-        self.state.set_workload(batch_size=batch_size, context_length=context_length or 0,
-                                kv_dtype=None if kv_dtype is None else canonical_dtype(kv_dtype))
+        self.state = PlannerState.from_model(
+            model_or_checkpoint,
+            max_memory,
+            strategy=strategy,
+            no_split_module_classes=no_split_module_classes,
+            dtype=dtype,
+        )
+        self.state.set_workload(
+            batch_size=batch_size,
+            context_length=context_length or 0,
+            kv_dtype=None if kv_dtype is None else canonical_dtype(kv_dtype),
+        )
         self._longest: tuple[Any, dict[str, Any]] | None = None
         self._plan: DevicePlan = self.state.replan()
         self._error = ""
@@ -114,14 +135,25 @@ class Planner:
         self._stages: PipelinePlan | None = None  # set in stage mode
         blocks = sum(role == "block" for _, role in pipeline_units(self.state.tree, self.state.no_split))
         self.stage_controls = StageControls(max_stages=blocks)
-        dtype_label = next(k for k, v in DTYPE_CHOICES.items() if v == self.state.dtype) \
-            if self.state.dtype in DTYPE_CHOICES.values() else "as built"
+        dtype_label = (
+            next(k for k, v in DTYPE_CHOICES.items() if v == self.state.dtype)
+            if self.state.dtype in DTYPE_CHOICES.values()
+            else "as built"
+        )
         w = self.state.workload
         kv_label = next((k for k, v in ctl.KV_DTYPES.items() if v == w.kv_dtype), "as compute")
         self.controls = ctl.make_controls(
-            strategy=strategy, dtype_label=dtype_label, no_split=", ".join(self.state.no_split),
-            modules=[n for n in self.state.base_tree.nodes if n], depth=self.depth, max_depth=layout.max_depth,
-            batch=w.batch_size, context=w.context_length, kv_label=kv_label, max_context=self.state.position_limit)
+            strategy=strategy,
+            dtype_label=dtype_label,
+            no_split=", ".join(self.state.no_split),
+            modules=[n for n in self.state.base_tree.nodes if n],
+            depth=self.depth,
+            max_depth=layout.max_depth,
+            batch=w.batch_size,
+            context=w.context_length,
+            kv_label=kv_label,
+            max_context=self.state.position_limit,
+        )
         self._rows = ctl.DeviceRows(self.controls.devices, self._on_budget, self._on_reserve)
         self.budget_sliders: dict[Device, Any] = self._rows.sliders  # the same dicts, kept in sync
         self.reserve_inputs: dict[Device, Any] = self._rows.reserves
@@ -135,8 +167,10 @@ class Planner:
             self.find_longest_context()
         self._show(self._plan)
         if not self.view.live:
-            self.controls.log.append_stdout(f"treemap shown static (FigureWidget unavailable: "
-                                            f"{self.view.fallback_reason}); install anywidget for live updates\n")
+            self.controls.log.append_stdout(
+                f"treemap shown static (FigureWidget unavailable: "
+                f"{self.view.fallback_reason}); install anywidget for live updates\n"
+            )
 
     # ---- what it exports -----------------------------------------------------------
     @property
@@ -200,8 +234,12 @@ class Planner:
         """Bytes streamed per forward pass and their predicted time (see ``plan_cost``);
         the bandwidths default to the ones chosen in the UI."""
         plan = self.plan
-        cost = plan_cost(plan.offloaded_bytes(), main_device=plan.main_device,
-                         link=link or self.controls.link.value, disk=disk or self.controls.disk.value)
+        cost = plan_cost(
+            plan.offloaded_bytes(),
+            main_device=plan.main_device,
+            link=link or self.controls.link.value,
+            disk=disk or self.controls.disk.value,
+        )
         return _with_forward_estimate(cost, plan, getattr(self, "disk_probe", None))  # issue 12
 
     def measure_disk(self, path: str | os.PathLike[str], **probe_options: Any) -> Any:
@@ -219,8 +257,9 @@ class Planner:
         """The run planned beside the weights (batch size, context length, cache dtype)."""
         return self.state.workload
 
-    def set_workload(self, *, batch_size: int | None = None, context_length: int | None = None,
-                     kv_dtype: object = False) -> None:
+    def set_workload(
+        self, *, batch_size: int | None = None, context_length: int | None = None, kv_dtype: object = False
+    ) -> None:
         """Plan a run beside the weights: each layer's KV cache on the device it runs on and
         the prefill's activations on every device that runs a layer (``context_length=0``:
         weights only; ``kv_dtype=None``: the compute dtype). The controls follow, the plan
@@ -230,8 +269,7 @@ class Planner:
         w = self.state.workload
         with self._quietly():
             self.controls.batch.value, self.controls.context.value = w.batch_size, w.context_length
-            self.controls.kv_dtype.value = next((k for k, v in ctl.KV_DTYPES.items() if v == w.kv_dtype),
-                                                "as compute")
+            self.controls.kv_dtype.value = next((k for k, v in ctl.KV_DTYPES.items() if v == w.kv_dtype), "as compute")
         self.find_longest_context()
         self.refresh()
 
@@ -244,8 +282,12 @@ class Planner:
         """Seconds each generated token spends at least streaming offloaded weights (the cost
         model of :meth:`cost`, at the bandwidths chosen in the UI)."""
         plan = plan or self.plan
-        return plan_cost(plan.offloaded_bytes(), main_device=plan.main_device, link=self.controls.link.value,
-                         disk=self.controls.disk.value)["seconds_per_forward"]
+        return plan_cost(
+            plan.offloaded_bytes(),
+            main_device=plan.main_device,
+            link=self.controls.link.value,
+            disk=self.controls.disk.value,
+        )["seconds_per_forward"]
 
     def find_longest_context(self) -> dict[str, Any]:
         """Find the longest context with and without offloading (what the "Longest context"
@@ -253,8 +295,12 @@ class Planner:
         alone = self.state.longest_context()
         offload = self.state.longest_context(allow_offload=True)
         plan = self.state.fits(replace(self.state.workload, context_length=offload), allow_offload=True)
-        result = {"batch_size": self.state.workload.batch_size, "no_offload": alone, "with_offload": offload,
-                  "seconds_per_token": self.time_per_token(plan) if plan is not None and offload else None}
+        result = {
+            "batch_size": self.state.workload.batch_size,
+            "no_offload": alone,
+            "with_offload": offload,
+            "seconds_per_token": self.time_per_token(plan) if plan is not None and offload else None,
+        }
         self._longest = (self._settings(), result)
         self.controls.fit.value = self._fit_html()
         return result
@@ -316,16 +362,19 @@ class Planner:
         """
         model = kwargs.pop("model", None) or self.model
         if model is None:
-            raise ValueError("this planner was made from a checkpoint or a size tree: pass the model "
-                             "to run, e.g. planner.load_and_dispatch(path, model=model)")
+            raise ValueError(
+                "this planner was made from a checkpoint or a size tree: pass the model "
+                "to run, e.g. planner.load_and_dispatch(path, model=model)"
+            )
         bar = self.controls.progress
 
         def progress(step: int, message: str) -> None:
             bar.value, bar.description = step, f"{step}/3"
             self.controls.run_result.value = html.escape(message)
 
-        model, self.last_run = run_plan(self.plan, model, checkpoint, dtype=self.state.dtype,
-                                        progress=progress, **kwargs)
+        model, self.last_run = run_plan(
+            self.plan, model, checkpoint, dtype=self.state.dtype, progress=progress, **kwargs
+        )
         self.controls.run_result.value = self.last_run.html()
         return model
 
@@ -346,8 +395,9 @@ class Planner:
             stages = self._plan_stages()
         except PlanError as err:  # a PipelineError too
             self._error = str(err)
-            self.controls.status.value = (f"<div style='color:#D55E00;white-space:pre-wrap'><b>Does not plan:"
-                                          f"</b> {html.escape(str(err))}</div>")
+            self.controls.status.value = (
+                f"<div style='color:#D55E00;white-space:pre-wrap'><b>Does not plan:</b> {html.escape(str(err))}</div>"
+            )
             self.controls.fit.value = self._fit_html()
             return
         self._error = ""
@@ -355,16 +405,22 @@ class Planner:
         self.view.update(stages or plan, self._layout())
         self._show(plan)
         self.last_update_s = time.perf_counter() - start
-        self.controls.status.value = (f"<span style='color:#555;font-size:12px'>re-planned in "
-                                      f"{self.last_update_s * 1000:.0f} ms</span>")
+        self.controls.status.value = (
+            f"<span style='color:#555;font-size:12px'>re-planned in {self.last_update_s * 1000:.0f} ms</span>"
+        )
 
     def _plan_stages(self) -> PipelinePlan | None:
         """The pipeline plan in stage mode (same tree, dtype and no-split classes), else None."""
         c = self.stage_controls
         if c.mode.value != "stages":
             return None
-        return make_pipeline_plan(self.state.tree, c.count.value, no_split=self.state.no_split,
-                                  balance=c.balance.value, dtype=self.state.dtype)
+        return make_pipeline_plan(
+            self.state.tree,
+            c.count.value,
+            no_split=self.state.no_split,
+            balance=c.balance.value,
+            dtype=self.state.dtype,
+        )
 
     # ---- display -------------------------------------------------------------------
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None, **kwargs: Any) -> dict[str, Any]:
@@ -375,8 +431,9 @@ class Planner:
         bundle = dict(self.widget._repr_mimebundle_(**kwargs) or {})
         fig = treemap(self._plan, depth=self.depth)
         bundle["image/svg+xml"] = figure_svg(fig)
-        bundle["text/html"] = report_fragment(self._plan, max_rows=200, cost=self._cost_or_none(),
-                                              depth=self.depth, figure=fig)
+        bundle["text/html"] = report_fragment(
+            self._plan, max_rows=200, cost=self._cost_or_none(), depth=self.depth, figure=fig
+        )
         bundle["text/plain"] = self._plan.summary()
         return bundle
 
@@ -390,14 +447,20 @@ class Planner:
         c = self.controls
         root = plan.tree.nodes[""] if plan.tree is not None else None
         dtype = self.state.dtype or "as built"
-        c.title.value = (f"<b style='font-size:15px'>bigviz planner</b>: {html.escape(root.class_name if root else '')}"
-                         f", {format_size(root.total_bytes if root else 0)} ({dtype})")
+        c.title.value = (
+            f"<b style='font-size:15px'>bigviz planner</b>: {html.escape(root.class_name if root else '')}"
+            f", {format_size(root.total_bytes if root else 0)} ({dtype})"
+        )
         captions = {u.device: f"{format_size(u.used)}" for u in plan.usage}
-        c.legend.value = legend_html([u.device for u in plan.usage], captions=captions) if self._stages is None \
+        c.legend.value = (
+            legend_html([u.device for u in plan.usage], captions=captions)
+            if self._stages is None
             else stage_legend_html(self._stages)
+        )
         self.stage_controls.show(self._stages)
         c.usage.value = usage_html(plan) + "".join(
-            f"<div style='font-size:11px;color:#555'>{html.escape(n)}</div>" for n in plan.notes)
+            f"<div style='font-size:11px;color:#555'>{html.escape(n)}</div>" for n in plan.notes
+        )
         c.cost.value = cost_html(self.cost())
         c.fit.value = self._fit_html()
         c.table.value = table_html(plan, max_rows=TABLE_ROWS)
@@ -415,8 +478,16 @@ class Planner:
     def _settings(self) -> tuple[Any, ...]:
         """What the longest context depends on (to tell when a result is out of date)."""
         s = self.state
-        return (tuple(s.budgets.items()), tuple(s.reserve.items()), s.strategy, s.dtype, s.no_split,
-                tuple(s.overrides.items()), s.workload.batch_size, s.workload.kv_dtype)
+        return (
+            tuple(s.budgets.items()),
+            tuple(s.reserve.items()),
+            s.strategy,
+            s.dtype,
+            s.no_split,
+            tuple(s.overrides.items()),
+            s.workload.batch_size,
+            s.workload.kv_dtype,
+        )
 
     def _fit_html(self) -> str:
         """The run's verdict: this plan's time per token, and the longest context that fits."""
@@ -424,16 +495,23 @@ class Planner:
         lines = []
         if w.active and not self._error:
             seconds = self.time_per_token(self._plan)
-            lines.append(f"This plan ({w.batch_size} x {w.context_length:,} tokens): "
-                         + (f"at least <b>{seconds * 1000:,.0f} ms per token</b> streaming offloaded weights"
-                            if seconds else "nothing offloaded, no weights stream per token"))
+            lines.append(
+                f"This plan ({w.batch_size} x {w.context_length:,} tokens): "
+                + (
+                    f"at least <b>{seconds * 1000:,.0f} ms per token</b> streaming offloaded weights"
+                    if seconds
+                    else "nothing offloaded, no weights stream per token"
+                )
+            )
         if self._longest is not None:
             settings, found = self._longest
             stale = " <i>(settings changed: press Longest context)</i>" if settings != self._settings() else ""
             per_token = found["seconds_per_token"]
             cost = f", at least {per_token * 1000:,.1f} ms per token" if per_token else ""
-            lines.append(f"Longest context (batch {found['batch_size']}): <b>{found['no_offload']:,} tokens</b> "
-                         f"without offloading, {found['with_offload']:,} with offloading{cost}{stale}")
+            lines.append(
+                f"Longest context (batch {found['batch_size']}): <b>{found['no_offload']:,} tokens</b> "
+                f"without offloading, {found['with_offload']:,} with offloading{cost}{stale}"
+            )
         elif self.state.run_specs is not None:
             lines.append("<i>Set a context length, or press Longest context.</i>")
         return "<div class='bigviz-fit' style='font-size:12px'>" + "<br>".join(lines) + "</div>"
@@ -569,8 +647,10 @@ class Planner:
     def _on_save_json(self, _button: Any) -> None:
         path = self.save_json(self.controls.json_path.value)
         text = json.dumps(self.device_map, indent=1)
-        self.controls.json_view.value = (f"<div>Wrote <code>{html.escape(os.path.abspath(path))}</code>:</div>"
-                                         f"<pre style='max-height:300px;overflow:auto'>{html.escape(text)}</pre>")
+        self.controls.json_view.value = (
+            f"<div>Wrote <code>{html.escape(os.path.abspath(path))}</code>:</div>"
+            f"<pre style='max-height:300px;overflow:auto'>{html.escape(text)}</pre>"
+        )
 
     @_guarded
     def _on_save_html(self, _button: Any) -> None:
@@ -580,8 +660,9 @@ class Planner:
     @_guarded
     def _on_workload(self, _change: Mapping[str, Any]) -> None:
         c = self.controls
-        self.set_workload(batch_size=c.batch.value, context_length=c.context.value,
-                          kv_dtype=ctl.KV_DTYPES[c.kv_dtype.value])
+        self.set_workload(
+            batch_size=c.batch.value, context_length=c.context.value, kv_dtype=ctl.KV_DTYPES[c.kv_dtype.value]
+        )
 
     @_guarded
     def _on_find_context(self, _button: Any) -> None:
@@ -602,5 +683,9 @@ def _with_forward_estimate(cost: dict[str, Any], plan: DevicePlan, probe: Any) -
     link = cost["link_bandwidth"] if plan.main_device != "cpu" else None
     estimate = forward_estimate(plan, disk_bandwidth=bandwidth, link_bandwidth=link)
     source = f"measured {bandwidth / 1e9:.2f} GB/s" if probe is not None else f"preset {bandwidth / 1e9:.2f} GB/s"
-    return {**cost, "forward_seconds": estimate.seconds, "forward_first_seconds": estimate.first_seconds,
-            "forward": f"Predicted (disk {source}, compute not counted): {estimate.explain()}"}
+    return {
+        **cost,
+        "forward_seconds": estimate.seconds,
+        "forward_first_seconds": estimate.first_seconds,
+        "forward": f"Predicted (disk {source}, compute not counted): {estimate.explain()}",
+    }

@@ -11,6 +11,7 @@ Example:
     >>> "nothing is offloaded" in cost_html(plan_cost({"cpu": 0, "disk": 0}, main_device=0))
     True
 """
+
 from __future__ import annotations
 
 import html
@@ -20,11 +21,21 @@ from typing import Any
 from bigviz.core.cost import DISK_BANDWIDTH, HARDWARE_PRESETS, LINK_BANDWIDTH, plan_cost, preset_budgets
 from bigviz.core.sizes import format_size
 
-__all__ = ["HARDWARE_PRESETS", "DTYPE_CHOICES", "LINK_BANDWIDTH", "DISK_BANDWIDTH",
-           "preset_budgets", "plan_cost", "cost_html"]
+__all__ = [
+    "HARDWARE_PRESETS",
+    "DTYPE_CHOICES",
+    "LINK_BANDWIDTH",
+    "DISK_BANDWIDTH",
+    "preset_budgets",
+    "plan_cost",
+    "cost_html",
+]
 
 DTYPE_CHOICES: dict[str, str | None] = {
-    "as built": None, "float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
+    "as built": None,
+    "float32": "float32",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
     "int8 (weights)": "int8",
 }
 """Dropdown label -> dtype the planner re-sizes floating tensors to (``None``: unchanged)."""
@@ -39,8 +50,11 @@ def cost_html(cost: Mapping[str, Any]) -> str:
         parts.append(f"{format_size(cost['cpu_bytes'])} from CPU RAM")
     if cost["disk_bytes"]:
         parts.append(f"{format_size(cost['disk_bytes'])} from disk")
-    return (f"<div class='bigviz-cost'><b>Cost per forward pass:</b> {' and '.join(parts)} streamed in, "
-            f"at least <b>{cost['seconds_per_forward'] * 1000:,.0f} ms</b> "
-            f"(link {cost['link_seconds'] * 1000:,.0f} ms, disk {cost['disk_seconds'] * 1000:,.0f} ms). "
-            f"Every generated token pays it again."
-            + (f"<br>{html.escape(cost['forward'])}" if cost.get("forward") else "") + "</div>")
+    return (
+        f"<div class='bigviz-cost'><b>Cost per forward pass:</b> {' and '.join(parts)} streamed in, "
+        f"at least <b>{cost['seconds_per_forward'] * 1000:,.0f} ms</b> "
+        f"(link {cost['link_seconds'] * 1000:,.0f} ms, disk {cost['disk_seconds'] * 1000:,.0f} ms). "
+        f"Every generated token pays it again."
+        + (f"<br>{html.escape(cost['forward'])}" if cost.get("forward") else "")
+        + "</div>"
+    )

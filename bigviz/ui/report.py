@@ -13,6 +13,7 @@ Example:
     >>> "bigviz-treemap" in text and "<table class='bigviz-table'" in text
     True
 """
+
 from __future__ import annotations
 
 import html
@@ -63,8 +64,10 @@ def usage_html(plan: DevicePlan) -> str:
     rows = [_usage_row(u) for u in plan.usage]
     key = ""
     if any(u.kv_cache or u.activations for u in plan.usage):
-        key = (f"<div style='margin:2px 0 4px'>{_swatch(KV_FILL)} KV cache &nbsp; {_swatch(ACTIVATION_FILL)} "
-               f"activations (prefill peak) &nbsp; {_workload_text(plan)}</div>")
+        key = (
+            f"<div style='margin:2px 0 4px'>{_swatch(KV_FILL)} KV cache &nbsp; {_swatch(ACTIVATION_FILL)} "
+            f"activations (prefill peak) &nbsp; {_workload_text(plan)}</div>"
+        )
     return f"<div class='bigviz-usage' style='font-size:12px'>{key}{''.join(rows)}</div>"
 
 
@@ -76,37 +79,50 @@ def _workload_text(plan: DevicePlan) -> str:
     w = plan.workload
     if w is None or not w.active:
         return ""
-    return html.escape(f"(batch {w.batch_size} x {w.context_length:,} tokens"
-                       + (f", cache in {w.kv_dtype})" if w.kv_dtype else ")"))
+    return html.escape(
+        f"(batch {w.batch_size} x {w.context_length:,} tokens" + (f", cache in {w.kv_dtype})" if w.kv_dtype else ")")
+    )
 
 
 def _usage_row(u: DeviceUsage) -> str:
     label = chip(u.device)
-    run = (f" + {format_size(u.kv_cache)} KV cache + {format_size(u.activations)} activations"
-           if u.kv_cache or u.activations else "")
+    run = (
+        f" + {format_size(u.kv_cache)} KV cache + {format_size(u.activations)} activations"
+        if u.kv_cache or u.activations
+        else ""
+    )
     if u.budget >= UNLIMITED:
         return f"<div style='margin:3px 0'>{label} {format_size(u.used)}{run} (no limit)</div>"
     budget = max(u.budget, 1)
-    parts = [(u.used, device_color(u.device), "weights"),
-             (u.kv_cache, KV_FILL, "KV cache"),
-             (u.activations, ACTIVATION_FILL, "activations (peak of the largest step)"),
-             (u.reserve, "repeating-linear-gradient(45deg,#999 0 3px,#ddd 3px 6px)", "reserve"),
-             (u.offload_reserve, "repeating-linear-gradient(45deg,#bbb 0 3px,#f4f4f4 3px 6px)",
-              "room for streamed-in offloaded weights")]
+    parts = [
+        (u.used, device_color(u.device), "weights"),
+        (u.kv_cache, KV_FILL, "KV cache"),
+        (u.activations, ACTIVATION_FILL, "activations (peak of the largest step)"),
+        (u.reserve, "repeating-linear-gradient(45deg,#999 0 3px,#ddd 3px 6px)", "reserve"),
+        (
+            u.offload_reserve,
+            "repeating-linear-gradient(45deg,#bbb 0 3px,#f4f4f4 3px 6px)",
+            "room for streamed-in offloaded weights",
+        ),
+    ]
     segments, left = [], 100.0
     for size, background, what in parts:
         pct = min(100.0 * size / budget, left)
         left -= pct
         if pct > 0:
-            segments.append(f"<div title='{what}: {format_size(size)}' style='width:{pct:.2f}%;"
-                            f"background:{background};height:100%'></div>")
+            segments.append(
+                f"<div title='{what}: {format_size(size)}' style='width:{pct:.2f}%;"
+                f"background:{background};height:100%'></div>"
+            )
     over = u.free < 0
     border = "2px solid #D55E00" if over else "1px solid #bbb"
     extra = f" (+ {format_size(u.reserve + u.offload_reserve)} reserved)" if u.reserve or u.offload_reserve else ""
     warn = " <b style='color:#D55E00'>over budget</b>" if over else ""
-    return (f"<div style='margin:3px 0'>{label} {format_size(u.used)}{run} of {format_size(u.budget)}{extra}{warn}"
-            f"<div style='display:flex;width:100%;max-width:420px;height:12px;border:{border};"
-            f"background:#fff'>{''.join(segments)}</div></div>")
+    return (
+        f"<div style='margin:3px 0'>{label} {format_size(u.used)}{run} of {format_size(u.budget)}{extra}{warn}"
+        f"<div style='display:flex;width:100%;max-width:420px;height:12px;border:{border};"
+        f"background:#fff'>{''.join(segments)}</div></div>"
+    )
 
 
 def table_html(plan: DevicePlan, *, max_rows: int | None = None) -> str:
@@ -125,11 +141,14 @@ def table_html(plan: DevicePlan, *, max_rows: int | None = None) -> str:
         f"<td>{chip(p.device)}</td><td {_NUM}>{format_size(p.nbytes)}</td>"
         f"<td {_NUM}>{p.nbytes / total:.1%}</td>"
         f"<td>{OVERRIDE_MARK if p.override else ''}{html.escape(p.reason)}</td></tr>"
-        for p in shown]
+        for p in shown
+    ]
     more = len(plan.placements) - len(shown)
     if more > 0:
-        rows.append(f"<tr><td colspan='6'>... and {more} more units (the full table: planner.table "
-                    f"or plan.to_frame())</td></tr>")
+        rows.append(
+            f"<tr><td colspan='6'>... and {more} more units (the full table: planner.table "
+            f"or plan.to_frame())</td></tr>"
+        )
     head = "<tr><th>module</th><th>class</th><th>device</th><th>size</th><th>share</th><th>reason</th></tr>"
     return f"<table class='bigviz-table'>{head}{''.join(rows)}</table>"
 
@@ -157,20 +176,26 @@ def dispatch_html(plan: DevicePlan, *, max_rows: int = 200) -> str:
         f"<tr><td {_NUM}>{r['order']}</td><td><code>{html.escape(r['unit'])}</code></td><td>{chip(r['storage'])}</td>"
         f"<td {_NUM}>{r['tensors']}</td><td {_NUM}>{r['size']}</td>"
         f"<td style='font-size:11px'>{html.escape(_shorten(r['fetches']))}</td></tr>"
-        for r in dispatch.rows()[:max_rows]]
+        for r in dispatch.rows()[:max_rows]
+    ]
     more = len(dispatch.units) - max_rows
     if more > 0:
-        rows.append(f"<tr><td colspan='6'>... and {more} more units (all of them: "
-                    f"planner.dispatch_plan.to_frame())</td></tr>")
-    head = ("<tr><th>fetch order</th><th>unit (hooked module)</th><th>stored on</th><th>tensors</th>"
-            "<th>size</th><th>fetches</th></tr>")
+        rows.append(
+            f"<tr><td colspan='6'>... and {more} more units (all of them: planner.dispatch_plan.to_frame())</td></tr>"
+        )
+    head = (
+        "<tr><th>fetch order</th><th>unit (hooked module)</th><th>stored on</th><th>tensors</th>"
+        "<th>size</th><th>fetches</th></tr>"
+    )
     summary = html.escape(dispatch.summary()).replace("\n", "<br>")
-    return (f"<div class='bigviz-dispatch'><div style='font-family:monospace;font-size:12px'>{summary}</div>"
-            f"{note}<table class='bigviz-dispatch-table'>{head}{''.join(rows)}</table></div>")
+    return (
+        f"<div class='bigviz-dispatch'><div style='font-family:monospace;font-size:12px'>{summary}</div>"
+        f"{note}<table class='bigviz-dispatch-table'>{head}{''.join(rows)}</table></div>"
+    )
 
 
 def _shorten(text: str, limit: int = 160) -> str:
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _budgets_html(plan: DevicePlan) -> str:
@@ -179,18 +204,27 @@ def _budgets_html(plan: DevicePlan) -> str:
         f"<tr><td>{chip(u.device)}</td><td {_NUM}>{format_size(u.budget)}</td>"
         f"<td {_NUM}>{format_size(u.reserve)}</td><td {_NUM}>{format_size(u.offload_reserve)}</td>"
         f"<td {_NUM}>{format_size(u.used)}</td>"
-        + (f"<td {_NUM}>{format_size(u.kv_cache)}</td><td {_NUM}>{format_size(u.activations)}</td>"
-           if run else "")
+        + (f"<td {_NUM}>{format_size(u.kv_cache)}</td><td {_NUM}>{format_size(u.activations)}</td>" if run else "")
         + f"<td {_NUM}>{format_size(u.free) if u.budget < UNLIMITED else 'unlimited'}</td></tr>"
-        for u in plan.usage)
-    head = ("<tr><th>device</th><th>budget</th><th>reserve</th><th>offload room</th><th>weights</th>"
-            + ("<th>KV cache</th><th>activations</th>" if run else "") + "<th>free</th></tr>")
+        for u in plan.usage
+    )
+    head = (
+        "<tr><th>device</th><th>budget</th><th>reserve</th><th>offload room</th><th>weights</th>"
+        + ("<th>KV cache</th><th>activations</th>" if run else "")
+        + "<th>free</th></tr>"
+    )
     return f"<table class='bigviz-table'>{head}{rows}</table>"
 
 
-def report_fragment(plan_or_planner: Any, *, include_plotlyjs: bool | str | None = None,
-                    max_rows: int | None = None, cost: Mapping[str, Any] | None = None,
-                    depth: int | None = None, figure: Any = None) -> str:
+def report_fragment(
+    plan_or_planner: Any,
+    *,
+    include_plotlyjs: bool | str | None = None,
+    max_rows: int | None = None,
+    cost: Mapping[str, Any] | None = None,
+    depth: int | None = None,
+    figure: Any = None,
+) -> str:
     """The report's body as one ``<div>``: legend, budgets, cost, treemap, table, device map.
 
     Args:
@@ -220,27 +254,42 @@ def report_fragment(plan_or_planner: Any, *, include_plotlyjs: bool | str | None
         picture = figure_svg(fig, width=FRAGMENT_SVG_WIDTH)
         figure_html = f"<div id='bigviz-treemap' class='bigviz-treemap'>{svg_img(picture, alt=alt)}</div>"
     else:
-        figure_html = fig.to_html(full_html=False, include_plotlyjs=include_plotlyjs, div_id="bigviz-treemap",
-                                  config={"displaylogo": False, "responsive": True})
+        figure_html = fig.to_html(
+            full_html=False,
+            include_plotlyjs=include_plotlyjs,
+            div_id="bigviz-treemap",
+            config={"displaylogo": False, "responsive": True},
+        )
     captions = {u.device: format_size(u.used) for u in plan.usage}
     notes = "".join(f"<li>{html.escape(n)}</li>" for n in plan.notes)
     device_map = html.escape(json.dumps(plan.device_map, indent=1))
-    head = (f"<div style='font-size:13px;margin-bottom:6px'><b>{html.escape(plan.strategy)}</b> plan, "
-            f"{len(plan.placements)} units, execution on {device_label(plan.main_device)}</div>")
-    side = (f"{head}{legend_html([u.device for u in plan.usage], captions=captions)}"
-            f"<h2>Budgets</h2>{usage_html(plan)}{_budgets_html(plan)}"
-            + (f"<ul style='font-size:12px;padding-left:18px'>{notes}</ul>" if notes else "")
-            + f"<h2>Cost</h2><div style='font-size:13px'>{cost_html(cost)}</div>")
-    return (f"<div class='bigviz-report'><div style='display:flex;gap:18px;align-items:flex-start'>"
-            f"<div style='flex:0 0 430px;max-width:430px'>{side}</div>"
-            f"<div style='flex:1 1 auto;min-width:0'>{figure_html}</div></div>"
-            f"<h2>Placements ({len(plan.placements)} units)</h2>{table_html(plan, max_rows=max_rows)}"
-            f"<h2>Device map</h2><details><summary>JSON ({len(plan.device_map)} keys)</summary>"
-            f"<pre style='font-size:12px'>{device_map}</pre></details></div>")
+    head = (
+        f"<div style='font-size:13px;margin-bottom:6px'><b>{html.escape(plan.strategy)}</b> plan, "
+        f"{len(plan.placements)} units, execution on {device_label(plan.main_device)}</div>"
+    )
+    side = (
+        f"{head}{legend_html([u.device for u in plan.usage], captions=captions)}"
+        f"<h2>Budgets</h2>{usage_html(plan)}{_budgets_html(plan)}"
+        + (f"<ul style='font-size:12px;padding-left:18px'>{notes}</ul>" if notes else "")
+        + f"<h2>Cost</h2><div style='font-size:13px'>{cost_html(cost)}</div>"
+    )
+    return (
+        f"<div class='bigviz-report'><div style='display:flex;gap:18px;align-items:flex-start'>"
+        f"<div style='flex:0 0 430px;max-width:430px'>{side}</div>"
+        f"<div style='flex:1 1 auto;min-width:0'>{figure_html}</div></div>"
+        f"<h2>Placements ({len(plan.placements)} units)</h2>{table_html(plan, max_rows=max_rows)}"
+        f"<h2>Device map</h2><details><summary>JSON ({len(plan.device_map)} keys)</summary>"
+        f"<pre style='font-size:12px'>{device_map}</pre></details></div>"
+    )
 
 
-def render_report(plan_or_planner: Any, *, title: str = "bigviz device plan",
-                  include_plotlyjs: bool | str = True, depth: int | None = None) -> str:
+def render_report(
+    plan_or_planner: Any,
+    *,
+    title: str = "bigviz device plan",
+    include_plotlyjs: bool | str = True,
+    depth: int | None = None,
+) -> str:
     """A standalone HTML page of the plan; with ``include_plotlyjs=True`` (the default)
     plotly.js is inlined (about 4.7 MB) so the page works offline.
 
@@ -251,13 +300,16 @@ def render_report(plan_or_planner: Any, *, title: str = "bigviz device plan",
         True
     """
     body = report_fragment(plan_or_planner, include_plotlyjs=include_plotlyjs, depth=depth)
-    return (f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-            f"<style>{_CSS}</style></head><body><h1 style='font-size:20px'>{html.escape(title)}</h1>"
-            f"{body}</body></html>\n")
+    return (
+        f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        f"<style>{_CSS}</style></head><body><h1 style='font-size:20px'>{html.escape(title)}</h1>"
+        f"{body}</body></html>\n"
+    )
 
 
-def save_html(plan_or_planner: Any, path: str | os.PathLike[str], *, title: str = "bigviz device plan",
-              depth: int | None = None) -> str:
+def save_html(
+    plan_or_planner: Any, path: str | os.PathLike[str], *, title: str = "bigviz device plan", depth: int | None = None
+) -> str:
     """Write :func:`render_report` to ``path`` (atomically: a crash leaves no half file).
 
     Returns:

@@ -18,6 +18,7 @@ Example:
     >>> snap["cpu"] > 0
     True
 """
+
 from __future__ import annotations
 
 import html
@@ -62,22 +63,33 @@ class RunReport:
     seconds: float
 
     def rows(self) -> list[dict[str, Any]]:
-        return [{"device": d, "planned": self.planned.get(d, 0), "measured": self.measured.get(d, 0)}
-                for d in self.planned]
+        return [
+            {"device": d, "planned": self.planned.get(d, 0), "measured": self.measured.get(d, 0)} for d in self.planned
+        ]
 
     def html(self) -> str:
         body = "".join(
             f"<tr><td>{chip(r['device'])}</td><td class='num'>{format_size(r['planned'])}</td>"
-            f"<td class='num'>{format_size(max(r['measured'], 0))}</td></tr>" for r in self.rows())
-        return (f"<div>Loaded and dispatched in {self.seconds:.1f} s.</div><table class='bigviz-table'>"
-                f"<tr><th>device</th><th>planned</th><th>measured</th></tr>{body}</table>"
-                "<div style='font-size:11px;color:#555'>GPU: memory_allocated growth; CPU: resident memory "
-                "growth; disk: growth of file bytes mapped into the process.</div>")
+            f"<td class='num'>{format_size(max(r['measured'], 0))}</td></tr>"
+            for r in self.rows()
+        )
+        return (
+            f"<div>Loaded and dispatched in {self.seconds:.1f} s.</div><table class='bigviz-table'>"
+            f"<tr><th>device</th><th>planned</th><th>measured</th></tr>{body}</table>"
+            "<div style='font-size:11px;color:#555'>GPU: memory_allocated growth; CPU: resident memory "
+            "growth; disk: growth of file bytes mapped into the process.</div>"
+        )
 
 
-def run_plan(plan: DevicePlan, model: Any, checkpoint: str | os.PathLike[str], *,
-             dtype: str | None = None, progress: Progress | None = None,
-             **kwargs: Any) -> tuple[Any, RunReport]:
+def run_plan(
+    plan: DevicePlan,
+    model: Any,
+    checkpoint: str | os.PathLike[str],
+    *,
+    dtype: str | None = None,
+    progress: Progress | None = None,
+    **kwargs: Any,
+) -> tuple[Any, RunReport]:
     """Load ``checkpoint`` into ``model`` placed as ``plan`` says, and measure the result.
 
     Args:
@@ -98,11 +110,15 @@ def run_plan(plan: DevicePlan, model: Any, checkpoint: str | os.PathLike[str], *
     from bigviz.engine.big_modeling import load_checkpoint_and_dispatch
 
     if not Path(checkpoint).exists():
-        raise ValueError(f"checkpoint {str(checkpoint)!r} does not exist: give a weights file, an index "
-                         "file or a folder holding them")
+        raise ValueError(
+            f"checkpoint {str(checkpoint)!r} does not exist: give a weights file, an index "
+            "file or a folder holding them"
+        )
     if dtype is not None and dtype not in FLOATING_DTYPES:
-        raise ValueError(f"the plan sizes weights as {dtype}, which bigviz cannot load into: choose a "
-                         "floating dtype (or 'as built') in the planner to run it")
+        raise ValueError(
+            f"the plan sizes weights as {dtype}, which bigviz cannot load into: choose a "
+            "floating dtype (or 'as built') in the planner to run it"
+        )
     if dtype is not None:
         import torch
 

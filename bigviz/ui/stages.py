@@ -14,6 +14,7 @@ Example:
     >>> colours["/transformer.h.0"] == stage_color(0), colours["/transformer.h.3"] == stage_color(1)
     (True, True)
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -63,8 +64,11 @@ def stage_style_of(layout: TreemapLayout, plan: PipelinePlan) -> TreemapStyle:
         else:
             stages = spans.get(name, set())
             stage = next(iter(stages)) if len(stages) == 1 else None
-            reason = f"in stage {stage}" if stage is not None else \
-                f"spans stages {min(stages, default=0)} .. {max(stages, default=0)}"
+            reason = (
+                f"in stage {stage}"
+                if stage is not None
+                else f"spans stages {min(stages, default=0)} .. {max(stages, default=0)}"
+            )
         colors.append(stage_color(stage))
         where = f"stage {stage}" if stage is not None else "several stages"
         data.append((name or "<model>", format_size(value), f"{value / total:.1%}", where, reason))
@@ -74,8 +78,10 @@ def stage_style_of(layout: TreemapLayout, plan: PipelinePlan) -> TreemapStyle:
 
 def _tied_notes(plan: PipelinePlan) -> Mapping[str, str]:
     """Hover text for the module of a tied tensor other stages load too."""
-    return {parent(s.leader): f"; tied to {s.name}: stage {', '.join(map(str, s.stages[1:]))} loads it too"
-            for s in plan.shared}
+    return {
+        parent(s.leader): f"; tied to {s.name}: stage {', '.join(map(str, s.stages[1:]))} loads it too"
+        for s in plan.shared
+    }
 
 
 def stage_title(plan: PipelinePlan) -> str:
@@ -120,12 +126,19 @@ class StageControls:
     def __init__(self, *, max_stages: int) -> None:
         import ipywidgets as widgets
 
-        self.mode = widgets.ToggleButtons(options=["devices", "stages"], value="devices", description="colour by",
-                                          style={"button_width": "80px"})
-        self.count = widgets.BoundedIntText(value=min(2, max(max_stages, 1)), min=1, max=max(max_stages, 1),
-                                            description="stages", layout=widgets.Layout(width="150px"))
-        self.balance = widgets.Dropdown(options=["bytes", "compute"], value="bytes", description="balance",
-                                        layout=widgets.Layout(width="200px"))
+        self.mode = widgets.ToggleButtons(
+            options=["devices", "stages"], value="devices", description="colour by", style={"button_width": "80px"}
+        )
+        self.count = widgets.BoundedIntText(
+            value=min(2, max(max_stages, 1)),
+            min=1,
+            max=max(max_stages, 1),
+            description="stages",
+            layout=widgets.Layout(width="150px"),
+        )
+        self.balance = widgets.Dropdown(
+            options=["bytes", "compute"], value="bytes", description="balance", layout=widgets.Layout(width="200px")
+        )
         self.summary = widgets.HTML()
         self.widget = widgets.VBox([widgets.HBox([self.mode, self.count, self.balance]), self.summary])
 
@@ -136,8 +149,10 @@ class StageControls:
             return
         import html
 
-        cuts = "".join(f"<li>stage {c.stage} begins at <code>{html.escape(c.before)}</code>: "
-                       f"{html.escape(c.reason)}</li>" for c in plan.cuts)
+        cuts = "".join(
+            f"<li>stage {c.stage} begins at <code>{html.escape(c.before)}</code>: {html.escape(c.reason)}</li>"
+            for c in plan.cuts
+        )
         notes = "".join(f"<li>{html.escape(n)}</li>" for n in plan.notes)
         self.summary.value = f"<ul style='font-size:12px;margin:2px 0'>{cuts}{notes}</ul>"
 

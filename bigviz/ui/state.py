@@ -12,6 +12,7 @@ Example:
     >>> state.replan().device_of("3")
     0
 """
+
 from __future__ import annotations
 
 import difflib
@@ -63,14 +64,26 @@ class PlannerState:
     _specs: dict[str, RunSpec] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_model(cls, model: Any, max_memory: Mapping[object, object] | None = None, *,
-                   strategy: str = "auto", no_split_module_classes: Collection[str] | None = None,
-                   dtype: object = None) -> PlannerState:
+    def from_model(
+        cls,
+        model: Any,
+        max_memory: Mapping[object, object] | None = None,
+        *,
+        strategy: str = "auto",
+        no_split_module_classes: Collection[str] | None = None,
+        dtype: object = None,
+    ) -> PlannerState:
         """Size ``model`` (an ``nn.Module``, a ``SizeTree`` or a checkpoint path) once.
 
         ``max_memory=None`` means this machine's free memory (``get_max_memory()``).
         """
-        from bigviz.planning import position_limit as _position_limit, as_tree, default_no_split, model_run_spec, resolve_model
+        from bigviz.planning import (
+            position_limit as _position_limit,
+            as_tree,
+            default_no_split,
+            model_run_spec,
+            resolve_model,
+        )
         from bigviz.modeling.budgets import get_max_memory
 
         model = resolve_model(model)
@@ -98,9 +111,15 @@ class PlannerState:
     def options(self, workload: Workload | None = None) -> PlanOptions:
         workload = workload or self.workload
         kv, act = self.run_bytes(workload)
-        return PlanOptions(strategy=self.strategy, no_split=frozenset(self.no_split),
-                           reserve=dict(self.reserve), overrides=dict(self.overrides),
-                           kv_cache=kv, activations=act, workload=workload if workload.active else None)
+        return PlanOptions(
+            strategy=self.strategy,
+            no_split=frozenset(self.no_split),
+            reserve=dict(self.reserve),
+            overrides=dict(self.overrides),
+            kv_cache=kv,
+            activations=act,
+            workload=workload if workload.active else None,
+        )
 
     def replan(self) -> DevicePlan:
         """Plan with the current settings. Raises ``PlanError`` when nothing fits."""
@@ -110,8 +129,10 @@ class PlannerState:
     def run_spec(self) -> RunSpec:
         """The model's run spec for the planned hardware, at the chosen dtype (cached)."""
         if self.run_specs is None:
-            raise ValueError("this planner was made from a size tree: it cannot plan a run (context length); "
-                             "make it from the model, a config.json, or a checkpoint with its config.json")
+            raise ValueError(
+                "this planner was made from a size tree: it cannot plan a run (context length); "
+                "make it from the model, a config.json, or a checkpoint with its config.json"
+            )
         device_type = "cuda" if any(isinstance(d, int) or d == "mps" for d in self.budgets) else "cpu"
         if device_type not in self._specs:
             self._specs[device_type] = self.run_specs(device_type)
@@ -126,12 +147,15 @@ class PlannerState:
         spec = self.run_spec()
         return spec.kv_cache(workload), spec.activations(workload)
 
-    def set_workload(self, *, batch_size: int | None = None, context_length: int | None = None,
-                     kv_dtype: str | None | bool = False) -> None:
+    def set_workload(
+        self, *, batch_size: int | None = None, context_length: int | None = None, kv_dtype: str | None | bool = False
+    ) -> None:
         """Change the run planned beside the weights (``kv_dtype=None``: the compute dtype)."""
-        new = Workload(self.workload.batch_size if batch_size is None else int(batch_size),
-                       self.workload.context_length if context_length is None else int(context_length),
-                       self.workload.kv_dtype if kv_dtype is False else kv_dtype)  # type: ignore[arg-type]
+        new = Workload(
+            self.workload.batch_size if batch_size is None else int(batch_size),
+            self.workload.context_length if context_length is None else int(context_length),
+            self.workload.kv_dtype if kv_dtype is False else kv_dtype,
+        )  # type: ignore[arg-type]
         if new.active:
             self.run_spec()  # refuse a run the planner cannot describe, before it is set
         self.workload = new
@@ -151,6 +175,7 @@ class PlannerState:
     def longest_context(self, *, allow_offload: bool = False) -> int:
         """The longest context whose run fits with these settings (0: not even the weights),
         by bisection on the planner, up to the model's position limit (else 2**24)."""
+
         def ok(tokens: int) -> bool:
             return self.fits(replace(self.workload, context_length=tokens), allow_offload=allow_offload) is not None
 
@@ -222,16 +247,20 @@ class PlannerState:
         tree = self.base_tree
         if module not in tree.nodes and module not in tree.tensors:
             close = difflib.get_close_matches(module, list(tree.nodes) + list(tree.tensors), n=1)
-            problems.append(f"{module!r} names no module or tensor of the model"
-                            + (f" (did you mean {close[0]!r}?)" if close else ""))
+            problems.append(
+                f"{module!r} names no module or tensor of the model"
+                + (f" (did you mean {close[0]!r}?)" if close else "")
+            )
         try:
             target = normalize_device(device)
         except ValueError as err:
             problems.append(str(err))
         else:
             if target not in self.budgets and target != "disk":
-                problems.append(f"{device_label(target)} has no budget: add it first "
-                                f"(have: {', '.join(device_label(d) for d in self.budgets)})")
+                problems.append(
+                    f"{device_label(target)} has no budget: add it first "
+                    f"(have: {', '.join(device_label(d) for d in self.budgets)})"
+                )
         DeviceMapError.check(problems, "cannot assign")
         self.overrides[module] = target
 

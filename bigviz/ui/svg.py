@@ -17,6 +17,7 @@ Example:
     >>> svg.startswith("<svg") and svg.count("<rect class='tile'") == 3
     True
 """
+
 from __future__ import annotations
 
 import base64
@@ -38,8 +39,7 @@ MIN_SIDE = 0.5  # tiles thinner than half a pixel are not drawn (plotly does not
 Rect = tuple[float, float, float, float]  # x, y, width, height
 
 
-def squarify(values: Sequence[float], rect: Rect, *, total: float | None = None,
-             ratio: float = 1.0) -> list[Rect]:
+def squarify(values: Sequence[float], rect: Rect, *, total: float | None = None, ratio: float = 1.0) -> list[Rect]:
     """Tile ``rect`` with one rectangle per value, areas proportional, close to square.
 
     d3's ``treemapSquarify`` (Bruls, Huizing and van Wijk), which plotly's treemap uses with
@@ -131,7 +131,7 @@ class _Tree:
 def _ink(color: str) -> str:
     """Black or white text, whichever reads better on ``color`` (``#RRGGBB``)."""
     try:
-        r, g, b = (int(color[i:i + 2], 16) / 255 for i in (1, 3, 5))
+        r, g, b = (int(color[i : i + 2], 16) / 255 for i in (1, 3, 5))
     except ValueError:
         return "#000000"
     lin = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in (r, g, b)]
@@ -144,7 +144,7 @@ def _fit(text: str, width: float, size: float = FONT_SIZE) -> str:
     room = int(width / (size * CHAR_WIDTH))
     if len(text) <= room:
         return text
-    return text[:room - 1] + "\u2026" if room >= 4 else ""
+    return text[: room - 1] + "\u2026" if room >= 4 else ""
 
 
 def _n(x: float) -> str:
@@ -166,21 +166,30 @@ def _tile(i: int, rect: Rect, style: _Style, *, header: bool) -> str:
     x, y, w, h = rect
     color = style.colors[i]
     width = style.line_widths[i]
-    border = "" if (style.line_colors[i], width) == (style.line_colors[0], style.line_widths[0]) else \
-        f" stroke='{style.line_colors[i]}' stroke-width='{_n(width)}'"  # the root's border is set once, on <g>
-    parts = [f"<g><title>{html.escape(style.tips[i])}</title>"
-             f"<rect class='tile' x='{_n(x)}' y='{_n(y)}' width='{_n(w)}' height='{_n(h)}' fill='{color}'{border}/>"]
+    border = (
+        ""
+        if (style.line_colors[i], width) == (style.line_colors[0], style.line_widths[0])
+        else f" stroke='{style.line_colors[i]}' stroke-width='{_n(width)}'"
+    )  # the root's border is set once, on <g>
+    parts = [
+        f"<g><title>{html.escape(style.tips[i])}</title>"
+        f"<rect class='tile' x='{_n(x)}' y='{_n(y)}' width='{_n(w)}' height='{_n(h)}' fill='{color}'{border}/>"
+    ]
     ink = _ink(color)
     label = _fit(style.labels[i], w - 6)
     if label and h >= FONT_SIZE + 4:
         weight = " font-weight='600'" if header else ""
         # stroke='none': text must not take the tile border set on the enclosing <g>
-        parts.append(f"<text x='{_n(x + 3)}' y='{_n(y + FONT_SIZE + 1)}' fill='{ink}' stroke='none'{weight}>"
-                     f"{html.escape(label)}</text>")
+        parts.append(
+            f"<text x='{_n(x + 3)}' y='{_n(y + FONT_SIZE + 1)}' fill='{ink}' stroke='none'{weight}>"
+            f"{html.escape(label)}</text>"
+        )
         size = style.sizes[i] if not header else ""
         if size and _fit(size, w - 6) == size and h >= 2 * FONT_SIZE + 8:  # a number is never cut
-            parts.append(f"<text x='{_n(x + 3)}' y='{_n(y + 2 * FONT_SIZE + 4)}' fill='{ink}' stroke='none' "
-                         f"fill-opacity='0.85'>{html.escape(size)}</text>")
+            parts.append(
+                f"<text x='{_n(x + 3)}' y='{_n(y + 2 * FONT_SIZE + 4)}' fill='{ink}' stroke='none' "
+                f"fill-opacity='0.85'>{html.escape(size)}</text>"
+            )
     parts.append("</g>")
     return "".join(parts)
 
@@ -221,17 +230,31 @@ def _legend(entries: Sequence[tuple[str, str]], top: float, width: float) -> tup
         w = len(label) * FONT_SIZE * CHAR_WIDTH + 12
         if x + w > width - 6 and x > 6:
             x, y = 6.0, y + chip_h + 4
-        out.append(f"<rect x='{_n(x)}' y='{_n(y)}' width='{_n(w)}' height='{_n(chip_h)}' rx='3' fill='{color}'/>"
-                   f"<text x='{_n(x + 6)}' y='{_n(y + FONT_SIZE + 2)}' fill='{_ink(color)}'>{html.escape(label)}</text>")
+        out.append(
+            f"<rect x='{_n(x)}' y='{_n(y)}' width='{_n(w)}' height='{_n(chip_h)}' rx='3' fill='{color}'/>"
+            f"<text x='{_n(x + 6)}' y='{_n(y + FONT_SIZE + 2)}' fill='{_ink(color)}'>{html.escape(label)}</text>"
+        )
         x += w + 4
     return out, (y + chip_h + 6 - top) if entries else 0.0
 
 
-def treemap_svg(ids: Sequence[str], parents: Sequence[str], values: Sequence[float], labels: Sequence[str],
-                colors: Sequence[str], *, sizes: Sequence[str] | None = None, tips: Sequence[str] | None = None,
-                line_widths: Sequence[float] | None = None, line_colors: Sequence[str] | None = None,
-                maxdepth: int = -1, title: str = "", legend: Sequence[tuple[str, str]] = (),
-                width: int = SVG_WIDTH, height: int = 560) -> str:
+def treemap_svg(
+    ids: Sequence[str],
+    parents: Sequence[str],
+    values: Sequence[float],
+    labels: Sequence[str],
+    colors: Sequence[str],
+    *,
+    sizes: Sequence[str] | None = None,
+    tips: Sequence[str] | None = None,
+    line_widths: Sequence[float] | None = None,
+    line_colors: Sequence[str] | None = None,
+    maxdepth: int = -1,
+    title: str = "",
+    legend: Sequence[tuple[str, str]] = (),
+    width: int = SVG_WIDTH,
+    height: int = 560,
+) -> str:
     """A treemap drawn as a standalone SVG document (no script, no external resource).
 
     Args:
@@ -250,8 +273,9 @@ def treemap_svg(ids: Sequence[str], parents: Sequence[str], values: Sequence[flo
         True
     """
     n = len(ids)
-    style = _Style(labels, colors, sizes or [""] * n, tips or labels,
-                   line_widths or [1.0] * n, line_colors or ["#FFFFFF"] * n)
+    style = _Style(
+        labels, colors, sizes or [""] * n, tips or labels, line_widths or [1.0] * n, line_colors or ["#FFFFFF"] * n
+    )
     head: list[str] = []
     top = 4.0
     if title:
@@ -260,12 +284,14 @@ def treemap_svg(ids: Sequence[str], parents: Sequence[str], values: Sequence[flo
     chips, used = _legend(legend, top, width)
     area = (4.0, top + used, width - 8.0, height - top - used - 4.0)
     body = _tiles(_Tree.build(ids, parents), values, style, area, maxdepth) if n else []
-    return (f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
-            f"viewBox='0 0 {width} {height}' font-family=\"{FONT}\" font-size='{_n(FONT_SIZE)}' "
-            f"role='img' aria-label='{html.escape(title or 'treemap')}' style='max-width:100%;height:auto'>"
-            f"<rect width='{width}' height='{height}' fill='#FFFFFF'/>{''.join(head)}{''.join(chips)}"
-            f"<g stroke='{style.line_colors[0] if n else '#FFFFFF'}' "
-            f"stroke-width='{_n(style.line_widths[0]) if n else 1}'>{''.join(body)}</g></svg>")
+    return (
+        f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
+        f"viewBox='0 0 {width} {height}' font-family=\"{FONT}\" font-size='{_n(FONT_SIZE)}' "
+        f"role='img' aria-label='{html.escape(title or 'treemap')}' style='max-width:100%;height:auto'>"
+        f"<rect width='{width}' height='{height}' fill='#FFFFFF'/>{''.join(head)}{''.join(chips)}"
+        f"<g stroke='{style.line_colors[0] if n else '#FFFFFF'}' "
+        f"stroke-width='{_n(style.line_widths[0]) if n else 1}'>{''.join(body)}</g></svg>"
+    )
 
 
 def _column(customdata: Sequence[Sequence[Any]] | None, k: int, n: int) -> list[str]:
@@ -293,8 +319,10 @@ def figure_svg(fig: Any, *, width: int = SVG_WIDTH) -> str:
     colors = list(trace.marker.colors or ["#E8E8E8"] * n)
     names, sizes = _column(trace.customdata, 0, n), _column(trace.customdata, 1, n)
     shares, devices = _column(trace.customdata, 2, n), _column(trace.customdata, 3, n)
-    tips = [f"{name or ids[i]}: {size} ({share}), {device}" if size else (name or ids[i])
-            for i, (name, size, share, device) in enumerate(zip(names, sizes, shares, devices))]
+    tips = [
+        f"{name or ids[i]}: {size} ({share}), {device}" if size else (name or ids[i])
+        for i, (name, size, share, device) in enumerate(zip(names, sizes, shares, devices))
+    ]
     line = trace.marker.line
     line_colors = list(line.color) if isinstance(line.color, (list, tuple)) else [line.color or "#FFFFFF"] * n
     if isinstance(line.width, (list, tuple)):
@@ -306,10 +334,22 @@ def figure_svg(fig: Any, *, width: int = SVG_WIDTH) -> str:
     legend = legend_of([d for d, _ in keyed], [c for _, c in keyed])
     height = int(fig.layout.height or 560)
     title = fig.layout.title.text or ""
-    return treemap_svg(ids, list(trace.parents), list(trace.values), list(trace.labels or ids), colors,
-                       sizes=sizes, tips=tips, line_widths=widths, line_colors=line_colors,
-                       maxdepth=int(trace.maxdepth if trace.maxdepth is not None else -1), title=title,
-                       legend=_ordered(legend), width=width, height=height)
+    return treemap_svg(
+        ids,
+        list(trace.parents),
+        list(trace.values),
+        list(trace.labels or ids),
+        colors,
+        sizes=sizes,
+        tips=tips,
+        line_widths=widths,
+        line_colors=line_colors,
+        maxdepth=int(trace.maxdepth if trace.maxdepth is not None else -1),
+        title=title,
+        legend=_ordered(legend),
+        width=width,
+        height=height,
+    )
 
 
 def _ordered(legend: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -322,6 +362,7 @@ def _ordered(legend: list[tuple[str, str]]) -> list[tuple[str, str]]:
         if label.startswith("GPU ") and label[4:].isdigit():
             return (0, int(label[4:]))
         return (rank.get(label, 4), 0)
+
     return sorted(legend, key=key)  # stable: equal keys keep the order seen
 
 
@@ -336,5 +377,4 @@ def svg_img(svg: str, *, alt: str = "treemap") -> str:
         "<img alt='a &amp; b' src='data:image/svg+xml;base64,PH"
     """
     data = base64.b64encode(svg.encode("utf-8")).decode("ascii")
-    return (f"<img alt='{html.escape(alt)}' src='data:image/svg+xml;base64,{data}' "
-            f"style='max-width:100%;height:auto'/>")
+    return f"<img alt='{html.escape(alt)}' src='data:image/svg+xml;base64,{data}' style='max-width:100%;height:auto'/>"

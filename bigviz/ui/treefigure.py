@@ -6,6 +6,7 @@ in an untrusted notebook or offline nothing draws it. This figure adds an ``imag
 output (drawn by :mod:`bigviz.ui.svg`, no script, no network) next to plotly's: frontends
 with plotly show the interactive figure, the others the picture.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -31,8 +32,9 @@ class TreemapFigure(go.Figure):
         """The figure as it is now, drawn as a standalone SVG document."""
         return figure_svg(self)
 
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None, validate: bool = True,
-                          **kwargs: Any) -> dict[str, Any]:
+    def _repr_mimebundle_(
+        self, include: Any = None, exclude: Any = None, validate: bool = True, **kwargs: Any
+    ) -> dict[str, Any]:
         bundle = dict(super()._repr_mimebundle_(include, exclude, validate, **kwargs) or {})
         bundle.setdefault("image/svg+xml", self.to_svg())
         return bundle

@@ -19,6 +19,7 @@ Example:
     >>> fig.data[0].ids[0], list(fig.data[0].marker.colors)
     ('/', ['#E8E8E8', '#0072B2', '#F0E442', '#F0E442', '#F0E442'])
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -36,9 +37,23 @@ from bigviz.ui.palette import device_color
 if TYPE_CHECKING:
     import plotly.graph_objects as go
 
-__all__ = ["ROOT_ID", "OVERRIDE_MARK", "BORDER_WIDTH", "TreemapLayout", "TreemapStyle", "layout_of", "style_of",
-           "treemap", "apply_style", "apply_layout", "plan_of", "maxdepth_for", "figure_title",
-           "figure_of", "style_for"]
+__all__ = [
+    "ROOT_ID",
+    "OVERRIDE_MARK",
+    "BORDER_WIDTH",
+    "TreemapLayout",
+    "TreemapStyle",
+    "layout_of",
+    "style_of",
+    "treemap",
+    "apply_style",
+    "apply_layout",
+    "plan_of",
+    "maxdepth_for",
+    "figure_title",
+    "figure_of",
+    "style_for",
+]
 
 ROOT_ID = "/"
 """The root's id. Every other id is ``"/" + name`` with a non-empty name, so no module
@@ -47,8 +62,10 @@ OVERRIDE_MARK = "\u270e "  # a pencil: "you placed this by hand"
 BORDER_WIDTH = 2.0
 """One border width for every tile (white; black around an override). plotly draws the path
 bar with NaN coordinates, so a zoomed-in view has no way back, when widths vary per tile."""
-HOVER = ("<b>%{customdata[0]}</b><br>%{customdata[1]} (%{customdata[2]} of the model)"
-         "<br>device: %{customdata[3]}<br>%{customdata[4]}<extra></extra>")
+HOVER = (
+    "<b>%{customdata[0]}</b><br>%{customdata[1]} (%{customdata[2]} of the model)"
+    "<br>device: %{customdata[3]}<br>%{customdata[4]}<extra></extra>"
+)
 
 
 @dataclass(frozen=True)
@@ -109,8 +126,7 @@ def layout_of(tree: SizeTree) -> TreemapLayout:
                 if size:
                     rows.append((tensor, _node_id(name), size, leaf(tensor), node.depth + 1))
     if root.children:
-        rows[1:1] = [(t, ROOT_ID, tree.tensor_bytes(t), leaf(t), 1)
-                     for t in root.tensors if tree.tensor_bytes(t)]
+        rows[1:1] = [(t, ROOT_ID, tree.tensor_bytes(t), leaf(t), 1) for t in root.tensors if tree.tensor_bytes(t)]
     names, parents, values, labels, depths = zip(*rows)
     return TreemapLayout(names, tuple(_node_id(n) for n in names), parents, values, labels, depths)
 
@@ -130,8 +146,9 @@ def style_of(layout: TreemapLayout, plan: DevicePlan) -> TreemapStyle:
         labels.append(OVERRIDE_MARK + label if override else label)
         lines.append("#000000" if override else "#FFFFFF")
         where = device_label(device) if device is not None else "split"
-        data.append((name or "<model>", format_size(value), f"{value / total:.1%}", where,
-                     _reason(name, key, by_name, split)))
+        data.append(
+            (name or "<model>", format_size(value), f"{value / total:.1%}", where, _reason(name, key, by_name, split))
+        )
     return TreemapStyle(tuple(colors), tuple(labels), tuple(lines), tuple(data))
 
 
@@ -152,8 +169,7 @@ def _only_device(parts: Mapping[Device, int]) -> Device | None:
     return holding.pop() if len(holding) == 1 else None
 
 
-def _reason(name: str, key: str | None, by_name: Mapping[str, Any],
-            split: Mapping[str, Mapping[Device, int]]) -> str:
+def _reason(name: str, key: str | None, by_name: Mapping[str, Any], split: Mapping[str, Mapping[Device, int]]) -> str:
     if key is None:
         parts = sorted(split.get(name, {}).items(), key=lambda kv: device_sort_key(kv[0]))
         if _only_device(dict(parts)) is not None:
@@ -170,13 +186,16 @@ def plan_of(plan_or_planner: Any) -> DevicePlan:
     if not isinstance(plan, DevicePlan):
         raise TypeError(f"expected a DevicePlan or a Planner, got {type(plan_or_planner).__name__}")
     if plan.tree is None:
-        raise ValueError("this DevicePlan carries no size tree (plan.tree is None): make it with "
-                         "bigviz.plan(...) or make_plan(tree, ...), which keep the tree")
+        raise ValueError(
+            "this DevicePlan carries no size tree (plan.tree is None): make it with "
+            "bigviz.plan(...) or make_plan(tree, ...), which keep the tree"
+        )
     return plan
 
 
-def treemap(plan_or_planner: Any, *, depth: int | None = None, height: int = 560,
-            title: str | None = None) -> go.Figure:
+def treemap(
+    plan_or_planner: Any, *, depth: int | None = None, height: int = 560, title: str | None = None
+) -> go.Figure:
     """A plotly treemap of where every module goes.
 
     The figure is a :class:`~bigviz.ui.treefigure.TreemapFigure`: in a notebook it shows
@@ -200,37 +219,60 @@ def treemap(plan_or_planner: Any, *, depth: int | None = None, height: int = 560
     """
     if isinstance(plan_or_planner, PipelinePlan):
         if plan_or_planner.tree is None:
-            raise ValueError("this PipelinePlan carries no size tree: make it with bigviz.plan_pipeline(...) "
-                             "or PipelinePlan.load_json(path, tree=...)")
+            raise ValueError(
+                "this PipelinePlan carries no size tree: make it with bigviz.plan_pipeline(...) "
+                "or PipelinePlan.load_json(path, tree=...)"
+            )
         layout = layout_of(plan_or_planner.tree)
-        return figure_of(layout, style_for(layout, plan_or_planner), depth=depth, height=height,
-                         title=title if title is not None else figure_title(plan_or_planner))
+        return figure_of(
+            layout,
+            style_for(layout, plan_or_planner),
+            depth=depth,
+            height=height,
+            title=title if title is not None else figure_title(plan_or_planner),
+        )
     plan = plan_of(plan_or_planner)
     if depth is None and not isinstance(plan_or_planner, DevicePlan):
         depth = getattr(plan_or_planner, "depth", None)
     assert plan.tree is not None  # checked by plan_of
     layout = layout_of(plan.tree)
-    return figure_of(layout, style_of(layout, plan), depth=depth, height=height,
-                     title=title if title is not None else figure_title(plan))
+    return figure_of(
+        layout,
+        style_of(layout, plan),
+        depth=depth,
+        height=height,
+        title=title if title is not None else figure_title(plan),
+    )
 
 
-def figure_of(layout: TreemapLayout, style: TreemapStyle, *, depth: int | None, height: int,
-              title: str) -> go.Figure:
+def figure_of(layout: TreemapLayout, style: TreemapStyle, *, depth: int | None, height: int, title: str) -> go.Figure:
     """The plotly figure for a treemap's shape and style."""
     import plotly.graph_objects as go
 
     trace = go.Treemap(
-        ids=list(layout.ids), parents=list(layout.parents), values=list(layout.values),
-        labels=list(style.labels), branchvalues="total", sort=False,
+        ids=list(layout.ids),
+        parents=list(layout.parents),
+        values=list(layout.values),
+        labels=list(style.labels),
+        branchvalues="total",
+        sort=False,
         marker=dict(colors=list(style.colors), line=dict(width=BORDER_WIDTH, color=list(style.line_colors))),
-        customdata=[list(c) for c in style.customdata], hovertemplate=HOVER,
-        texttemplate="%{label}<br>%{customdata[1]}", maxdepth=maxdepth_for(depth),
-        pathbar=dict(visible=True), root=dict(color=style.colors[0]))
+        customdata=[list(c) for c in style.customdata],
+        hovertemplate=HOVER,
+        texttemplate="%{label}<br>%{customdata[1]}",
+        maxdepth=maxdepth_for(depth),
+        pathbar=dict(visible=True),
+        root=dict(color=style.colors[0]),
+    )
     from bigviz.ui.treefigure import TreemapFigure
 
     fig = TreemapFigure(trace)
-    fig.update_layout(height=height, margin=dict(t=66, l=6, r=6, b=6),  # title above, path bar below it
-                      title=dict(text=title, font=dict(size=15)), uniformtext=dict(minsize=9, mode="hide"))
+    fig.update_layout(
+        height=height,
+        margin=dict(t=66, l=6, r=6, b=6),  # title above, path bar below it
+        title=dict(text=title, font=dict(size=15)),
+        uniformtext=dict(minsize=9, mode="hide"),
+    )
     return fig
 
 
@@ -256,8 +298,10 @@ def figure_title(plan: DevicePlan | PipelinePlan) -> str:
         return stage_title(plan)
     assert plan.tree is not None
     root = plan.tree.nodes[""]
-    return (f"{root.class_name or 'model'}: {format_size(root.total_bytes)}, "
-            f"{root.n_params / 1e6:,.1f}M parameters, {plan.strategy} plan")
+    return (
+        f"{root.class_name or 'model'}: {format_size(root.total_bytes)}, "
+        f"{root.n_params / 1e6:,.1f}M parameters, {plan.strategy} plan"
+    )
 
 
 def apply_style(trace: Any, style: TreemapStyle, previous: TreemapStyle | None = None) -> None:

@@ -5,6 +5,7 @@ Install it with ``apt-get install -y chromium``; without ``/usr/bin/chromium`` t
 skip and say so. The live-widget tests drive Chromium with the ``playwright`` package (its
 own browser download is never used: ``executable_path`` points at Debian's).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,9 +28,16 @@ import pytest
 
 CHROMIUM = Path("/usr/bin/chromium")
 FLAGS = (
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--hide-scrollbars", "--host-resolver-rules=MAP * ~NOTFOUND",  # no network: the report must be offline
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+    "--host-resolver-rules=MAP * ~NOTFOUND",  # no network: the report must be offline
 )
 
 Chromium = Callable[..., subprocess.CompletedProcess]
@@ -53,6 +61,7 @@ def chromium(tmp_path: Path) -> Chromium:
 
 # ---- a Jupyter server for the live-widget tests --------------------------------------------
 
+
 @dataclass
 class JupyterServer:
     """A Jupyter server (JupyterLab or Notebook 7) of this test run, on localhost."""
@@ -68,17 +77,23 @@ class JupyterServer:
 
     def api(self, path: str, *, method: str = "GET", body: Any = None) -> Any:
         data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(f"{self.url}/api/{path}", method=method, data=data,
-                                         headers={"Authorization": f"token {self.token}",
-                                                  "Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"{self.url}/api/{path}",
+            method=method,
+            data=data,
+            headers={"Authorization": f"token {self.token}", "Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(request, timeout=60) as reply:
             text = reply.read()
         return json.loads(text) if text else None
 
     def start_kernel(self, notebook: str) -> None:
         """Start the notebook's kernel session now (the page then joins it, asking nothing)."""
-        self.api("sessions", method="POST", body={"path": notebook, "name": notebook, "type": "notebook",
-                                                  "kernel": {"name": "python3"}})
+        self.api(
+            "sessions",
+            method="POST",
+            body={"path": notebook, "name": notebook, "type": "notebook", "kernel": {"name": "python3"}},
+        )
 
 
 def _free_port() -> int:
@@ -90,11 +105,19 @@ def _free_port() -> int:
 def _settings(root: Path) -> dict[str, str]:
     """Every Jupyter folder inside ``root`` (nothing read from or written to the home folder),
     and JupyterLab's news and update checks off (no network, no pop-up)."""
-    env = {"JUPYTER_CONFIG_DIR": "config", "JUPYTER_DATA_DIR": "data", "JUPYTER_RUNTIME_DIR": "runtime",
-           "JUPYTERLAB_SETTINGS_DIR": "settings", "JUPYTERLAB_WORKSPACES_DIR": "workspaces", "IPYTHONDIR": "ipython"}
+    env = {
+        "JUPYTER_CONFIG_DIR": "config",
+        "JUPYTER_DATA_DIR": "data",
+        "JUPYTER_RUNTIME_DIR": "runtime",
+        "JUPYTERLAB_SETTINGS_DIR": "settings",
+        "JUPYTERLAB_WORKSPACES_DIR": "workspaces",
+        "IPYTHONDIR": "ipython",
+    }
     env = {k: str(root / ".jupyter" / v) for k, v in env.items()}
-    settings = {("apputils-extension", "notification"): {"fetchNews": "false", "checkForUpdates": False},
-                ("notebook-extension", "tracker"): {"autoStartDefaultKernel": True}}
+    settings = {
+        ("apputils-extension", "notification"): {"fetchNews": "false", "checkForUpdates": False},
+        ("notebook-extension", "tracker"): {"autoStartDefaultKernel": True},
+    }
     for (plugin, name), values in settings.items():
         folder = Path(env["JUPYTERLAB_SETTINGS_DIR"]) / "@jupyterlab" / plugin
         folder.mkdir(parents=True, exist_ok=True)
@@ -143,10 +166,21 @@ def jupyter_server(root: Path, *, app: str = "lab") -> Iterator[JupyterServer]:
     env = {**os.environ, **_settings(root)}
     token = secrets.token_hex(16)
     port = _free_port()
-    args = [sys.executable, "-m", "jupyter", app, "--no-browser", "--allow-root", "--ip=127.0.0.1",
-            f"--port={port}", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-            "--ServerApp.open_browser=False", "--LabApp.expose_app_in_browser=True",
-            "--JupyterNotebookApp.expose_app_in_browser=True"]
+    args = [
+        sys.executable,
+        "-m",
+        "jupyter",
+        app,
+        "--no-browser",
+        "--allow-root",
+        "--ip=127.0.0.1",
+        f"--port={port}",
+        f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={root}",
+        "--ServerApp.open_browser=False",
+        "--LabApp.expose_app_in_browser=True",
+        "--JupyterNotebookApp.expose_app_in_browser=True",
+    ]
     log = open(root / ".jupyter" / "server.log", "w")
     process = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     server = JupyterServer(f"http://127.0.0.1:{port}", token, root, process)

@@ -12,6 +12,7 @@ on conditions in the page, with generous time limits for a loaded machine.
 ``BIGVIZ_SCREENCAST=docs/planner-live.png pytest tests/browser`` also writes the animated
 PNG the README shows (the planner, then two drags of GPU 0's slider that recolour it).
 """
+
 from __future__ import annotations
 
 import io
@@ -43,7 +44,7 @@ SEARCH_BOX = "input[placeholder='type to search a module']"
 
 
 def _rgb(hex_color: str) -> str:
-    r, g, b = (int(hex_color[i:i + 2], 16) for i in (1, 3, 5))
+    r, g, b = (int(hex_color[i : i + 2], 16) for i in (1, 3, 5))
     return f"rgb({r}, {g}, {b})"
 
 
@@ -70,10 +71,20 @@ FITS = f"""() => {{ {JS_PARTS}
 
 
 def _notebook(root: Path) -> None:
-    cell = {"cell_type": "code", "id": "planner", "metadata": {}, "execution_count": None, "outputs": [],
-            "source": SETUP}
-    nb = {"nbformat": 4, "nbformat_minor": 5, "cells": [cell],
-          "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}}
+    cell = {
+        "cell_type": "code",
+        "id": "planner",
+        "metadata": {},
+        "execution_count": None,
+        "outputs": [],
+        "source": SETUP,
+    }
+    nb = {
+        "nbformat": 4,
+        "nbformat_minor": 5,
+        "cells": [cell],
+        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+    }
     (root / NOTEBOOK).write_text(json.dumps(nb))
 
 
@@ -89,11 +100,14 @@ class Page:
         try:
             self.page.wait_for_function(condition, timeout=timeout)
         except Exception as err:  # playwright's TimeoutError, with the page's state added
-            state = self.page.evaluate(f"() => {{ {JS_PARTS} return {{tiles: fills.length, "
-                                       f"plot: svg ? svg.getBoundingClientRect().width : null, "
-                                       f"column: column ? column.getBoundingClientRect().width : null}}; }}")
-            raise AssertionError(f"{what}: not seen in {timeout / 1000:.0f} s ({state}); "
-                                 f"console errors: {self.errors[-5:]}") from err
+            state = self.page.evaluate(
+                f"() => {{ {JS_PARTS} return {{tiles: fills.length, "
+                f"plot: svg ? svg.getBoundingClientRect().width : null, "
+                f"column: column ? column.getBoundingClientRect().width : null}}; }}"
+            )
+            raise AssertionError(
+                f"{what}: not seen in {timeout / 1000:.0f} s ({state}); console errors: {self.errors[-5:]}"
+            ) from err
 
     def reconnect(self, url: str | None = None) -> list[str]:
         """Save, then reload the page (or open ``url``: the notebook in another app) once the
@@ -148,8 +162,10 @@ class Page:
     def resize(self, width: int, height: int, before: dict[str, Any]) -> dict[str, Any]:
         """Resize the page; wait for the figure's column to change width and the plot to fit it."""
         self.page.set_viewport_size({"width": width, "height": height})
-        self.wait(f"() => {{ {JS_PARTS} return Math.abs(column.getBoundingClientRect().width - "
-                  f"{before['column']}) > 20; }}", f"the figure's column resized at {width}x{height}")
+        self.wait(
+            f"() => {{ {JS_PARTS} return Math.abs(column.getBoundingClientRect().width - {before['column']}) > 20; }}",
+            f"the figure's column resized at {width}x{height}",
+        )
         self.wait(FITS, f"the treemap refitted to its column at {width}x{height}")
         return self.geometry()
 
@@ -222,15 +238,19 @@ def test_live_planner_in_jupyterlab(tmp_path):
         # 1280x800: the treemap fits the column the settings leave; nothing is cut off
         geo = page.geometry()
         assert not geo["wrapped"] and geo["overflow"] <= 1 and geo["plot_right"] <= geo["out_right"] + 1, geo
-        assert raw.evaluate("() => [...document.querySelectorAll('.bigviz-table td.num')].every("
-                            "td => getComputedStyle(td).whiteSpace === 'nowrap')"), "a size cell may wrap"
+        assert raw.evaluate(
+            "() => [...document.querySelectorAll('.bigviz-table td.num')].every("
+            "td => getComputedStyle(td).whiteSpace === 'nowrap')"
+        ), "a size cell may wrap"
 
         # each drag re-plans in the kernel: more of the model lands on GPU 0, its tiles turn blue
         dragged = first
         for fraction in (0.3, 0.45):
             page.drag_gpu_slider(fraction)
-            page.wait(f"() => {{ {JS_PARTS} return fills.filter(f => f === '{GPU0}').length > "
-                      f"{dragged.count(GPU0)}; }}", f"more tiles in GPU 0's colour after a drag to {fraction:.0%}")
+            page.wait(
+                f"() => {{ {JS_PARTS} return fills.filter(f => f === '{GPU0}').length > {dragged.count(GPU0)}; }}",
+                f"more tiles in GPU 0's colour after a drag to {fraction:.0%}",
+            )
             dragged = page.fills()
             cast.shoot()
         page.wait("() => document.body.innerText.includes('re-planned in')", "the re-plan status line")
@@ -238,11 +258,15 @@ def test_live_planner_in_jupyterlab(tmp_path):
 
         # a click on a tile puts its module in the search box; the zoomed view keeps its path bar
         page.click_tile(PICKED)
-        page.wait(f"() => document.querySelector(\"{SEARCH_BOX}\").value === '{PICKED}'",
-                  f"{PICKED} in the module box after a click on its tile")
-        page.wait(f"() => {{ {JS_PARTS} const bar = [...gd.querySelectorAll('.pathbar path')];"
-                  "return bar.length > 0 && bar.every(p => !(p.getAttribute('d') || 'NaN').includes('NaN')); }",
-                  "the path bar of the zoomed treemap (a way back)")
+        page.wait(
+            f"() => document.querySelector(\"{SEARCH_BOX}\").value === '{PICKED}'",
+            f"{PICKED} in the module box after a click on its tile",
+        )
+        page.wait(
+            f"() => {{ {JS_PARTS} const bar = [...gd.querySelectorAll('.pathbar path')];"
+            "return bar.length > 0 && bar.every(p => !(p.getAttribute('d') || 'NaN').includes('NaN')); }",
+            "the path bar of the zoomed treemap (a way back)",
+        )
 
         # the figure follows the page: wider beside the settings, then, when both no longer
         # fit side by side, under them at the output's full width
@@ -261,9 +285,13 @@ def test_live_planner_in_jupyterlab(tmp_path):
         # fitted, a drag re-plans, a click picks
         assert Counter(page.reconnect(server.page_url(NOTEBOOK, app="notebook"))) == Counter(dragged)
         page.drag_gpu_slider(0.8)
-        page.wait(f"() => {{ {JS_PARTS} return fills.filter(f => f === '{GPU0}').length > "
-                  f"{dragged.count(GPU0)}; }}", "more tiles in GPU 0's colour after a drag in Notebook 7")
+        page.wait(
+            f"() => {{ {JS_PARTS} return fills.filter(f => f === '{GPU0}').length > {dragged.count(GPU0)}; }}",
+            "more tiles in GPU 0's colour after a drag in Notebook 7",
+        )
         page.click_tile(PICKED_NB7)
-        page.wait(f"() => document.querySelector(\"{SEARCH_BOX}\").value === '{PICKED_NB7}'",
-                  f"{PICKED_NB7} in the module box after a click on its tile in Notebook 7")
+        page.wait(
+            f"() => document.querySelector(\"{SEARCH_BOX}\").value === '{PICKED_NB7}'",
+            f"{PICKED_NB7} in the module box after a click on its tile in Notebook 7",
+        )
         cast.save()

@@ -4,6 +4,7 @@ tiles exist, in the device colours) and a screenshot is taken.
 ``BIGVIZ_SCREENSHOT=docs/planner.png pytest tests/browser`` also writes the screenshot the
 README shows.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,7 +25,7 @@ OVERRIDE = "transformer.h.47"  # the last block, pinned to the GPU by hand
 
 
 def _rgb(hex_color: str) -> str:
-    r, g, b = (int(hex_color[i:i + 2], 16) for i in (1, 3, 5))
+    r, g, b = (int(hex_color[i : i + 2], 16) for i in (1, 3, 5))
     return f"rgb({r}, {g}, {b})"
 
 

@@ -4,6 +4,7 @@ Importing torch (or numpy, pandas, plotly) from a test in this folder, or from t
 modules it uses, fails the test. CI also runs this folder in a bare virtual environment
 with no torch installed (`.ci/run`).
 """
+
 from __future__ import annotations
 
 import builtins

@@ -1,4 +1,5 @@
 """Device-map checks, cleaning and JSON round trips (pure: no torch needed)."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,14 @@ from bigviz.core.tree import SizeTree, TensorSpec
 
 def _seed_tree() -> SizeTree:
     # The seed's example: block1 and block2, each with linear1..3 (weight + bias).
-    return SizeTree.build([TensorSpec(f"block{b}.linear{l}.{p}", 4, "float32")
-                           for b in (1, 2) for l in (1, 2, 3) for p in ("weight", "bias")])
+    return SizeTree.build(
+        [
+            TensorSpec(f"block{b}.linear{l}.{p}", 4, "float32")
+            for b in (1, 2)
+            for l in (1, 2, 3)
+            for p in ("weight", "bias")
+        ]
+    )
 
 
 def test_prefix_rules_respect_dot_boundaries():
@@ -42,7 +49,7 @@ def test_every_problem_is_reported_at_once():
     with pytest.raises(ValueError) as err:
         validate_device_map(_seed_tree(), bad, devices=[0, "cpu"])
     text = str(err.value)
-    assert "'gpu'" in text                      # unknown device
+    assert "'gpu'" in text  # unknown device
     assert "'block2.linaer2'" in text and "did you mean 'block2.linear2'" in text
     assert "'nothing'" in text
     assert "GPU 1" in text and "does not have" in text  # device the machine lacks
@@ -51,8 +58,9 @@ def test_every_problem_is_reported_at_once():
 
 def test_partially_covered_module_lists_tensors():
     with pytest.raises(ValueError) as err:
-        validate_device_map(_seed_tree(), {"block1": 0, "block2.linear1": 0, "block2.linear2": 0,
-                                           "block2.linear3.weight": 0})
+        validate_device_map(
+            _seed_tree(), {"block1": 0, "block2.linear1": 0, "block2.linear2": 0, "block2.linear3.weight": 0}
+        )
     assert "block2.linear3.bias" in str(err.value)
 
 

@@ -5,6 +5,7 @@ weights, ties, buffers), random budgets and options, the offload reserve of ever
 the DevicePlan equals the room the DispatchPlan of the same plan holds (its two largest
 streamed units), and no unit is ever bigger than a block. No torch, no files.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -74,12 +75,21 @@ NO_SPLIT = [frozenset(), frozenset({"Block"}), frozenset({"g*.*"}), frozenset({"
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(tree=trees(), limits=budgets(), strategy=st.sampled_from(STRATEGIES), no_split=st.sampled_from(NO_SPLIT),
-       prefetch=st.booleans(), offload_buffers=st.booleans(), preload=st.sampled_from([frozenset(), frozenset({"Seq"})]))
-def test_the_planners_reserve_is_what_the_dispatch_plan_holds(tree, limits, strategy, no_split, prefetch,
-                                                             offload_buffers, preload):
-    options = PlanOptions(strategy=strategy, no_split=no_split, prefetch=prefetch, offload_buffers=offload_buffers,
-                          preload=preload)
+@given(
+    tree=trees(),
+    limits=budgets(),
+    strategy=st.sampled_from(STRATEGIES),
+    no_split=st.sampled_from(NO_SPLIT),
+    prefetch=st.booleans(),
+    offload_buffers=st.booleans(),
+    preload=st.sampled_from([frozenset(), frozenset({"Seq"})]),
+)
+def test_the_planners_reserve_is_what_the_dispatch_plan_holds(
+    tree, limits, strategy, no_split, prefetch, offload_buffers, preload
+):
+    options = PlanOptions(
+        strategy=strategy, no_split=no_split, prefetch=prefetch, offload_buffers=offload_buffers, preload=preload
+    )
     try:
         plan = make_plan(tree, limits, options)
     except PlanError:
@@ -133,33 +143,56 @@ def test_a_cleaned_map_gives_the_units_the_engine_fetches():
     # the planner splits 'mix' (it does not fit the GPU) and both halves land on the cpu: the
     # cleaned map names 'mix' whole, so the engine fetches it as one unit (2400 B, not two of
     # 1200 B), and the reserve the plan keeps on the GPU is the largest such unit
-    specs = [TensorSpec("emb.weight", 100, "float32"), TensorSpec("mix.a.weight", 300, "float32"),
-             TensorSpec("mix.b.weight", 300, "float32"), TensorSpec("head.weight", 100, "float32"),
-             TensorSpec("tail.weight", 600, "float32")]
-    tree = SizeTree.build(specs, {"": "Net", "emb": "Embedding", "mix": "Mixer", "mix.a": "Linear",
-                                  "mix.b": "Linear", "head": "Linear", "tail": "Linear"})
+    specs = [
+        TensorSpec("emb.weight", 100, "float32"),
+        TensorSpec("mix.a.weight", 300, "float32"),
+        TensorSpec("mix.b.weight", 300, "float32"),
+        TensorSpec("head.weight", 100, "float32"),
+        TensorSpec("tail.weight", 600, "float32"),
+    ]
+    tree = SizeTree.build(
+        specs,
+        {
+            "": "Net",
+            "emb": "Embedding",
+            "mix": "Mixer",
+            "mix.a": "Linear",
+            "mix.b": "Linear",
+            "head": "Linear",
+            "tail": "Linear",
+        },
+    )
     plan = make_plan(tree, {0: 2800, "cpu": 10**6}, PlanOptions(strategy="sequential", prefetch=False))
     assert plan.device_map == {"emb": 0, "mix": "cpu", "head": "cpu", "tail": "cpu"}
     dispatch = plan.dispatch_plan()
     assert [(u.name, u.nbytes) for u in dispatch.units] == [("mix", 2400), ("head", 400), ("tail", 2400)]
     assert plan.usage_of(0).offload_reserve == 2400 == dispatch.held_bytes()[0]
-    halves = make_dispatch_plan(tree, {"emb": 0, "mix.a": "cpu", "mix.b": "cpu", "head": "cpu", "tail": "cpu"},
-                                UnitRule(0))
+    halves = make_dispatch_plan(
+        tree, {"emb": 0, "mix.a": "cpu", "mix.b": "cpu", "head": "cpu", "tail": "cpu"}, UnitRule(0)
+    )
     assert [u.name for u in halves.units] == ["mix.a", "mix.b", "head", "tail"]  # the map's own entries
 
 
 def test_dispatch_plan_lists_units_in_fetch_order_with_resident_ties_and_buffers():
-    specs = [TensorSpec("emb.weight", 100, "float32"), TensorSpec("h.0.w", 200, "float32"),
-             TensorSpec("h.0.mask", 10, "float32", kind="buffer"), TensorSpec("h.1.w", 200, "float32"),
-             TensorSpec("head.weight", 100, "float32")]
+    specs = [
+        TensorSpec("emb.weight", 100, "float32"),
+        TensorSpec("h.0.w", 200, "float32"),
+        TensorSpec("h.0.mask", 10, "float32", kind="buffer"),
+        TensorSpec("h.1.w", 200, "float32"),
+        TensorSpec("head.weight", 100, "float32"),
+    ]
     tree = SizeTree.build(specs, ties=[("emb.weight", "head.weight")])
     device_map = {"emb": "disk", "h.0": "cpu", "h.1": "disk", "head": 0}
     plan = make_dispatch_plan(tree, device_map, UnitRule(0))
-    assert [(u.name, u.storage, u.tensors) for u in plan.units] == [("h.0", "cpu", ("h.0.w",)),
-                                                                    ("h.1", "disk", ("h.1.w",))]
+    assert [(u.name, u.storage, u.tensors) for u in plan.units] == [
+        ("h.0", "cpu", ("h.0.w",)),
+        ("h.1", "disk", ("h.1.w",)),
+    ]
     resident = {r.key: (r.names, r.device) for r in plan.resident}
-    assert resident == {"emb.weight": (("emb.weight", "head.weight"), 0),  # the tie stays with its GPU user
-                        "h.0.mask": (("h.0.mask",), 0)}  # buffers stay on the execution device
+    assert resident == {
+        "emb.weight": (("emb.weight", "head.weight"), 0),  # the tie stays with its GPU user
+        "h.0.mask": (("h.0.mask",), 0),
+    }  # buffers stay on the execution device
     assert plan.streamed_bytes() == {"cpu": 800, "disk": 800} and plan.held_bytes() == {0: 1600, "cpu": 800}
     frame_rows = plan.rows()
     assert [r["unit"] for r in frame_rows] == ["h.0", "h.1"] and frame_rows[1]["bytes"] == 800
@@ -177,10 +210,14 @@ def test_an_uncovered_tensor_is_a_problem_of_the_plan():
 
 
 def test_readers_and_preload_classes_lift_the_unit():
-    specs = [TensorSpec("enc.layer.w", 40, "float32"), TensorSpec("enc.rel.weight", 8, "float32"),
-             TensorSpec("enc.out.w", 4, "float32")]
-    tree = SizeTree.build(specs, {"": "Net", "enc": "Encoder", "enc.layer": "Linear", "enc.rel": "Embedding",
-                                  "enc.out": "Linear"})
+    specs = [
+        TensorSpec("enc.layer.w", 40, "float32"),
+        TensorSpec("enc.rel.weight", 8, "float32"),
+        TensorSpec("enc.out.w", 4, "float32"),
+    ]
+    tree = SizeTree.build(
+        specs, {"": "Net", "enc": "Encoder", "enc.layer": "Linear", "enc.rel": "Embedding", "enc.out": "Linear"}
+    )
     device_map = {"enc.layer": "cpu", "enc.rel": "disk", "enc.out": "cpu"}
     read = offload_units(tree, device_map, UnitRule("cpu", reads={"enc.rel": "enc"}))
     assert [(u.name, u.tensors) for u in read.units] == [("enc", ("enc.rel.weight",))]  # its reader fetches it

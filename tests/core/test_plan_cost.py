@@ -1,4 +1,5 @@
 """DevicePlan.cost(): time per forward from resident and streamed bytes (pure, no torch)."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """Sizes, devices and max_memory parsing (bigviz.core.sizes, bigviz.core.devices)."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,10 +8,21 @@ from bigviz.core.devices import device_sort_key, normalize_device
 from bigviz.core.sizes import UNLIMITED, format_size, parse_max_memory, parse_size
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("10GiB", 10 * 2**30), ("10GB", 10 * 10**9), ("500MB", 500 * 10**6), ("1.5GiB", 3 * 2**29),
-    ("30GIB", 30 * 2**30), ("2 KiB", 2048), ("123", 123), (4096, 4096), (1.5e3, 1500), ("1e3", 1000),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("10GiB", 10 * 2**30),
+        ("10GB", 10 * 10**9),
+        ("500MB", 500 * 10**6),
+        ("1.5GiB", 3 * 2**29),
+        ("30GIB", 30 * 2**30),
+        ("2 KiB", 2048),
+        ("123", 123),
+        (4096, 4096),
+        (1.5e3, 1500),
+        ("1e3", 1000),
+    ],
+)
 def test_parse_size_units(text, expected):
     assert parse_size(text) == expected
 
@@ -27,8 +39,9 @@ def test_bits_are_flagged_with_the_fix():
         parse_size("10Gb")
 
 
-@pytest.mark.parametrize("device, expected", [
-    (0, 0), ("1", 1), ("cuda", 0), ("cuda:3", 3), ("cpu", "cpu"), ("disk", "disk"), ("mps", "mps")])
+@pytest.mark.parametrize(
+    "device, expected", [(0, 0), ("1", 1), ("cuda", 0), ("cuda:3", 3), ("cpu", "cpu"), ("disk", "disk"), ("mps", "mps")]
+)
 def test_normalize_device(device, expected):
     assert normalize_device(device) == expected
 

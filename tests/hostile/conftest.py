@@ -1,4 +1,5 @@
 """Fixtures of the hostile-input suite: real small and read-only filesystems (tmpfs)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -13,11 +14,14 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
     """A 1 MiB tmpfs (a real full disk); skipped where mounting is not allowed."""
     mount = tmp_path / "small"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.strip()[:100]}); "
-                    "the fault-injected ENOSPC test covers the same path")
+        pytest.skip(
+            f"cannot mount a small tmpfs here ({done.stderr.strip()[:100]}); "
+            "the fault-injected ENOSPC test covers the same path"
+        )
     try:
         yield mount
     finally:

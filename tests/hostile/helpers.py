@@ -3,6 +3,7 @@ was lost. "Nothing lost" is checked byte for byte: `snapshot` reads every file u
 and a case compares the snapshot after the failure with the one before. Models are compared
 value for value with `model_state`.
 """
+
 from __future__ import annotations
 
 import os

@@ -1,6 +1,7 @@
 """Promise: a bad budget, device map or no-split list is a ValueError quoting the value, made
 before anything is planned, loaded or written (no OverflowError, AttributeError, TypeError,
 and no silent merge or silent no-op)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -32,8 +33,11 @@ def test_huge_sizes_are_a_value_error_quoting_the_value(text):
 
 @pytest.mark.parametrize("budget", ["10GiB", 10 * 2**30, ["cpu", "1GB"]])
 def test_max_memory_that_is_not_a_dict(budget):
-    for call in (lambda: parse_max_memory(budget), lambda: bigviz.plan(nn.Linear(2, 2), budget),
-                 lambda: bigviz.infer_auto_device_map(nn.Linear(2, 2), budget)):
+    for call in (
+        lambda: parse_max_memory(budget),
+        lambda: bigviz.plan(nn.Linear(2, 2), budget),
+        lambda: bigviz.infer_auto_device_map(nn.Linear(2, 2), budget),
+    ):
         with pytest.raises(ValueError, match=r"max_memory must be a dict.*" + repr(budget)[:6].replace("[", r"\[")):
             call()
 
@@ -53,9 +57,11 @@ def test_int_keys_in_a_device_map_are_quoted(tmp_path: Path):
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     before = model_state(model)
     bad = {0: "cpu", "1": "cpu"}
-    for call in (lambda: bigviz.check_device_map(model, bad),
-                 lambda: bigviz.dispatch_model(model, bad),
-                 lambda: bigviz.save_device_map(bad, tmp_path / "map.json")):
+    for call in (
+        lambda: bigviz.check_device_map(model, bad),
+        lambda: bigviz.dispatch_model(model, bad),
+        lambda: bigviz.save_device_map(bad, tmp_path / "map.json"),
+    ):
         with pytest.raises(ValueError, match=r"key 0 \(an int\) is not a module name"):
             call()
     assert not hasattr(model, "_hf_hook") and not (tmp_path / "map.json").exists()
@@ -94,13 +100,25 @@ def test_a_no_split_typo_is_an_error_listing_the_classes():
 def test_no_split_for_a_checkpoint_needs_module_patterns(tmp_path: Path, capsys):
     bigviz.save_sharded(_gpt(), tmp_path / "ckpt", progress=False)
     out = tmp_path / "map.json"
-    code = main(["plan", str(tmp_path / "ckpt"), "--max-memory", "cpu=1GB", "--no-split", "Block",
-                 "--out", str(out)])
+    code = main(["plan", str(tmp_path / "ckpt"), "--max-memory", "cpu=1GB", "--no-split", "Block", "--out", str(out)])
     assert code == 2 and not out.exists()
     err = capsys.readouterr().err
     assert "'Block'" in err and "no class names" in err and "'transformer.h.*'" in err
-    assert main(["plan", str(tmp_path / "ckpt"), "--max-memory", "cpu=1GB", "--no-split", "transformer.h.*",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(tmp_path / "ckpt"),
+                "--max-memory",
+                "cpu=1GB",
+                "--no-split",
+                "transformer.h.*",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
 
 
 def test_cli_no_split_typo_on_a_preset(tmp_path: Path, capsys):

@@ -1,6 +1,7 @@
 """Promise: crafted safetensors headers, index files and JSON files are refused up front, with
 the file (and the tensor or entry) named: no RecursionError, no bool taken for an int, no read
 outside the checkpoint folder, and the model stays as it was (on meta)."""
+
 from __future__ import annotations
 
 import json
@@ -54,20 +55,25 @@ def test_deeply_nested_header(tmp_path: Path, depth: int):
 def test_header_nested_just_below_the_parser_limit(tmp_path: Path):
     for depth in range(940, 1000, 6):  # parses, then must not overflow while being reported
         shape = b"[" * depth + b"]" * depth
-        path = _raw_safetensors(tmp_path / f"d{depth}.safetensors",
-                                b'{"weight": {"dtype": "F32", "shape": ' + shape + b', "data_offsets": [0, 16]}}')
+        path = _raw_safetensors(
+            tmp_path / f"d{depth}.safetensors",
+            b'{"weight": {"dtype": "F32", "shape": ' + shape + b', "data_offsets": [0, 16]}}',
+        )
         with pytest.raises(CheckpointError) as info:
             CheckpointIndex.open(path)
         assert str(path) in str(info.value)
 
 
-@pytest.mark.parametrize("field, value, needle", [
-    ("shape", [True, 4], "invalid shape [True, 4]"),
-    ("shape", [2, 2.0], "invalid shape"),
-    ("data_offsets", [False, 16], "invalid data_offsets [False, 16]"),
-    ("dtype", ["F32"], "unknown dtype ['F32']"),
-    ("dtype", {"F32": 1}, "unknown dtype"),
-])
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("shape", [True, 4], "invalid shape [True, 4]"),
+        ("shape", [2, 2.0], "invalid shape"),
+        ("data_offsets", [False, 16], "invalid data_offsets [False, 16]"),
+        ("dtype", ["F32"], "unknown dtype ['F32']"),
+        ("dtype", {"F32": 1}, "unknown dtype"),
+    ],
+)
 def test_wrong_json_types_in_a_header(tmp_path: Path, field: str, value: object, needle: str):
     entry = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16], field: value}
     path = _raw_safetensors(tmp_path / "w.safetensors", json.dumps({"weight": entry}).encode())
@@ -84,9 +90,17 @@ def _write_index(index: Path, weight_map: dict) -> None:
     index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-@pytest.mark.parametrize("entry", ["../outside/model.safetensors", "/abs/model.safetensors",
-                                   "sub/../../outside/model.safetensors", "..\\outside\\model.safetensors",
-                                   "C:\\models\\model.safetensors", ""])
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "../outside/model.safetensors",
+        "/abs/model.safetensors",
+        "sub/../../outside/model.safetensors",
+        "..\\outside\\model.safetensors",
+        "C:\\models\\model.safetensors",
+        "",
+    ],
+)
 def test_index_entries_leading_out_of_the_folder(tmp_path: Path, entry: str):
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -122,29 +136,35 @@ def test_a_hugging_face_cache_snapshot_still_loads(tmp_path: Path):
     assert torch.equal(model.weight, source.weight) and torch.equal(model.bias, source.bias)
 
 
-@pytest.mark.parametrize("doc, needle", [
-    ("[" * 100_000, "nested too deeply"),
-    ('{"weight_map": ' + "[" * 50_000 + "]" * 50_000 + "}", "nested too deeply"),
-    ('{"weight_map": [], "metadata": {}}', "'weight_map' must map"),
-    ('{"weight_map": {"weight": "model-00001-of-00001.safetensors"}, "metadata": [1]}', "'metadata' must be"),
-    ('{"weight_map": {"weight": true}}', "maps to True"),
-    ('{"weight_map": {"weight": ["a"]}}', "not a file name"),
-    ("[1, 2]", "must be a JSON object"),
-    ('{"weight_map": {"weight": "model-00001-of-00001.safetensors"', "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "doc, needle",
+    [
+        ("[" * 100_000, "nested too deeply"),
+        ('{"weight_map": ' + "[" * 50_000 + "]" * 50_000 + "}", "nested too deeply"),
+        ('{"weight_map": [], "metadata": {}}', "'weight_map' must map"),
+        ('{"weight_map": {"weight": "model-00001-of-00001.safetensors"}, "metadata": [1]}', "'metadata' must be"),
+        ('{"weight_map": {"weight": true}}', "maps to True"),
+        ('{"weight_map": {"weight": ["a"]}}', "not a file name"),
+        ("[1, 2]", "must be a JSON object"),
+        ('{"weight_map": {"weight": "model-00001-of-00001.safetensors"', "not valid JSON"),
+    ],
+)
 def test_crafted_index_files(tmp_path: Path, doc: str, needle: str):
     index = _sharded(tmp_path / "ckpt")
     index.write_text(doc)
     _refused(index, str(index), needle)
 
 
-@pytest.mark.parametrize("text, needle", [
-    ("[" * 100_000, "nested too deeply"),
-    ('{"a": ' + "[" * 100_000, "nested too deeply"),
-    ('{"a": true}', "unknown device True"),
-    ('{"a": [0]}', "unknown device [0]"),
-    ("[0, 1]", "JSON object"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("[" * 100_000, "nested too deeply"),
+        ('{"a": ' + "[" * 100_000, "nested too deeply"),
+        ('{"a": true}', "unknown device True"),
+        ('{"a": [0]}', "unknown device [0]"),
+        ("[0, 1]", "JSON object"),
+    ],
+)
 def test_crafted_device_map_and_max_memory_files(tmp_path: Path, text: str, needle: str):
     path = tmp_path / "map.json"
     path.write_text(text)

@@ -1,6 +1,7 @@
 """Promise: ``bigviz demo --out DIR`` never deletes what it did not write. A non-empty folder
 that is not an earlier demo output is refused, untouched; an earlier demo output is reused,
 and files added to it are kept."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -2,6 +2,7 @@
 error naming the file and the module at the next fetch, never a SIGBUS that kills the process,
 never garbage. A shard *replaced* by rename is harmless: the model keeps reading the file it
 opened. Each case runs in a subprocess, so a SIGBUS would show as its exit status."""
+
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ import textwrap
 
 import pytest
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import json, os, sys
     from pathlib import Path
     import torch
@@ -63,15 +64,19 @@ SCRIPT = textwrap.dedent('''
 
     root = Path(sys.argv[1])
     print(json.dumps({mode: case(root / mode, mode) for mode in sys.argv[2:]}))
-''')
+""")
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """All three cases in one subprocess (one torch import)."""
     root = tmp_path_factory.mktemp("changing")
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(root), "truncate", "rewrite", "replace"],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(root), "truncate", "rewrite", "replace"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, f"exit {done.returncode} (-7 is SIGBUS): {done.stderr[-2000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -1,6 +1,7 @@
 """Promise: a load interrupted midway (Ctrl-C, a read error) leaves the model exactly as it was:
 values and objects, into a real model (``load_sharded_checkpoint`` copies in place) as into a
 model on meta. The fault is injected at the third tensor (and at every tensor in turn)."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -2,6 +2,7 @@
 (``bigviz-offload.json``) says it wrote. A folder holding anything else (a saved checkpoint,
 your files) is refused by ``disk_offload``, ``dispatch_model`` and ``.bin`` loads with a disk
 map, naming the folder and the files, before anything is written or moved."""
+
 from __future__ import annotations
 
 import copy
@@ -58,8 +59,13 @@ def test_dispatch_model_refuses_a_folder_holding_other_files(tmp_path: Path):
     files = snapshot(folder)
     model = _gpt()
     before = model_state(model)
-    device_map = {"transformer.wte": "cpu", "transformer.wpe": "cpu", "transformer.h": "disk",
-                  "transformer.ln_f": "cpu", "lm_head": "cpu"}
+    device_map = {
+        "transformer.wte": "cpu",
+        "transformer.wpe": "cpu",
+        "transformer.h": "disk",
+        "transformer.ln_f": "cpu",
+        "lm_head": "cpu",
+    }
     with pytest.raises(ValueError) as err:
         bigviz.dispatch_model(model, device_map, offload_folder=folder)
     _refused(err, folder, files)
@@ -74,8 +80,13 @@ def test_a_bin_load_with_a_disk_map_refuses_a_folder_holding_a_checkpoint(tmp_pa
     files = _folder_with_a_checkpoint(folder, sharded=False)  # a user's model.safetensors
     with bigviz.init_empty_weights():
         model = GPT(source.config)
-    device_map = {"transformer.wte": "cpu", "transformer.wpe": "cpu", "transformer.h": "disk",
-                  "transformer.ln_f": "cpu", "lm_head": "cpu"}
+    device_map = {
+        "transformer.wte": "cpu",
+        "transformer.wpe": "cpu",
+        "transformer.h": "disk",
+        "transformer.ln_f": "cpu",
+        "lm_head": "cpu",
+    }
     with pytest.raises(ValueError) as err:
         bigviz.load_checkpoint_and_dispatch(model, tmp_path / "bin", device_map, offload_folder=folder)
     _refused(err, folder, files)

@@ -1,6 +1,7 @@
 """Promise: files bigviz writes get the usual permissions (``0o666`` less the umask), not the
 ``0o600`` of a ``tempfile.mkstemp`` file: device maps, budgets, reports, checkpoints, offload
 folders."""
+
 from __future__ import annotations
 
 import os

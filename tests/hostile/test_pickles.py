@@ -2,6 +2,7 @@
 through torch's checked reader (right values, not garbage); records shorter than their tensors,
 keys that are not strings, tensors on meta and non-tensor values are refused up front, naming
 the file; a pickle that would run code is refused. The model is left as it was."""
+
 from __future__ import annotations
 
 import zipfile
@@ -73,13 +74,21 @@ def test_records_shorter_than_their_tensors_are_refused(tmp_path: Path, record: 
     assert all(p.is_meta for p in model.parameters()) and snapshot(folder) == files
 
 
-@pytest.mark.parametrize("state, needles", [
-    ({0: torch.ones(2), "bias": torch.ones(3)}, ["key 0 is an int, not a tensor name"]),
-    ({("w", 1): torch.ones(2)}, ["key ('w', 1) is a tuple"]),
-    ({"weight": torch.empty(3, 2, device="meta"), "bias": torch.ones(3)}, ["'weight' is a tensor on the meta device"]),
-    ({"weight": {"inner": torch.ones(3, 2)}, "bias": [torch.ones(3)], "step": 3},
-     ["'weight' holds a dict", "'bias' holds a list", "'step' holds an int"]),
-])
+@pytest.mark.parametrize(
+    "state, needles",
+    [
+        ({0: torch.ones(2), "bias": torch.ones(3)}, ["key 0 is an int, not a tensor name"]),
+        ({("w", 1): torch.ones(2)}, ["key ('w', 1) is a tuple"]),
+        (
+            {"weight": torch.empty(3, 2, device="meta"), "bias": torch.ones(3)},
+            ["'weight' is a tensor on the meta device"],
+        ),
+        (
+            {"weight": {"inner": torch.ones(3, 2)}, "bias": [torch.ones(3)], "step": 3},
+            ["'weight' holds a dict", "'bias' holds a list", "'step' holds an int"],
+        ),
+    ],
+)
 def test_pickles_that_are_not_flat_state_dicts(tmp_path: Path, state: dict, needles: list[str]):
     path = tmp_path / "pytorch_model.bin"
     torch.save(state, path)

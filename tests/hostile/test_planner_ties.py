@@ -1,6 +1,7 @@
 """Promise: sizing and planning stay linear with tied tensors. Work is counted, not timed: every
 line the planner (and the sizing code) executes is counted with a trace function, for 300 and
 for 1,200 tied pairs."""
+
 from __future__ import annotations
 
 import sys

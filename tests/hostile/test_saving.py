@@ -8,6 +8,7 @@
 * a full disk or a read-only folder is an ``OSError`` naming the folder, with nothing changed;
 * temporaries of a killed save are cleaned by the next save, and only those.
 """
+
 from __future__ import annotations
 
 import errno
@@ -53,6 +54,7 @@ def _bigviz_view(folder: Path) -> dict[str, torch.Tensor]:
 
 def _transformers_view(folder: Path, stem: str = "model", ext: str = "safetensors") -> dict[str, torch.Tensor]:
     """What transformers' from_pretrained reads: the single file first, else the index."""
+
     def read(path: Path) -> dict[str, torch.Tensor]:
         if ext == "safetensors":
             return safetensors.torch.load_file(path)
@@ -78,8 +80,11 @@ def test_overwrite_keeps_config_tokenizer_and_other_files(tmp_path: Path):
     bigviz.save_sharded(_state(2), folder, max_shard_size=4500, overwrite=True, progress=False)
     assert {k: v for k, v in snapshot(folder).items() if not k.startswith("model")} == kept
     names = sorted(p.name for p in folder.iterdir() if p.name.startswith("model"))
-    assert names == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-                     "model.safetensors.index.json"]  # the 3 shards of the first save are gone
+    assert names == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]  # the 3 shards of the first save are gone
     assert _equal(_bigviz_view(folder), _state(2)) and _equal(_transformers_view(folder), _state(2))
 
 
@@ -89,11 +94,21 @@ def test_overwrite_replaces_the_checkpoint_in_every_format_and_variant(tmp_path:
     folder = tmp_path / "c"
     folder.mkdir()
     _with_extras(folder)
-    old = {"model.safetensors": b"old single", "model.fp16-00001-of-00002.safetensors": b"x",
-           "model.fp16-00002-of-00002.safetensors": b"x", "model.safetensors.index.fp16.json": b"{}",
-           "model-00001-of-00009.safetensors": b"stale", "pytorch_model.bin": b"old other format"}
-    kept = {"model.safetensors.bak": b"kept", "my-model.safetensors": b"kept", "training_args.bin": b"kept",
-            "adapter_model.safetensors": b"kept", "index.json": b"{}"}
+    old = {
+        "model.safetensors": b"old single",
+        "model.fp16-00001-of-00002.safetensors": b"x",
+        "model.fp16-00002-of-00002.safetensors": b"x",
+        "model.safetensors.index.fp16.json": b"{}",
+        "model-00001-of-00009.safetensors": b"stale",
+        "pytorch_model.bin": b"old other format",
+    }
+    kept = {
+        "model.safetensors.bak": b"kept",
+        "my-model.safetensors": b"kept",
+        "training_args.bin": b"kept",
+        "adapter_model.safetensors": b"kept",
+        "index.json": b"{}",
+    }
     for name, data in {**old, **kept}.items():
         (folder / name).write_bytes(data)
     bigviz.save_sharded(_state(2), folder, max_shard_size=2500, overwrite=True, progress=False)
@@ -102,8 +117,9 @@ def test_overwrite_replaces_the_checkpoint_in_every_format_and_variant(tmp_path:
     assert all((folder / name).read_bytes() == data for name, data in kept.items())
     assert all((folder / name).read_text() == text for name, text in EXTRAS.items())
     assert _equal(_bigviz_view(folder), _state(2)) and _equal(_transformers_view(folder), _state(2))
-    bigviz.save_sharded(_state(3), folder, safe_serialization=False, max_shard_size=2500, overwrite=True,
-                        progress=False)
+    bigviz.save_sharded(
+        _state(3), folder, safe_serialization=False, max_shard_size=2500, overwrite=True, progress=False
+    )
     names = {p.name for p in folder.iterdir()}
     assert not any(n.startswith("model") and n.endswith((".safetensors", ".json")) for n in names - set(kept))
     assert _equal(_transformers_view(folder, "pytorch_model", "bin"), _state(3))
@@ -182,8 +198,7 @@ def test_a_full_disk_changes_nothing(small_fs: Path):
     _with_extras(folder)
     files = snapshot(folder)
     with pytest.raises(OSError) as info:  # 1.5 MiB of new weights on a 1 MiB disk
-        bigviz.save_sharded(_state(2, n=24, width=128), folder, max_shard_size="70KB", overwrite=True,
-                            progress=False)
+        bigviz.save_sharded(_state(2, n=24, width=128), folder, max_shard_size="70KB", overwrite=True, progress=False)
     assert info.value.errno == errno.ENOSPC and str(folder) in str(info.value)
     assert snapshot(folder) == files and sorted(p.name for p in small_fs.iterdir()) == ["c"]
     bigviz.save_sharded(_state(3, n=4, width=128), folder, max_shard_size="70KB", overwrite=True, progress=False)
@@ -313,8 +328,12 @@ def killed_saves(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """Every scenario's save killed before each of its file-system steps in turn, in forks of
     one subprocess (one torch import); what each kill left is copied for the checks."""
     root = tmp_path_factory.mktemp("killed")
-    done = subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(root), json.dumps(SCENARIOS), json.dumps(EXTRAS)],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", KILL_SCRIPT, str(root), json.dumps(SCENARIOS), json.dumps(EXTRAS)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return root, json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -339,8 +358,14 @@ def test_a_save_killed_at_any_step_leaves_a_complete_checkpoint(killed_saves: tu
         for name, text in EXTRAS.items():
             assert (folder / name).read_text() == text, (k, name)
         newer = _state16(3, 4)  # the next save finishes the job and cleans what the kill left
-        bigviz.save_sharded(newer, folder, max_shard_size=new_cfg["shard"], safe_serialization=new_cfg["safe"],
-                            overwrite=True, progress=False)
+        bigviz.save_sharded(
+            newer,
+            folder,
+            max_shard_size=new_cfg["shard"],
+            safe_serialization=new_cfg["safe"],
+            overwrite=True,
+            progress=False,
+        )
         assert [p.name for p in run.iterdir()] == ["ckpt"], (k, list(run.iterdir()))
         left = sorted(p.name for p in folder.iterdir() if p.name not in EXTRAS)
         assert all(n.startswith(stem) for n in left), (k, left)

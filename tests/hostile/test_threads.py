@@ -1,6 +1,7 @@
 """Promise: several threads may call one dispatched (offloaded) model at once; each gets the
 right answer. A dispatched forward holds the model's lock: offloaded units swap weights in and
 out of shared modules, so two forwards at once would see each other's half-set modules."""
+
 from __future__ import annotations
 
 import sys
@@ -57,8 +58,13 @@ def test_concurrent_forwards_of_a_disk_offloaded_model(tmp_path: Path, busy_swit
     folder = bigviz.save_sharded(reference, tmp_path / "ckpt", progress=False)
     with bigviz.init_empty_weights():
         model = GPT(reference.config)
-    device_map = {"transformer.wte": "cpu", "transformer.wpe": "cpu", "transformer.h": "disk",
-                  "transformer.ln_f": "disk", "lm_head": "cpu"}
+    device_map = {
+        "transformer.wte": "cpu",
+        "transformer.wpe": "cpu",
+        "transformer.h": "disk",
+        "transformer.ln_f": "disk",
+        "lm_head": "cpu",
+    }
     model = bigviz.load_checkpoint_and_dispatch(model, folder, device_map, prefetch=prefetch)
     inputs = [torch.randint(0, 128, (1, 4 + t), generator=torch.Generator().manual_seed(t)) for t in range(THREADS)]
     with torch.no_grad():

@@ -1,4 +1,5 @@
 """What the zoo tests share: build, save sharded, reload with transformers, run, compare."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -5,6 +5,7 @@ makes the family different (sliding windows, multi-query attention, tied or unti
 experts stored one by one but fused in the model, weight-norm parametrizations, relative
 position tables, computed sinusoidal positions, ...), and the inputs of one forward.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -52,42 +53,54 @@ def _gen() -> torch.Generator:
 def tokens(vocab: int = VOCAB, seq: int = SEQ) -> Callable[[], dict[str, torch.Tensor]]:
     def make() -> dict[str, torch.Tensor]:
         return {"input_ids": torch.randint(3, vocab, (1, seq), generator=_gen())}
+
     return make
 
 
 def seq2seq(vocab: int = VOCAB) -> Callable[[], dict[str, torch.Tensor]]:
     def make() -> dict[str, torch.Tensor]:
         g = _gen()
-        return {"input_ids": torch.randint(3, vocab, (1, SEQ), generator=g),
-                "decoder_input_ids": torch.randint(3, vocab, (1, 4), generator=g)}
+        return {
+            "input_ids": torch.randint(3, vocab, (1, SEQ), generator=g),
+            "decoder_input_ids": torch.randint(3, vocab, (1, 4), generator=g),
+        }
+
     return make
 
 
 def pixels(size: int = 32, channels: int = 3) -> Callable[[], dict[str, torch.Tensor]]:
     def make() -> dict[str, torch.Tensor]:
         return {"pixel_values": torch.randn(1, channels, size, size, generator=_gen())}
+
     return make
 
 
 def audio(samples: int = 800) -> Callable[[], dict[str, torch.Tensor]]:
     def make() -> dict[str, torch.Tensor]:
         return {"input_values": torch.randn(1, samples, generator=_gen())}
+
     return make
 
 
 def mel(bins: int = 16, frames: int = 32) -> Callable[[], dict[str, torch.Tensor]]:
     def make() -> dict[str, torch.Tensor]:
         g = _gen()
-        return {"input_features": torch.randn(1, bins, frames, generator=g),
-                "decoder_input_ids": torch.randint(3, VOCAB, (1, 4), generator=g)}
+        return {
+            "input_features": torch.randn(1, bins, frames, generator=g),
+            "decoder_input_ids": torch.randint(3, VOCAB, (1, 4), generator=g),
+        }
+
     return make
 
 
 def text_and_image(size: int = 32) -> Callable[[], dict[str, torch.Tensor]]:
     def make() -> dict[str, torch.Tensor]:
         g = _gen()
-        return {"input_ids": torch.randint(3, VOCAB, (2, SEQ), generator=g),
-                "pixel_values": torch.randn(2, 3, size, size, generator=g)}
+        return {
+            "input_ids": torch.randint(3, VOCAB, (2, SEQ), generator=g),
+            "pixel_values": torch.randn(2, 3, size, size, generator=g),
+        }
+
     return make
 
 
@@ -99,122 +112,406 @@ def llava_inputs() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "pixel_values": torch.randn(1, 3, 16, 16, generator=g)}
 
 
-DEC = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-           bos_token_id=1, eos_token_id=2, pad_token_id=0)
+DEC = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 MOE = dict(DEC, num_local_experts=4, num_experts_per_tok=2)
-ENC = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-           intermediate_size=48, max_position_embeddings=64, pad_token_id=0)
-BART = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
-            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48,
-            decoder_ffn_dim=48, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
-            eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None)
-VIT = dict(image_size=32, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=2,
-           num_attention_heads=4, intermediate_size=48)
-CLIP_TEXT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                 num_attention_heads=4, max_position_embeddings=SEQ + 2)
-CLIP_VISION = dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=48,
-                   num_hidden_layers=2, num_attention_heads=4)
+ENC = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=48,
+    max_position_embeddings=64,
+    pad_token_id=0,
+)
+BART = dict(
+    vocab_size=VOCAB,
+    d_model=32,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=48,
+    decoder_ffn_dim=48,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    decoder_start_token_id=2,
+    forced_eos_token_id=None,
+)
+VIT = dict(
+    image_size=32,
+    patch_size=8,
+    num_channels=3,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=48,
+)
+CLIP_TEXT = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=SEQ + 2,
+)
+CLIP_VISION = dict(
+    image_size=32, patch_size=8, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4
+)
 
 SPECS: list[Spec] = [
     # decoders: dense, tied and untied heads, sliding window, multi-query, parallel blocks
-    Spec("gpt2", "decoder", "GPT2LMHeadModel", "GPT2Config",
-         dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-              bos_token_id=1, eos_token_id=2), tokens(), generative=True),
-    Spec("gpt_neox", "decoder", "GPTNeoXForCausalLM", "GPTNeoXConfig",
-         dict(DEC, tie_word_embeddings=False), tokens(), generative=True),
+    Spec(
+        "gpt2",
+        "decoder",
+        "GPT2LMHeadModel",
+        "GPT2Config",
+        dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=2),
+        tokens(),
+        generative=True,
+    ),
+    Spec(
+        "gpt_neox",
+        "decoder",
+        "GPTNeoXForCausalLM",
+        "GPTNeoXConfig",
+        dict(DEC, tie_word_embeddings=False),
+        tokens(),
+        generative=True,
+    ),
     Spec("llama", "decoder", "LlamaForCausalLM", "LlamaConfig", DEC, tokens(), generative=True),
-    Spec("llama_tied", "decoder", "LlamaForCausalLM", "LlamaConfig",
-         dict(DEC, tie_word_embeddings=True), tokens(), generative=True),
-    Spec("mistral", "decoder", "MistralForCausalLM", "MistralConfig",
-         dict(DEC, sliding_window=4), tokens(), generative=True),
+    Spec(
+        "llama_tied",
+        "decoder",
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        dict(DEC, tie_word_embeddings=True),
+        tokens(),
+        generative=True,
+    ),
+    Spec(
+        "mistral",
+        "decoder",
+        "MistralForCausalLM",
+        "MistralConfig",
+        dict(DEC, sliding_window=4),
+        tokens(),
+        generative=True,
+    ),
     Spec("qwen2", "decoder", "Qwen2ForCausalLM", "Qwen2Config", DEC, tokens(), generative=True),
-    Spec("gemma", "decoder", "GemmaForCausalLM", "GemmaConfig", dict(DEC, head_dim=8),
-         tokens(), generative=True),
-    Spec("falcon", "decoder", "FalconForCausalLM", "FalconConfig",
-         dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-              multi_query=True, new_decoder_architecture=False, parallel_attn=True,
-              bos_token_id=1, eos_token_id=2), tokens(), generative=True),
-    Spec("gpt_bigcode", "decoder", "GPTBigCodeForCausalLM", "GPTBigCodeConfig",
-         dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, multi_query=True,
-              bos_token_id=1, eos_token_id=2), tokens(), generative=True),
-    Spec("phi", "decoder", "PhiForCausalLM", "PhiConfig", dict(DEC, num_key_value_heads=4),
-         tokens(), generative=True),
-    Spec("opt", "decoder", "OPTForCausalLM", "OPTConfig",
-         dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=48,
-              num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32,
-              bos_token_id=1, eos_token_id=2, pad_token_id=0), tokens(), generative=True),
+    Spec("gemma", "decoder", "GemmaForCausalLM", "GemmaConfig", dict(DEC, head_dim=8), tokens(), generative=True),
+    Spec(
+        "falcon",
+        "decoder",
+        "FalconForCausalLM",
+        "FalconConfig",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            multi_query=True,
+            new_decoder_architecture=False,
+            parallel_attn=True,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        tokens(),
+        generative=True,
+    ),
+    Spec(
+        "gpt_bigcode",
+        "decoder",
+        "GPTBigCodeForCausalLM",
+        "GPTBigCodeConfig",
+        dict(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            multi_query=True,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        tokens(),
+        generative=True,
+    ),
+    Spec("phi", "decoder", "PhiForCausalLM", "PhiConfig", dict(DEC, num_key_value_heads=4), tokens(), generative=True),
+    Spec(
+        "opt",
+        "decoder",
+        "OPTForCausalLM",
+        "OPTConfig",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            ffn_dim=48,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            word_embed_proj_dim=32,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        ),
+        tokens(),
+        generative=True,
+    ),
     # mixture of experts: experts stored one by one, fused in the model
     Spec("mixtral", "moe", "MixtralForCausalLM", "MixtralConfig", MOE, tokens(), generative=True, slow=True),
-    Spec("qwen2_moe", "moe", "Qwen2MoeForCausalLM", "Qwen2MoeConfig",
-         dict(DEC, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-              shared_expert_intermediate_size=32, decoder_sparse_step=1), tokens(), generative=True),
-    Spec("qwen3_moe", "moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig",
-         dict(DEC, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-              decoder_sparse_step=1), tokens(), generative=True),
-    Spec("deepseek_v3", "moe", "DeepseekV3ForCausalLM", "DeepseekV3Config",
-         dict(DEC, moe_intermediate_size=24, n_routed_experts=4, n_shared_experts=1,
-              num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
-              kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
-              v_head_dim=8, num_key_value_heads=4), tokens(), generative=True),
-    Spec("olmoe", "moe", "OlmoeForCausalLM", "OlmoeConfig",
-         dict(DEC, num_experts=4, num_experts_per_tok=2), tokens(), generative=True),
+    Spec(
+        "qwen2_moe",
+        "moe",
+        "Qwen2MoeForCausalLM",
+        "Qwen2MoeConfig",
+        dict(
+            DEC,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=32,
+            decoder_sparse_step=1,
+        ),
+        tokens(),
+        generative=True,
+    ),
+    Spec(
+        "qwen3_moe",
+        "moe",
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        dict(DEC, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, decoder_sparse_step=1),
+        tokens(),
+        generative=True,
+    ),
+    Spec(
+        "deepseek_v3",
+        "moe",
+        "DeepseekV3ForCausalLM",
+        "DeepseekV3Config",
+        dict(
+            DEC,
+            moe_intermediate_size=24,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            kv_lora_rank=16,
+            q_lora_rank=24,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            num_key_value_heads=4,
+        ),
+        tokens(),
+        generative=True,
+    ),
+    Spec(
+        "olmoe",
+        "moe",
+        "OlmoeForCausalLM",
+        "OlmoeConfig",
+        dict(DEC, num_experts=4, num_experts_per_tok=2),
+        tokens(),
+        generative=True,
+    ),
     # state space
-    Spec("mamba", "ssm", "MambaForCausalLM", "MambaConfig",
-         dict(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
-              conv_kernel=4, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-              use_mambapy=False), tokens(), generative=True),
+    Spec(
+        "mamba",
+        "ssm",
+        "MambaForCausalLM",
+        "MambaConfig",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            state_size=8,
+            num_hidden_layers=2,
+            expand=2,
+            conv_kernel=4,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+            use_mambapy=False,
+        ),
+        tokens(),
+        generative=True,
+    ),
     # encoder-decoders
-    Spec("t5", "encdec", "T5ForConditionalGeneration", "T5Config",
-         dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2,
-              num_heads=4, relative_attention_num_buckets=8, decoder_start_token_id=0,
-              pad_token_id=0, eos_token_id=1), seq2seq(), generative=True, slow=True),
-    Spec("bart", "encdec", "BartForConditionalGeneration", "BartConfig", BART, seq2seq(),
-         generative=True, slow=True),
-    Spec("marian", "encdec", "MarianMTModel", "MarianConfig",
-         dict(BART, decoder_start_token_id=0, share_encoder_decoder_embeddings=True),
-         seq2seq(), generative=True),
-    Spec("whisper", "encdec", "WhisperForConditionalGeneration", "WhisperConfig",
-         dict(vocab_size=VOCAB, num_mel_bins=16, encoder_layers=2, decoder_layers=2,
-              encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48,
-              decoder_ffn_dim=48, d_model=32, max_source_positions=16, max_target_positions=32,
-              pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
-              begin_suppress_tokens=None, suppress_tokens=None), mel(), generative=True, slow=True),
+    Spec(
+        "t5",
+        "encdec",
+        "T5ForConditionalGeneration",
+        "T5Config",
+        dict(
+            vocab_size=VOCAB,
+            d_model=32,
+            d_kv=8,
+            d_ff=48,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            eos_token_id=1,
+        ),
+        seq2seq(),
+        generative=True,
+        slow=True,
+    ),
+    Spec("bart", "encdec", "BartForConditionalGeneration", "BartConfig", BART, seq2seq(), generative=True, slow=True),
+    Spec(
+        "marian",
+        "encdec",
+        "MarianMTModel",
+        "MarianConfig",
+        dict(BART, decoder_start_token_id=0, share_encoder_decoder_embeddings=True),
+        seq2seq(),
+        generative=True,
+    ),
+    Spec(
+        "whisper",
+        "encdec",
+        "WhisperForConditionalGeneration",
+        "WhisperConfig",
+        dict(
+            vocab_size=VOCAB,
+            num_mel_bins=16,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=48,
+            decoder_ffn_dim=48,
+            d_model=32,
+            max_source_positions=16,
+            max_target_positions=32,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            decoder_start_token_id=1,
+            begin_suppress_tokens=None,
+            suppress_tokens=None,
+        ),
+        mel(),
+        generative=True,
+        slow=True,
+    ),
     # encoders
     Spec("bert", "encoder", "BertForMaskedLM", "BertConfig", ENC, tokens()),
-    Spec("roberta", "encoder", "RobertaForMaskedLM", "RobertaConfig",
-         dict(ENC, pad_token_id=1), tokens()),
-    Spec("albert", "encoder", "AlbertForMaskedLM", "AlbertConfig",
-         dict(ENC, embedding_size=16, num_hidden_groups=2), tokens()),
-    Spec("deberta_v2", "encoder", "DebertaV2ForMaskedLM", "DebertaV2Config",
-         dict(ENC, relative_attention=True, position_buckets=8, max_relative_positions=16,
-              pos_att_type=["p2c", "c2p"], position_biased_input=False), tokens()),
+    Spec("roberta", "encoder", "RobertaForMaskedLM", "RobertaConfig", dict(ENC, pad_token_id=1), tokens()),
+    Spec(
+        "albert",
+        "encoder",
+        "AlbertForMaskedLM",
+        "AlbertConfig",
+        dict(ENC, embedding_size=16, num_hidden_groups=2),
+        tokens(),
+    ),
+    Spec(
+        "deberta_v2",
+        "encoder",
+        "DebertaV2ForMaskedLM",
+        "DebertaV2Config",
+        dict(
+            ENC,
+            relative_attention=True,
+            position_buckets=8,
+            max_relative_positions=16,
+            pos_att_type=["p2c", "c2p"],
+            position_biased_input=False,
+        ),
+        tokens(),
+    ),
     # vision
-    Spec("vit", "vision", "ViTForImageClassification", "ViTConfig", dict(VIT, num_labels=3),
-         pixels()),
-    Spec("swin", "vision", "SwinForImageClassification", "SwinConfig",
-         dict(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
-              window_size=4, num_labels=3), pixels()),
-    Spec("convnext", "vision", "ConvNextForImageClassification", "ConvNextConfig",
-         dict(num_channels=3, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3), pixels()),
+    Spec("vit", "vision", "ViTForImageClassification", "ViTConfig", dict(VIT, num_labels=3), pixels()),
+    Spec(
+        "swin",
+        "vision",
+        "SwinForImageClassification",
+        "SwinConfig",
+        dict(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4, num_labels=3),
+        pixels(),
+    ),
+    Spec(
+        "convnext",
+        "vision",
+        "ConvNextForImageClassification",
+        "ConvNextConfig",
+        dict(num_channels=3, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3),
+        pixels(),
+    ),
     # audio
-    Spec("wav2vec2", "audio", "Wav2Vec2ForCTC", "Wav2Vec2Config",
-         dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-              intermediate_size=48, conv_dim=(16, 16), conv_stride=(5, 4), conv_kernel=(10, 4),
-              num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
-              do_stable_layer_norm=False, feat_extract_norm="group"), audio()),
+    Spec(
+        "wav2vec2",
+        "audio",
+        "Wav2Vec2ForCTC",
+        "Wav2Vec2Config",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=48,
+            conv_dim=(16, 16),
+            conv_stride=(5, 4),
+            conv_kernel=(10, 4),
+            num_conv_pos_embeddings=16,
+            num_conv_pos_embedding_groups=4,
+            do_stable_layer_norm=False,
+            feat_extract_norm="group",
+        ),
+        audio(),
+    ),
     # multimodal
-    Spec("clip", "multimodal", "CLIPModel", "CLIPConfig",
-         dict(text_config=CLIP_TEXT, vision_config=CLIP_VISION, projection_dim=16),
-         text_and_image(), output="logits_per_image"),
-    Spec("siglip", "multimodal", "SiglipModel", "SiglipConfig",
-         dict(text_config=dict(CLIP_TEXT, max_position_embeddings=SEQ), vision_config=CLIP_VISION),
-         text_and_image(), output="logits_per_image"),
-    Spec("llava", "multimodal", "LlavaForConditionalGeneration", "LlavaConfig",
-         dict(text_config=dict(DEC, model_type="llama"),
-              vision_config=dict(CLIP_VISION, image_size=16, model_type="clip_vision_model"),
-              image_token_index=VOCAB - 1, projector_hidden_act="gelu",
-              vision_feature_layer=-1), llava_inputs, generative=True),
+    Spec(
+        "clip",
+        "multimodal",
+        "CLIPModel",
+        "CLIPConfig",
+        dict(text_config=CLIP_TEXT, vision_config=CLIP_VISION, projection_dim=16),
+        text_and_image(),
+        output="logits_per_image",
+    ),
+    Spec(
+        "siglip",
+        "multimodal",
+        "SiglipModel",
+        "SiglipConfig",
+        dict(text_config=dict(CLIP_TEXT, max_position_embeddings=SEQ), vision_config=CLIP_VISION),
+        text_and_image(),
+        output="logits_per_image",
+    ),
+    Spec(
+        "llava",
+        "multimodal",
+        "LlavaForConditionalGeneration",
+        "LlavaConfig",
+        dict(
+            text_config=dict(DEC, model_type="llama"),
+            vision_config=dict(CLIP_VISION, image_size=16, model_type="clip_vision_model"),
+            image_token_index=VOCAB - 1,
+            projector_hidden_act="gelu",
+            vision_feature_layer=-1,
+        ),
+        llava_inputs,
+        generative=True,
+    ),
 ]
 
 BY_NAME = {spec.name: spec for spec in SPECS}

@@ -13,6 +13,7 @@ For each architecture of `tests.zoo.specs` (tiny configs, random weights, writte
 - ``cpu_offload`` / ``disk_offload`` / ``remove_hooks`` cycles give the same logits and leave
   no file open or mapped and no thread running.
 """
+
 from __future__ import annotations
 
 import gc
@@ -48,6 +49,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory):
         if spec.name not in cache:
             cache[spec.name] = save_checkpoint(spec, root / spec.name)
         return cache[spec.name]
+
     return get
 
 
@@ -62,6 +64,7 @@ def references(checkpoints):
             model = reference(spec, checkpoints(spec))
             cache[spec.name] = (model, forward(model, spec))
         return cache[spec.name]
+
     return get
 
 
@@ -95,7 +98,9 @@ def test_plans_place_every_tensor_once_within_budget(spec: Spec, checkpoints):
         assert plan.usage_of("cpu").used <= budget
         assert "disk" in plan.device_map.values()
     # the checkpoint's plan names what the model has (tied head, computed buffers included)
-    assert set(bigviz.plan(folder, {"cpu": budget}).tree.tensors) == set(bigviz.plan(meta_model(spec), {"cpu": budget}).tree.tensors)
+    assert set(bigviz.plan(folder, {"cpu": budget}).tree.tensors) == set(
+        bigviz.plan(meta_model(spec), {"cpu": budget}).tree.tensors
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -106,8 +111,13 @@ def test_loads_equal_from_pretrained(spec: Spec, dtype: torch.dtype | None, chec
     maps = {"all-cpu": {"": "cpu"}, "half-disk": half_disk(meta_model(spec)), "all-disk": {"": "disk"}, "auto": "auto"}
     for name, device_map in maps.items():
         model = bigviz.load_checkpoint_and_dispatch(
-            meta_model(spec), folder, device_map, dtype=dtype, offload_folder=tmp_path / name,
-            max_memory={"cpu": total_bytes(spec, dtype) // 2} if device_map == "auto" else None)
+            meta_model(spec),
+            folder,
+            device_map,
+            dtype=dtype,
+            offload_folder=tmp_path / name,
+            max_memory={"cpu": total_bytes(spec, dtype) // 2} if device_map == "auto" else None,
+        )
         got = forward(model, spec, dtype)
         assert got.dtype == expected.dtype and torch.equal(got, expected), f"{name} map"
         if name == "auto":
@@ -116,8 +126,14 @@ def test_loads_equal_from_pretrained(spec: Spec, dtype: torch.dtype | None, chec
 
 
 def _generate(model: nn.Module, spec: Spec) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    out = model.generate(**inputs(spec), max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
-                         output_logits=True, pad_token_id=0)
+    out = model.generate(
+        **inputs(spec),
+        max_new_tokens=3,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+        pad_token_id=0,
+    )
     return out.sequences, out.logits  # logits of the first step, then of KV-cache steps
 
 
@@ -125,8 +141,9 @@ def _generate(model: nn.Module, spec: Spec) -> tuple[torch.Tensor, tuple[torch.T
 def test_generate_and_cache_step_equal_transformers(spec: Spec, checkpoints, references, tmp_path: Path):
     folder = checkpoints(spec)
     tokens, logits = _generate(references(spec)[0], spec)
-    model = bigviz.load_checkpoint_and_dispatch(meta_model(spec), folder, half_disk(meta_model(spec)),
-                                                offload_folder=tmp_path)
+    model = bigviz.load_checkpoint_and_dispatch(
+        meta_model(spec), folder, half_disk(meta_model(spec)), offload_folder=tmp_path
+    )
     got_tokens, got_logits = _generate(model, spec)
     assert torch.equal(got_tokens, tokens)
     assert len(got_logits) == len(logits) == 3
@@ -144,8 +161,9 @@ def test_exported_map_runs_in_bigviz_and_from_pretrained(spec: Spec, checkpoints
     exported = json.loads((tmp_path / "map.json").read_text())
     theirs = reference(spec, folder, device_map=exported, offload_folder=tmp_path / "theirs")
     assert torch.equal(forward(theirs, spec), expected)
-    ours = bigviz.load_checkpoint_and_dispatch(meta_model(spec), folder, bigviz.load_device_map(tmp_path / "map.json"),
-                                               offload_folder=tmp_path / "ours")
+    ours = bigviz.load_checkpoint_and_dispatch(
+        meta_model(spec), folder, bigviz.load_device_map(tmp_path / "map.json"), offload_folder=tmp_path / "ours"
+    )
     assert torch.equal(forward(ours, spec), expected)
     bigviz.remove_hooks(ours)
 
