@@ -238,3 +238,13 @@ def test_a_model_without_decoder_parts_needs_the_tracer(tmp_path):
     plan = bigviz.plan_pipeline(empty, 2)
     with pytest.raises(PipelineError, match="pass example_args so torch's tracer"):
         build_stage_module(empty, folder, plan, 0)
+
+
+def test_a_layout_without_its_calls_says_which_one_is_missing():
+    from bigviz.distributed.adapters import DecoderLayout
+
+    layout = DecoderLayout("my-family", first=("emb",), blocks="layers", last=("head",))
+    with pytest.raises(TypeError, match="'my-family' stage layout has no embed"):
+        layout.embed(None, torch.zeros(1, 2, dtype=torch.long))
+    with pytest.raises(TypeError, match="'my-family' stage layout has no run_block"):
+        layout.run_block(nn.Identity(), torch.zeros(1, 2, 4), {})

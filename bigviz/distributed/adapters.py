@@ -93,13 +93,18 @@ class DecoderLayout:
 
     # ---- how each part is called (overridden per family) --------------------------
     def embed(self, stage: DecoderStage, ids: Tensor) -> Tensor:
-        raise NotImplementedError
+        """Token ids -> the first block's input (first stage). Each family whose stages are
+        :class:`DecoderStage` overrides it; a layout that runs its own stage module (transformers)
+        never calls it."""
+        raise TypeError(f"the {self.family!r} stage layout has no embed(): give it one, or a stage() of its own")
 
     def context_of(self, stage: DecoderStage, hidden: Tensor) -> dict[str, Any]:
         return {}
 
     def run_block(self, block: nn.Module, hidden: Tensor, context: Mapping[str, Any]) -> Tensor:
-        raise NotImplementedError
+        """One block's forward with what :meth:`context_of` computed (overridden per family,
+        like :meth:`embed`)."""
+        raise TypeError(f"the {self.family!r} stage layout has no run_block(): give it one, or a stage() of its own")
 
     def finish(self, stage: DecoderStage, hidden: Tensor) -> Tensor:
         for name in self.last:  # final norm, then head

@@ -44,6 +44,7 @@ from bigviz.checkpoint.index import CheckpointIndex
 from bigviz.checkpoint.load import LoadResult, check_checkpoint, load_checkpoint_in_model
 from bigviz.checkpoint.load_plan import LoadPlan
 from bigviz.modeling.inventory import ModelInventory
+from bigviz.core.devices import normalize_device, torch_name
 from bigviz.core.names import leaf, parent
 from bigviz.core.pipeline import PipelineError, PipelinePlan
 from bigviz.core.stages import cut_pipeline
@@ -199,7 +200,7 @@ def _check_args(rank: int, split: str, plan: PipelinePlan, example_args: Any) ->
 def _default_device(device: torch.device | str | int | None) -> torch.device:
     """The stage's device: given, else this rank's GPU (``LOCAL_RANK``), else the CPU."""
     if device is not None:
-        return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+        return device if isinstance(device, torch.device) else torch.device(torch_name(normalize_device(device)))
     if torch.cuda.is_available():
         import os
 

@@ -118,6 +118,7 @@ def load_checkpoint_and_dispatch(
             inventory, checkpoint, None, dtype=dtype, offload_folder=offload_folder, strict=strict, progress=False
         )
         return model.eval()
+    checkpoint = CheckpointIndex.open(checkpoint)  # headers read once for this call
     mapping = device_map_in_model_names(inventory, checkpoint, mapping)  # a map planned from headers
     index, loads, canonical = _checked_plans(
         inventory, checkpoint, mapping, dtype=dtype, strict=strict, offload_folder=offload_folder

@@ -285,6 +285,7 @@ def dispatch_plan(
         raise ValueError("dispatch_plan: give a device_map (a strategy such as 'auto', a dict or a DevicePlan)")
     tree = inventory.tree()
     if checkpoint is not None:
+        checkpoint = CheckpointIndex.open(checkpoint)  # headers read once for this call
         mapping = device_map_in_model_names(inventory, checkpoint, mapping)
         loads = plan_load(inventory, checkpoint, mapping, dtype=dtype, check=False)[1]
         tree = tree.with_dtype(None, {a: str(x.dtype).removeprefix("torch.") for x in loads.loads for a in x.aliases})
