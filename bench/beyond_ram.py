@@ -216,6 +216,21 @@ def shard_layers(shape: Shape) -> list[int | None]:
     return [None, *range(shape.n_layer), -1]
 
 
+MARK = ".made-by-bench-beyond-ram"  # only folders holding it are ever removed by this script
+
+
+def _remove_ours(path: Path) -> None:
+    """Remove ``path`` if this script made it (it holds ``MARK``); anything else is left alone."""
+    if not path.exists():
+        return
+    if not (path / MARK).is_file():
+        raise SystemExit(
+            f"bench/beyond_ram.py: {path} exists and was not made by this script: "
+            f"move it away or give another --work folder; nothing was deleted"
+        )
+    shutil.rmtree(path)
+
+
 def build_checkpoint(shape: Shape, folder: Path) -> float:
     """Write the checkpoint one shard at a time into a staging folder, then rename it into place.
     Returns the seconds it took (0 when a complete one with this config was already there)."""
@@ -224,8 +239,10 @@ def build_checkpoint(shape: Shape, folder: Path) -> float:
     from safetensors.torch import save_file
 
     stage = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(stage, ignore_errors=True)  # our own leftover from a killed run
+    _remove_ours(stage)  # our own leftover from a killed run
+    _remove_ours(folder)  # an incomplete one of ours (config differs): refused before hours of writing
     stage.mkdir(parents=True)
+    (stage / MARK).write_text("made by bench/beyond_ram.py\n")
     start, layers = time.perf_counter(), shard_layers(shape)
     names = [f"model-{i:05d}-of-{len(layers):05d}.safetensors" for i in range(1, len(layers) + 1)]
     weight_map, total = {}, 0
@@ -243,7 +260,6 @@ def build_checkpoint(shape: Shape, folder: Path) -> float:
     (stage / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (stage / "config.json").write_text(json.dumps(shape.config().to_dict(), indent=2, sort_keys=True) + "\n")
     os.sync()
-    shutil.rmtree(folder, ignore_errors=True)  # an incomplete one of ours (config differs)
     stage.rename(folder)
     return time.perf_counter() - start
 
@@ -758,9 +774,8 @@ def main() -> None:
     try:
         text = measure(args, shape, folder)
     finally:
-        shutil.rmtree(folder.parent / "beyond-ram-offload", ignore_errors=True)
         if args.delete and not args.build_only:
-            shutil.rmtree(folder, ignore_errors=True)
+            _remove_ours(folder)
     if text:
         print(text)
         if not (args.small or args.no_results):
@@ -786,6 +801,9 @@ def measure(args: argparse.Namespace, shape: Shape, folder: Path) -> str | None:
     info["build_s"] = build_checkpoint(shape, folder)
     if args.build_only:
         return None
+    offload = folder.parent / "beyond-ram-offload"
+    if offload.exists():  # each scenario's offload folder is removed after it: it must be new
+        raise SystemExit(f"bench/beyond_ram.py: {offload} already exists: move it away (nothing was deleted)")
     files = shard_files(folder)
     floor = {} if "floor" in args.skip else read_floor(files, args.readers, info["drop"], full=args.full_floor)
     spec = {
@@ -818,7 +836,7 @@ def measure(args: argparse.Namespace, shape: Shape, folder: Path) -> str | None:
         drop_caches(files, info["drop"])
         print(f"  {name} (load {load_average()}) ...", file=sys.stderr, flush=True)
         results[name] = run_child({**spec, **extra}, timeout=args.timeout)
-        shutil.rmtree(spec["offload"], ignore_errors=True)
+        shutil.rmtree(spec["offload"], ignore_errors=True)  # made by this scenario (refused if there before)
         print(f"  {name}: { {k: v for k, v in results[name].items() if k != 'map'} }", file=sys.stderr, flush=True)
     info["load_end"] = load_average()
     compute = compute if "error" not in compute else {}
