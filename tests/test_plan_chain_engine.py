@@ -145,3 +145,27 @@ def test_one_error_lists_a_missing_gpu_and_an_uncovered_module_together(tmp_path
         ("body.2", "cpu"),
         ("head", "disk"),
     ]
+
+
+@pytest.mark.parametrize("entry", ["dispatch_plan", "load_checkpoint_and_dispatch"])
+def test_a_map_planned_from_headers_reads_the_checkpoint_headers_once(tmp_path, monkeypatch, entry):
+    import bigviz.checkpoint.index as index_module
+    from bigviz.checkpoint.save import save_sharded
+
+    torch.manual_seed(0)
+    source = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    folder = save_sharded({f"base.{k}": v for k, v in source.state_dict().items()}, tmp_path / "c", progress=False)
+    reads = []
+    real = index_module._read_safetensors
+    monkeypatch.setattr(index_module, "_read_safetensors", lambda *a: reads.append(1) or real(*a))
+    with bigviz.init_empty_weights():
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    device_map = {"base.0": "cpu", "base.1": "disk"}  # checkpoint names: the model has no `base`
+    if entry == "dispatch_plan":
+        plan = bigviz.dispatch_plan(model, folder, device_map)
+        assert [u.name for u in plan.units] == ["1"]
+    else:
+        loaded = bigviz.load_checkpoint_and_dispatch(model, folder, device_map)
+        x = torch.randn(3, 4)
+        assert torch.equal(loaded(x), source(x))
+    assert len(reads) == 1
