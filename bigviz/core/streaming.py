@@ -81,13 +81,14 @@ class UnitCost:
     compute_seconds: float = 0.0
 
     def __post_init__(self) -> None:
+        if not (self.read_bytes < 0 or self.copy_bytes < 0 or self.compute_seconds < 0):
+            return  # the Planner makes one per placement at every slider move: check cheaply first
         problems = [
             f"{field}={getattr(self, field)!r} must be >= 0"
             for field in ("read_bytes", "copy_bytes", "compute_seconds")
             if getattr(self, field) < 0
         ]
-        if problems:
-            raise ValueError(f"UnitCost {self.name!r}: " + "; ".join(problems))
+        raise ValueError(f"UnitCost {self.name!r}: " + "; ".join(problems))
 
     @property
     def streamed(self) -> bool:
