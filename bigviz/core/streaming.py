@@ -343,7 +343,9 @@ def plan_forward(
     for name, device, nbytes in placements:
         read = nbytes if device == "disk" else 0
         copy = nbytes if gpu and device in ("cpu", "disk") else 0
-        units.append(UnitCost(name, read_bytes=read, copy_bytes=copy, compute_seconds=compute_seconds * nbytes / total))
+        compute = compute_seconds * nbytes / total
+        if read or copy or compute != 0:  # one that reads, copies and computes nothing moves no stage on
+            units.append(UnitCost(name, read_bytes=read, copy_bytes=copy, compute_seconds=compute))
     resident = sum(n for _, d, n in placements if d == "cpu")
     return predict_forward(
         units or [UnitCost("model")],
