@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -258,24 +259,27 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _describe(slots: Mapping[str, Slot], computed: frozenset[str]) -> Iterator[ModelTensor]:
     """One :class:`ModelTensor` per tensor object, grouped by identity, definition order."""
-    groups: dict[int, list[tuple[str, torch.Tensor, str]]] = {}
+    groups: dict[int, list[Any]] = {}  # id -> [first name, tensor, kind, other names...]
     for name, (module, attr, kind) in slots.items():
         tensor = (module._parameters if kind == "param" else module._buffers)[attr]
-        groups.setdefault(id(tensor), []).append((name, tensor, kind))  # type: ignore[arg-type]
+        members = groups.get(id(tensor))
+        if members is None:
+            groups[id(tensor)] = [name, tensor, kind]
+        else:
+            members.append(name)
     device_names: dict[torch.device, str] = {}  # str(device) is slow; a model has few devices
-    for members in groups.values():
-        name, tensor, kind = members[0]
+    for name, tensor, kind, *more in groups.values():
         device = tensor.device
         where = device_names.get(device) or device_names.setdefault(device, str(device))
-        persistent = kind == "param" or any(m[0] not in computed for m in members)
+        persistent = kind == "param" or name not in computed or any(m not in computed for m in more)
         yield ModelTensor(
             name,
-            tuple(m[0] for m in members),
+            (name, *more),
             tuple(tensor.shape),
             tensor.dtype,
             kind,
             persistent,
-            device.type == "meta",
+            tensor.is_meta,  # what device.type == "meta" says, without making the type string
             tensor.requires_grad,
             where,
         )
