@@ -60,10 +60,12 @@ Why = tuple[Any, ...]
 (``("tied", leader)``, ``("fits", left, ...)``). Only the pass that becomes the plan writes
 its reasons as text (:func:`_write`): the passes thrown away (one at least per plan that
 offloads) format nothing, where formatting sizes and devices was 40% of a pass (8,000
-layers). Tuples of plain values, as the garbage collector stops tracking them: reasons kept
-as partials made it run full collections over every live object of the process."""
+layers)."""
 
-_Placed = tuple[str, Device, int, Why, bool, str]  # name, device, bytes, why, override, tied_to
+_Placed = tuple[Any, ...]
+"""``(name, device, bytes, override, tied_to, *why)``: one flat tuple of plain values per
+placement, which the garbage collector stops tracking at its first collection (reasons kept
+as partials, or nested tuples, made it run full collections over every live object)."""
 
 
 @dataclass
@@ -376,7 +378,7 @@ def _accept(
 ) -> None:
     """Put a unit that fits, keeping room for the tied modules that will follow it."""
     extra = sum(promises.values())
-    why = ("fits", state.remaining[device], extra, streamed, run_room(state, name, device), miss)
+    why = ("fits", state.remaining[device], extra, streamed, run_room(state, name, device), *(miss or (None, 0, 0)))
     _put(tree, state, name, device, size, why, described=True)
     state.remaining[device] -= extra
     state.promised.update({f: (device, b) for f, b in promises.items()})
@@ -405,15 +407,16 @@ def _write_fits(
     extra: int,
     streamed: bool,
     room: tuple[int, ...] | None,
-    miss: tuple[Device, int, int] | None,
+    here: Device | None,
+    need: int,
+    free: int,
 ) -> str:
     where = f"{room_text(size, room)} of {format_size(left)} left on {device_label(device)}"
     text = f"streamed in from {device_label(device)} at forward time ({where})" if streamed else f"fits: {where}"
     if extra:
         text += f", with {format_size(extra)} kept for the modules tied to it"
-    if miss is None:
+    if here is None:
         return text
-    here, need, free = miss
     return f"{_what(tree, name)} did not fit {device_label(here)} ({format_size(need)} needed, {format_size(free)} left): {text}"
 
 
@@ -464,7 +467,7 @@ def _put(
 ) -> None:
     if state.run is not None:
         why = charge_run(tree, state, name, device, why, described)
-    state.placed.append((name, device, size, why, override, tied_to))
+    state.placed.append((name, device, size, override, tied_to, *why))
     state.remaining[device] -= size
     state.used[device] += size
     for tensor in tree.subtree_tensors(name):
@@ -474,9 +477,10 @@ def _put(
 def _placements(tree: SizeTree, state: _Pass) -> tuple[Placement, ...]:
     """The placements of the pass that became the plan, their reasons written."""
     out = []
-    for name, device, size, why, override, tied_to in state.placed:
+    for placed in state.placed:
+        name, device, size, override, tied_to = placed[:5]
         node = tree.nodes.get(name)
-        reason = _write(tree, name, device, size, why)
+        reason = _write(tree, name, device, size, placed[5:])
         out.append(
             Placement(
                 name,
