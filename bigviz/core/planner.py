@@ -75,7 +75,7 @@ class _Pass:
     remaining: dict[Device, int]
     used: dict[Device, int]
     placed: list[_Placed] = field(default_factory=list)
-    where: dict[str, Device] = field(default_factory=dict)
+    where: dict[str, Device] = field(default_factory=dict)  # tie leader -> the device it went to
     unplaced: list[str] = field(default_factory=list)
     # room set aside on a leader's device for the tied follower units still to come
     promised: dict[str, tuple[Device, int]] = field(default_factory=dict)
@@ -470,8 +470,9 @@ def _put(
     state.placed.append((name, device, size, override, tied_to, *why))
     state.remaining[device] -= size
     state.used[device] += size
-    for tensor in tree.subtree_tensors(name):
-        state.where[tensor] = device
+    assert state.ties is not None
+    for _, leader in state.ties.by_leader.get(name, ()):  # only leaders are looked up: not every tensor
+        state.where[leader] = device
 
 
 def _placements(tree: SizeTree, state: _Pass) -> tuple[Placement, ...]:
