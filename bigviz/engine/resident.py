@@ -148,9 +148,10 @@ def decide(resident_bytes: int, streamed_bytes: int, *, available: int, requeste
 
 
 def stream_depth(available: int, largest_unit: int, *, margin: int = 2**30, most: int = DEFAULT_DEPTH) -> int:
-    """Units to read ahead: as many as RAM holds beside the running one (``margin`` kept for
-    everything else), at least 1, at most ``most``. Pages read ahead and evicted before use
-    would be read twice.
+    """Units to read ahead: as many as RAM holds beside the running one and the one read on
+    its release (the scheduler keeps ``depth + 1`` on their way once a unit is done), with
+    ``margin`` kept for everything else; at least 1, at most ``most``. Pages read ahead and
+    evicted before use would be read twice.
 
     Example:
         >>> GB = 10**9
@@ -158,7 +159,7 @@ def stream_depth(available: int, largest_unit: int, *, margin: int = 2**30, most
         (2, 1, 1)
     """
     fits = (available - margin) // max(1, largest_unit)
-    return max(1, min(most, fits - 1))
+    return max(1, min(most, fits - 2))
 
 
 def _cpu_tensors(model: nn.Module) -> Iterator[tuple[nn.Module, str, str, Tensor]]:
