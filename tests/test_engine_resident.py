@@ -308,3 +308,25 @@ def test_where_a_unit_lies_in_its_files_is_found_once(
     assert 0 < after_first and len(parsed) - after_first == 0, "/proc/self/maps parsed again in later forwards"
     assert len(disk) == 4
     bigviz.remove_hooks(model)
+
+
+def test_a_tied_weight_streamed_by_two_units_is_read_once_and_never_dropped_under_a_read_ahead(
+    checkpoint: tuple[Path, GPT],
+) -> None:
+    # all on disk, the embedding and the head share one offloaded tensor: dropping it when the
+    # embedding is done would make the head read it again, and dropping it when the head is done
+    # would undo the embedding's read-ahead for the next forward
+    folder, reference = checkpoint
+    _evict(folder)
+    model = _dispatch(folder, {"": "disk"}, "copy")
+    assert model.lm_head.weight is model.transformer.wte.weight
+    state = model._bigviz_dispatch
+    tied = _tensor_ranges(folder)["transformer.wte.weight"]
+    idx = torch.arange(6).view(1, 6)
+    for run in range(3):
+        with torch.no_grad():
+            assert torch.equal(model(idx)[0], reference(idx)[0]), f"forward {run}"
+        state.scheduler.fetcher.wait_dropped()
+        cached, whole = _inner_pages(*tied)
+        assert whole > 30 and cached == whole, f"forward {run}: the tied weight kept {cached} of {whole} pages"
+    bigviz.remove_hooks(model)

@@ -415,10 +415,17 @@ class Scheduler:
         streamed ones compute, instead of waiting for the next streamed unit to start.
         """
         release = getattr(self.fetcher, "release", None)
-        if release is not None:
+        streaming = getattr(self.fetcher, "reads_on_release", False)
+        if release is not None and streaming:
+            release(unit, still_needed=self._still_needed)
+        elif release is not None:
             release(unit)
-        if self.prefetch and getattr(self.fetcher, "reads_on_release", False):
+        if self.prefetch and streaming:
             self._prefetch_after(unit, self.depth + 1)
+
+    def _still_needed(self, unit_id: int) -> bool:
+        """A unit has not run yet in this forward, or is already read ahead for the next one."""
+        return unit_id in self._pending or unit_id not in self._this_pass
 
     def _next_of(self, unit: BoundUnit) -> BoundUnit | None:
         recorded = self._next is not None and id(unit) in self._next

@@ -40,7 +40,7 @@ import mmap
 import os
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -263,6 +263,7 @@ class StreamingFetcher:
         self._dropper: ThreadPoolExecutor | None = None
         self._spans: dict[int, list[FileSpan]] = {}  # unit id -> spans read, until released
         self._where: dict[int, tuple[tuple[tuple[int, int], ...], list[FileSpan]]] = {}  # unit id -> spans found
+        self._users: dict[tuple[int, int], set[int]] = {}  # (address, length) -> ids of the units fetching it
         self._lock = threading.Lock()
 
     def start(self, unit: Unit, *, background: bool) -> Handle:
@@ -298,6 +299,8 @@ class StreamingFetcher:
         maps = FileMaps()
         spans = [s for s in (file_span(t, maps) for t in tensors.values()) if s is not None]
         self._where[id(unit)] = (where, spans)
+        for span in spans:
+            self._users.setdefault((span.address, span.length), set()).add(id(unit))
         return spans
 
     @staticmethod
@@ -307,14 +310,26 @@ class StreamingFetcher:
             out.update({key: _cast(unit, key, _read(store, key)) for key in keys})
         return out
 
-    def release(self, unit: Unit) -> None:
-        """``unit``'s forward is over: drop its pages (when ``drop``)."""
+    def release(self, unit: Unit, *, still_needed: Callable[[int], bool] | None = None) -> None:
+        """``unit``'s forward is over: drop its pages (when ``drop``).
+
+        Bytes another unit fetches too (a tied weight offloaded under two names, such as an
+        embedding and the head that reuses it) are kept while ``still_needed(id(that unit))``:
+        it has not run yet in this forward, or it is already read ahead for the next one.
+        Dropping them would make that unit read them again, or find its read-ahead undone.
+        """
         with self._lock:
             spans = self._spans.pop(id(unit), [])
+        if still_needed is not None:
+            spans = [s for s in spans if not self._shared_and_needed(id(unit), s, still_needed)]
         if self.drop and spans:
             if self._dropper is None:  # unmapping 1 GB takes tens of ms: not in the compute thread
                 self._dropper = ThreadPoolExecutor(1, thread_name_prefix="bigviz-drop")
             self._dropper.submit(self._drop, merge_spans(spans))
+
+    def _shared_and_needed(self, unit: int, span: FileSpan, still_needed: Callable[[int], bool]) -> bool:
+        users = self._users.get((span.address, span.length), ())
+        return any(other != unit and still_needed(other) for other in users)
 
     def _drop(self, spans: list[FileSpan]) -> None:
         dropped = sum(drop_pages(s) for s in spans)
