@@ -21,8 +21,7 @@ def _model(n: int = 8) -> nn.Module:
     return nn.Sequential(*[nn.Linear(64, 64) for _ in range(n)])
 
 
-# room for the running unit and depth + 1 on their way
-@pytest.mark.parametrize("ram_layers, expected_layers", [(20, 20), (6, 6 - (DEFAULT_DEPTH + 2))])
+@pytest.mark.parametrize("ram_layers, expected_layers", [(20, 20), (6, 6 - (DEFAULT_DEPTH + 1))])
 def test_the_default_cpu_budget_leaves_room_for_streamed_units(
     monkeypatch: pytest.MonkeyPatch, ram_layers: int, expected_layers: int
 ) -> None:

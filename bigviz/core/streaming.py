@@ -285,16 +285,15 @@ def compute_seconds(parameters: int, tokens: int, *, flops_per_second: float) ->
 def resident_budget(cpu_budget: int, *, model_bytes: int, largest_unit: int, depth: int = DEFAULT_DEPTH) -> int:
     """The default "cpu" budget (resident bytes) of a model that may not fit: all of
     ``cpu_budget`` when the whole model fits, else ``cpu_budget`` less room for the streamed
-    units in RAM at once (the running one, and ``depth + 1`` on their way: the engine starts
-    the next read as soon as a unit is done, ``bigviz.engine.prefetch.Scheduler.release``).
+    units in RAM at once (the running one and ``depth`` read ahead).
 
     Example:
         >>> resident_budget(100, model_bytes=90, largest_unit=10), resident_budget(100, model_bytes=150, largest_unit=10)
-        (100, 60)
+        (100, 70)
     """
     if model_bytes <= cpu_budget:
         return cpu_budget
-    return max(0, cpu_budget - (depth + 2) * largest_unit)
+    return max(0, cpu_budget - (depth + 1) * largest_unit)
 
 
 def default_cpu_budget(
@@ -307,7 +306,7 @@ def default_cpu_budget(
         >>> from bigviz.core.tree import SizeTree, TensorSpec
         >>> tree = SizeTree.build([TensorSpec(f"h.{i}.weight", 100, "float32") for i in range(10)])
         >>> default_cpu_budget(tree, 5000), default_cpu_budget(tree, 3000)
-        (5000, 1400)
+        (5000, 1800)
     """
     from bigviz.core.nosplit import is_no_split
 

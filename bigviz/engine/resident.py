@@ -148,10 +148,11 @@ def decide(resident_bytes: int, streamed_bytes: int, *, available: int, requeste
 
 
 def stream_depth(available: int, largest_unit: int, *, margin: int = 2**30, most: int = DEFAULT_DEPTH) -> int:
-    """Units to read ahead: as many as RAM holds beside the running one and the one read on
-    its release (the scheduler keeps ``depth + 1`` on their way once a unit is done), with
-    ``margin`` kept for everything else; at least 1, at most ``most``. Pages read ahead and
-    evicted before use would be read twice.
+    """Units to read ahead: as many as RAM holds beside the running one (``margin`` kept for
+    everything else), at least 1, at most ``most``. Pages read ahead and evicted before use
+    would be read twice. (The scheduler starts the read ``depth + 1`` units on when a unit is
+    done, as that unit's pages are dropped: it takes the done unit's place, so RAM still holds
+    the running unit and ``depth`` ahead of it.)
 
     Example:
         >>> GB = 10**9
@@ -159,7 +160,7 @@ def stream_depth(available: int, largest_unit: int, *, margin: int = 2**30, most
         (2, 1, 1)
     """
     fits = (available - margin) // max(1, largest_unit)
-    return max(1, min(most, fits - 2))
+    return max(1, min(most, fits - 1))
 
 
 def _cpu_tensors(model: nn.Module) -> Iterator[tuple[nn.Module, str, str, Tensor]]:
