@@ -8,7 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bigviz.core.streaming import ForwardEstimate, UnitCost, compute_seconds, estimate_forward, predict_forward
+from bigviz.core.streaming import (
+    ForwardEstimate,
+    UnitCost,
+    compute_seconds,
+    estimate_forward,
+    plan_forward,
+    predict_forward,
+)
 
 GB = 10**9
 
@@ -163,3 +170,38 @@ def test_more_read_ahead_or_bandwidth_is_never_slower(units: list[UnitCost], dep
     deeper = predict_forward(units, disk_bandwidth=disk, link_bandwidth=1e10, depth=depth + 1).seconds
     faster = predict_forward(units, disk_bandwidth=disk * 2, link_bandwidth=1e10, depth=depth).seconds
     assert deeper <= base + 1e-9 and faster <= base + 1e-9
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(st.tuples(st.sampled_from(["gpu", "cpu", "disk"]), st.integers(0, 4 * GB)), min_size=0, max_size=12),
+    compute=st.sampled_from([0.0, 0.5, 3.0]),
+    gpu=st.booleans(),
+    depth=st.integers(0, 3),
+)
+def test_plan_forward_is_the_pipeline_of_every_placement(
+    rows: list[tuple[str, int]], compute: float, gpu: bool, depth: int
+) -> None:
+    # plan_forward leaves out the units that read, copy and compute nothing (GPU-resident ones
+    # when compute is not counted, as in the Planner): the prediction must be the same, exactly
+    placements = [(f"m.{i}", device, nbytes) for i, (device, nbytes) in enumerate(rows)]
+    total = sum(n for _, _, n in placements) or 1
+    units = [
+        UnitCost(
+            name,
+            read_bytes=nbytes if device == "disk" else 0,
+            copy_bytes=nbytes if gpu and device != "gpu" else 0,
+            compute_seconds=compute * nbytes / total,
+        )
+        for name, device, nbytes in placements
+    ]
+    link = 25e9 if gpu else None
+    main = "gpu" if gpu else "cpu"
+    resident = sum(n for _, d, n in placements if d == "cpu")
+    expected = predict_forward(
+        units or [UnitCost("model")], disk_bandwidth=2e9, link_bandwidth=link, depth=depth, resident_bytes=resident
+    )
+    got = plan_forward(
+        placements, disk_bandwidth=2e9, compute_seconds=compute, link_bandwidth=link, main_device=main, depth=depth
+    )
+    assert got == expected

@@ -17,7 +17,7 @@ from collections.abc import Collection, Mapping
 from typing import Any, TYPE_CHECKING
 
 from bigviz.core.errors import DeviceMapError
-from bigviz.core.names import ancestors, owner, parent
+from bigviz.core.names import ancestors, owner, parent, under_any
 from bigviz.core.devices import Device, execution_device, missing_device_problems, normalize_device
 
 if TYPE_CHECKING:
@@ -93,6 +93,81 @@ _MIXED = object()  # a subtree whose parts live on more than one device
 
 
 def _clean_with_tree(device_map: Mapping[str, Device], tree: SizeTree) -> dict[str, Device]:
+    """Collapse with a tree, looking only at the map's keys and the modules above them (a
+    module no key lies under or above is unmapped and never collapses): a planner's map of
+    no-split blocks is cleaned without walking every tensor inside them."""
+    if any(v is None for v in device_map.values()):  # not devices: keep the node-by-node rule's answer
+        return _clean_every_node(device_map, tree)
+    keys = {k for k in device_map if (k in tree.nodes or k in tree.tensors) and not under_any(k, device_map)}
+    above = _modules_above(keys)
+    uniform = _uniform_above(device_map, tree, above)
+    out: dict[str, Device] = {}
+    stack = [""]
+    while stack:
+        name = stack.pop()
+        value = device_map[name] if name in keys else uniform.get(name)
+        if value is not None and value is not _MIXED:
+            out[name] = value  # type: ignore[assignment]
+        elif name in above:  # under any other module nothing is mapped
+            node = tree.nodes[name]
+            out.update({t: device_map[t] for t in node.tensors if t in device_map})
+            stack.extend(reversed(node.children))
+    return out
+
+
+def _modules_above(keys: Collection[str]) -> set[str]:
+    """Every module that strictly contains a key."""
+    above: set[str] = set()
+    for name in keys:
+        while name:
+            name = parent(name)
+            if name in above:
+                break  # its own ancestors are in already
+            above.add(name)
+    return above
+
+
+def _uniform_above(device_map: Mapping[str, Device], tree: SizeTree, above: set[str]) -> dict[str, object]:
+    """The one device of each module in ``above``: ``_MIXED`` when its parts differ or some
+    are unmapped, ``None`` when it holds no tensor at all."""
+    order, tensorless = tree.order, _tensorless(tree)
+    uniform: dict[str, object] = {}
+    for name in sorted(above, key=order.__getitem__, reverse=True):  # children before parents
+        node = tree.nodes[name]
+        parts: list[object] = [device_map.get(t) for t in node.tensors]  # no key above it: only their own
+        for c in node.children:
+            if c in device_map:
+                parts.append(device_map[c])
+            elif c in above:
+                if uniform[c] is not None:
+                    parts.append(uniform[c])
+            elif c not in tensorless:
+                parts.append(_MIXED)  # nothing under it is mapped
+        uniform[name] = _one_device(parts)
+    return uniform
+
+
+def _one_device(parts: list[object]) -> object:
+    values = {id(p) if p is _MIXED else p for p in parts}
+    return parts[0] if len(values) == 1 and parts[0] is not None else (None if not parts else _MIXED)
+
+
+def _tensorless(tree: SizeTree) -> frozenset[str]:
+    """Modules with no tensor anywhere below them (cached on the tree)."""
+
+    def build() -> frozenset[str]:
+        empty: set[str] = set()
+        for name, node in reversed(tree.nodes.items()):  # post-order: children before parents
+            if not node.tensors and all(c in empty for c in node.children):
+                empty.add(name)
+        return frozenset(empty)
+
+    return tree.memo(("tensorless",), build)
+
+
+def _clean_every_node(device_map: Mapping[str, Device], tree: SizeTree) -> dict[str, Device]:
+    """The collapse rule node by node, over the whole tree: what :func:`_clean_with_tree`
+    gives for maps of devices, and its answer for maps holding ``None``."""
     uniform: dict[str, object] = {}
     for name in reversed(list(tree.nodes)):  # post-order: children before parents
         node = tree.nodes[name]
@@ -101,8 +176,7 @@ def _clean_with_tree(device_map: Mapping[str, Device], tree: SizeTree) -> dict[s
             continue
         parts: list[object] = [device_of(t, device_map) for t in node.tensors]
         parts += [uniform[c] for c in node.children if uniform[c] is not None]
-        values = {id(p) if p is _MIXED else p for p in parts}
-        uniform[name] = parts[0] if len(values) == 1 and parts[0] is not None else (None if not parts else _MIXED)
+        uniform[name] = _one_device(parts)
     out: dict[str, Device] = {}
     stack = [""]
     while stack:

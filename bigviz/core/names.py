@@ -13,12 +13,12 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping
 from typing import TypeVar
 
 V = TypeVar("V")
 
-__all__ = ["is_prefix", "parent", "ancestors", "join", "owner", "leaf"]
+__all__ = ["is_prefix", "parent", "ancestors", "join", "owner", "under_any", "leaf"]
 
 
 def is_prefix(prefix: str, name: str) -> bool:
@@ -98,3 +98,18 @@ def owner(name: str, mapping: Mapping[str, V] | Iterable[str]) -> str | None:
         if candidate in keys:
             return candidate
     return None
+
+
+def under_any(name: str, keys: Container[str]) -> bool:
+    """True if a module strictly containing ``name`` is one of ``keys`` (a loop over its
+    ancestors, for the hot paths that ask it of every key of a map).
+
+    Example:
+        >>> under_any("h.10.attn", {"h.1"}), under_any("h.1.attn", {"h.1"}), under_any("", {""})
+        (False, True, False)
+    """
+    while name:
+        name = parent(name)
+        if name in keys:
+            return True
+    return False

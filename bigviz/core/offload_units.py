@@ -38,7 +38,7 @@ from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from bigviz.core.devices import NAMED_DEVICES, Device, normalize_device, streamed_devices
-from bigviz.core.names import ancestors, is_prefix, join, parent
+from bigviz.core.names import ancestors, is_prefix, join, owner, parent, under_any
 from bigviz.core.nosplit import is_no_split
 from bigviz.core.tree import SizeTree, TensorSpec
 
@@ -50,6 +50,7 @@ __all__ = [
     "UnitLayout",
     "offload_units",
     "unit_sizes",
+    "unit_table",
     "hook_module",
     "streamed_needs",
     "above_blocks",
@@ -176,7 +177,7 @@ def offload_units(tree: SizeTree, device_map: Mapping[str, object], rule: UnitRu
 
 def unit_sizes(tree: SizeTree, device_map: Mapping[str, object], rule: UnitRule) -> list[tuple[str, int]]:
     """``(storage, bytes)`` of each unit :func:`offload_units` makes, without building them
-    (what the planner needs, once per pass).
+    (what the planner needs, once per pass; see :func:`unit_table`).
 
     Example:
         >>> from bigviz.core.tree import SizeTree, TensorSpec
@@ -184,17 +185,113 @@ def unit_sizes(tree: SizeTree, device_map: Mapping[str, object], rule: UnitRule)
         >>> unit_sizes(tree, {"a": "cpu", "b": "disk"}, UnitRule(0))
         [('cpu', 16), ('disk', 8)]
     """
-    units: dict[str, tuple[str, set[str], int]] = {}
-    for group, spec, where in _assign(tree, device_map, rule, []):
-        if not isinstance(where, list):
+    return list(unit_table(tree, device_map, rule).values())
+
+
+def unit_table(tree: SizeTree, device_map: Mapping[str, object], rule: UnitRule) -> dict[str, tuple[str, int]]:
+    """Unit (the module its fetch is hooked on) -> ``(storage, bytes)``: the units
+    :func:`offload_units` makes, in the order the map's entries bring them.
+
+    A map whose keys do not nest (a planner's, cleaned) is read entry by entry: only the
+    entries on streamed storage are looked at, and what each one fetches and where is worked
+    out once per tree and rule (cached on the tree), so a planner pass costs O(streamed
+    entries + their tied tensors) instead of a walk over every tensor.
+
+    Example:
+        >>> from bigviz.core.tree import SizeTree, TensorSpec
+        >>> tree = SizeTree.build([TensorSpec(f"h.{i}.{p}", 4, "float32") for i in range(3) for p in "ab"])
+        >>> unit_table(tree, {"h.0": 0, "h.1": "cpu", "h.2": "disk"}, UnitRule(0))
+        {'h.1': ('cpu', 32), 'h.2': ('disk', 32)}
+    """
+    mapping = _normalized(device_map)
+    if any(under_any(k, mapping) for k in mapping):  # keys nest (not a cleaned map): the full rule
+        return {u.name: (u.storage, u.nbytes) for u in offload_units(tree, mapping, rule).units}
+    return _streamed_units(tree, mapping, rule)
+
+
+def _streamed_units(tree: SizeTree, mapping: Mapping[str, Device], rule: UnitRule) -> dict[str, tuple[str, int]]:
+    """:func:`unit_table` for a map whose keys do not nest, entry by streamed entry."""
+    streamed = frozenset(streamed_devices(normalize_device(rule.main_device)))
+    cache, group_of = _entry_cache(tree, rule), _tie_group_of(tree)
+    units: dict[str, tuple[str, int]] = {}
+    counted: dict[str, set[str]] = {}  # unit -> tie groups it already fetches (a group is fetched once per unit)
+    for entry, device in mapping.items():
+        if device not in streamed:
             continue
-        for _, hook, storage in where:
-            kind, keys, nbytes = units.get(hook) or ("", set(), 0)
-            if group[0] not in keys:
-                keys.add(group[0])
-                nbytes += spec.nbytes
-            units[hook] = ("disk" if "disk" in (kind, storage) else storage, keys, nbytes)
-    return [(storage, nbytes) for storage, _, nbytes in units.values()]
+        if entry not in cache:
+            cache[entry] = _entry_fetches(tree, entry, rule)
+        plain, tied = cache[entry]
+        for hook, nbytes in plain:
+            _add(units, hook, str(device), nbytes)
+        for name, hook in tied:
+            group = group_of[name]
+            if _fetched(tree, group, mapping, streamed, rule):
+                seen = counted.setdefault(hook, set())
+                _add(units, hook, str(device), 0 if group[0] in seen else tree.tensors[group[0]].nbytes)
+                seen.add(group[0])
+    return units
+
+
+EntryFetches = tuple[tuple[tuple[str, int], ...], tuple[tuple[str, str], ...]]
+"""What a streamed entry fetches: ``(unit, bytes)`` of its untied tensors summed per unit,
+and ``(tensor, unit)`` of its tied ones (fetched unless their tie group stays resident)."""
+
+
+def _entry_fetches(tree: SizeTree, entry: str, rule: UnitRule) -> EntryFetches:
+    """Steps 1-4 of the rule for every tensor under one streamed device-map entry."""
+    if entry not in tree.nodes and entry not in tree.tensors:
+        return (), ()  # names nothing of the model
+    above = above_blocks(tree, rule.blocks)
+    tied_names = _tie_group_of(tree)
+    hooks: dict[str, str] = {}  # tensor's module -> its unit: the tensors of a module share it
+    plain: dict[str, int] = {}
+    tied: list[tuple[str, str]] = []
+    for name in tree.subtree_tensors(entry):
+        home = parent(name)
+        if home not in hooks:
+            hooks[home] = hook_module(tree, name, entry, rule, above)
+        spec = tree.tensors[name]
+        if name in tied_names:
+            tied.append((name, hooks[home]))
+        elif spec.kind != "buffer" or rule.offload_buffers:  # else a buffer stays resident
+            plain[hooks[home]] = plain.get(hooks[home], 0) + spec.nbytes
+    return tuple(plain.items()), tuple(tied)
+
+
+def _entry_cache(tree: SizeTree, rule: UnitRule) -> dict[str, EntryFetches]:
+    """Entry -> what it fetches, for this tree and rule (filled as entries come up)."""
+    key = (
+        "entry fetches",
+        rule.blocks,
+        rule.preload,
+        rule.offload_buffers,
+        tuple(rule.reads.items()),
+        tuple(rule.same_module.items()),
+    )
+    cache: dict[str, EntryFetches] = tree.memo(key, dict)
+    return cache
+
+
+def _fetched(
+    tree: SizeTree, group: tuple[str, ...], mapping: Mapping[str, Device], streamed: frozenset[str], rule: UnitRule
+) -> bool:
+    """A tie group is fetched when every name of it is mapped and none keeps it resident."""
+    devices = []
+    for name in group:
+        entry = owner(name, mapping)
+        if entry is None:
+            return False  # uncovered: a problem of the map, fetched by no unit
+        devices.append(mapping[entry])
+    return _resident_device(devices, tree.tensors[group[0]].kind, streamed, rule) is None
+
+
+def _add(units: dict[str, tuple[str, int]], hook: str, storage: str, nbytes: int) -> None:
+    kind, total = units.get(hook, (storage, 0))
+    units[hook] = ("disk" if "disk" in (kind, storage) else storage, total + nbytes)
+
+
+def _normalized(device_map: Mapping[str, object]) -> dict[str, Device]:
+    return {k: v if isinstance(v, int) or v in NAMED_DEVICES else normalize_device(v) for k, v in device_map.items()}
 
 
 Assignment = tuple[tuple[str, ...], TensorSpec, Device | list[tuple[str, str, str]]]
@@ -207,7 +304,7 @@ def _assign(
     unit (hook module) that fetches it and from which storage. Uncovered names go to
     ``problems``."""
     streamed = frozenset(streamed_devices(normalize_device(rule.main_device)))
-    mapping = {k: v if isinstance(v, int) or v in NAMED_DEVICES else normalize_device(v) for k, v in device_map.items()}
+    mapping = _normalized(device_map)
     entry_of = _entries(tree, mapping)
     above = above_blocks(tree, rule.blocks)
     hooks: dict[tuple[str, str], str] = {}  # (tensor's module, entry) -> hook: tensors of a module share it
@@ -329,11 +426,16 @@ def _above(tree: SizeTree, blocks: frozenset[str]) -> frozenset[str]:
     return frozenset(above)
 
 
+def _tie_group_of(tree: SizeTree) -> dict[str, tuple[str, ...]]:
+    """Every tied tensor -> its tie group (cached on the tree)."""
+    return tree.memo(("tie group of",), lambda: {n: g for g in tree.ties for n in g})
+
+
 def _groups(tree: SizeTree) -> list[tuple[str, ...]]:
     """Every tensor once, as its tie group (leader first), in definition order of leaders."""
 
     def build() -> list[tuple[str, ...]]:
-        group_of = {n: g for g in tree.ties for n in g}
+        group_of = _tie_group_of(tree)
         out: list[tuple[str, ...]] = []
         for name in (t for node in tree.nodes.values() for t in node.tensors):
             group = group_of.get(name, (name,))

@@ -30,7 +30,17 @@ from bigviz.core.errors import PlanError
 from bigviz.core.names import ancestors, is_prefix, parent
 from bigviz.core.nosplit import check_no_split, is_no_split, no_split_problems
 from bigviz.core.offload_units import UnitRule, above_blocks, streamed_needs, unit_sizes
-from bigviz.core.run_charges import Run, charge_run, check_run_fits, run_bytes, run_usage, streamed_run_needs, with_run
+from bigviz.core.run_charges import (
+    Run,
+    charge_run,
+    check_run_fits,
+    room_text,
+    run_bytes,
+    run_room,
+    run_text,
+    run_usage,
+    streamed_run_needs,
+)
 from bigviz.core.plan import STRATEGIES, DevicePlan, DeviceUsage, Placement, PlanOptions
 from bigviz.core.tree import SizeTree
 from bigviz.core.devices import Device, device_label, execution_device, normalize_device, streamed_devices
@@ -45,14 +55,27 @@ device, so each layer pushed off it brings its cache back there; the reserve gro
 what is needed geometrically (by the ratio of a layer's cache to its weights plus cache)."""
 
 
+Why = tuple[Any, ...]
+"""Why a unit went where it went, as plain values: a code and the numbers the pass saw then
+(``("tied", leader)``, ``("fits", left, ...)``). Only the pass that becomes the plan writes
+its reasons as text (:func:`_write`): the passes thrown away (one at least per plan that
+offloads) format nothing, where formatting sizes and devices was 40% of a pass (8,000
+layers)."""
+
+_Placed = tuple[Any, ...]
+"""``(name, device, bytes, override, tied_to, *why)``: one flat tuple of plain values per
+placement, which the garbage collector stops tracking at its first collection (reasons kept
+as partials, or nested tuples, made it run full collections over every live object)."""
+
+
 @dataclass
 class _Pass:
     """Mutable state of one greedy pass."""
 
     remaining: dict[Device, int]
     used: dict[Device, int]
-    placements: list[Placement] = field(default_factory=list)
-    where: dict[str, Device] = field(default_factory=dict)
+    placed: list[_Placed] = field(default_factory=list)
+    where: dict[str, Device] = field(default_factory=dict)  # tie leader -> the device it went to
     unplaced: list[str] = field(default_factory=list)
     # room set aside on a leader's device for the tied follower units still to come
     promised: dict[str, tuple[Device, int]] = field(default_factory=dict)
@@ -136,7 +159,7 @@ def make_plan(tree: SizeTree, max_memory: Mapping[Any, object], options: PlanOpt
         check_run_fits(usage, bool(overrides))
     notes += _warnings(usage, main)
     return DevicePlan(
-        tuple(state.placements),
+        _placements(tree, state),
         usage,
         options.strategy,
         main,
@@ -253,15 +276,7 @@ def _greedy(
         state.run = Run.build(tree, options, _main_device(caps, options), _streamed(_main_device(caps, options)))
     for name in sorted(overrides, key=lambda n: n.count(".") + bool(n)):  # outer ones first
         device = overrides[name]
-        _put(
-            tree,
-            state,
-            name,
-            device,
-            _override_charge(tree, name, overrides),
-            f"override: you put it on {device_label(device)}",
-            override=True,
-        )
+        _put(tree, state, name, device, _override_charge(tree, name, overrides), ("override",), override=True)
     state.follower_units = {
         f: _follower_unit_bytes(tree, f, leader, options.no_split) for f, leader in tree.leader_of.items()
     }
@@ -288,9 +303,7 @@ def _greedy(
             for follower, _ in ties.by_follower.get(name, ()):
                 if follower in state.promised:
                     state.remaining[device] += state.promised.pop(follower)[1]
-            _put(
-                tree, state, name, device, size, f"tied to {leader}, which is on {device_label(device)}", tied_to=leader
-            )
+            _put(tree, state, name, device, size, ("tied", leader), tied_to=leader)
             continue
         index = _fit(tree, state, name, size, splittable, stack, devices, index, streamed)
     return state
@@ -329,37 +342,24 @@ def _fit(
     here = resident[index] if index < len(resident) else None
     if size == 0 and not extra and not run_bytes(tree, state, name, here):
         device = here if here is not None else devices[0]
-        _put(tree, state, name, device, 0, f"holds no weights: stays with its neighbours on {device_label(device)}")
+        _put(tree, state, name, device, 0, ("empty",))
         return index
-    miss = ""
+    miss = None  # (device, bytes needed, bytes left) of the resident device it did not fit
     if here is not None and size + extra + run_bytes(tree, state, name, here) <= state.remaining[here]:
-        _accept(tree, state, name, here, size, promises, "")
+        _accept(tree, state, name, here, size, promises, None)
         return index
     if splittable:
         _split(tree, name, stack)  # try the parts; streamed weights are planned per block
         return index
     if here is not None:
-        need = size + run_bytes(tree, state, name, here)
-        miss = (
-            f"{_what(tree, name)} did not fit {device_label(here)} ({format_size(need)} needed, "
-            f"{format_size(max(state.remaining[here], 0))} left)"
-        )
+        miss = (here, size + run_bytes(tree, state, name, here), max(state.remaining[here], 0))
         for later in range(index + 1, len(resident)):
             if size + extra + run_bytes(tree, state, name, resident[later]) <= state.remaining[resident[later]]:
                 _accept(tree, state, name, resident[later], size, promises, miss)
                 return later
     for device in (d for d in devices if d in streamed):
         if size + extra <= state.remaining[device]:
-            _accept(
-                tree,
-                state,
-                name,
-                device,
-                size,
-                promises,
-                miss,
-                f"streamed in from {device_label(device)} at forward time",
-            )
+            _accept(tree, state, name, device, size, promises, miss, streamed=True)
             return index
     state.unplaced.append(name)
     return index
@@ -372,19 +372,52 @@ def _accept(
     device: Device,
     size: int,
     promises: Mapping[str, int],
-    miss: str,
-    how: str = "",
+    miss: tuple[Device, int, int] | None,
+    *,
+    streamed: bool = False,
 ) -> None:
     """Put a unit that fits, keeping room for the tied modules that will follow it."""
     extra = sum(promises.values())
-    left = state.remaining[device]
-    room = f"{with_run(tree, state, name, device, size)} of {format_size(left)} left on {device_label(device)}"
-    text = f"{how} ({room})" if how else f"fits: {room}"
-    if extra:
-        text += f", with {format_size(extra)} kept for the modules tied to it"
-    _put(tree, state, name, device, size, f"{miss}: {text}" if miss else text, described=True)
+    why = ("fits", state.remaining[device], extra, streamed, run_room(state, name, device), *(miss or (None, 0, 0)))
+    _put(tree, state, name, device, size, why, described=True)
     state.remaining[device] -= extra
     state.promised.update({f: (device, b) for f, b in promises.items()})
+
+
+def _write(tree: SizeTree, name: str, device: Device, size: int, why: Why) -> str:
+    """A placement's reason as a person reads it."""
+    code = why[0]
+    if code == "fits":
+        return _write_fits(tree, name, device, size, *why[1:])
+    if code == "run":  # a workload's cache and activations, where they live
+        return _write(tree, name, device, size, why[1]) + run_text(*why[2:])
+    if code == "tied":
+        return f"tied to {why[1]}, which is on {device_label(device)}"
+    if code == "override":
+        return f"override: you put it on {device_label(device)}"
+    return f"holds no weights: stays with its neighbours on {device_label(device)}"
+
+
+def _write_fits(
+    tree: SizeTree,
+    name: str,
+    device: Device,
+    size: int,
+    left: int,
+    extra: int,
+    streamed: bool,
+    room: tuple[int, ...] | None,
+    here: Device | None,
+    need: int,
+    free: int,
+) -> str:
+    where = f"{room_text(size, room)} of {format_size(left)} left on {device_label(device)}"
+    text = f"streamed in from {device_label(device)} at forward time ({where})" if streamed else f"fits: {where}"
+    if extra:
+        text += f", with {format_size(extra)} kept for the modules tied to it"
+    if here is None:
+        return text
+    return f"{_what(tree, name)} did not fit {device_label(here)} ({format_size(need)} needed, {format_size(free)} left): {text}"
 
 
 def _follower_unit_bytes(tree: SizeTree, follower: str, leader: str, no_split: frozenset[str]) -> int:
@@ -426,31 +459,42 @@ def _put(
     name: str,
     device: Device,
     size: int,
-    reason: str,
+    why: Why,
     *,
     override: bool = False,
     tied_to: str = "",
     described: bool = False,
 ) -> None:
-    node = tree.nodes.get(name)
     if state.run is not None:
-        reason = charge_run(tree, state, name, device, reason, described)
-    state.placements.append(
-        Placement(
-            name,
-            device,
-            size,
-            reason,
-            node.class_name if node else "",
-            "module" if node else "tensor",
-            override,
-            tied_to,
-        )
-    )
+        why = charge_run(tree, state, name, device, why, described)
+    state.placed.append((name, device, size, override, tied_to, *why))
     state.remaining[device] -= size
     state.used[device] += size
-    for tensor in tree.subtree_tensors(name):
-        state.where[tensor] = device
+    assert state.ties is not None
+    for _, leader in state.ties.by_leader.get(name, ()):  # only leaders are looked up: not every tensor
+        state.where[leader] = device
+
+
+def _placements(tree: SizeTree, state: _Pass) -> tuple[Placement, ...]:
+    """The placements of the pass that became the plan, their reasons written."""
+    out = []
+    for placed in state.placed:
+        name, device, size, override, tied_to = placed[:5]
+        node = tree.nodes.get(name)
+        reason = _write(tree, name, device, size, placed[5:])
+        out.append(
+            Placement(
+                name,
+                device,
+                size,
+                reason,
+                node.class_name if node else "",
+                "module" if node else "tensor",
+                override,
+                tied_to,
+            )
+        )
+    return tuple(out)
 
 
 def _streamed(main: Device) -> tuple[str, ...]:
@@ -490,9 +534,9 @@ def _offload_needs(tree: SizeTree, state: _Pass, main: Device, options: PlanOpti
     nothing is reserved."""
     needs = {d: 0 for d in state.remaining}
     streamed = _streamed(main)
-    if not options.offload_reserve or main == "cpu" or not any(p.device in streamed for p in state.placements):
+    if not options.offload_reserve or main == "cpu" or not any(p[1] in streamed for p in state.placed):
         return needs
-    placed = clean_device_map({p.name: p.device for p in state.placements}, tree)
+    placed = clean_device_map({p[0]: p[1] for p in state.placed}, tree)
     units = unit_sizes(tree, placed, unit_rule(options, main))
     for device, nbytes in streamed_needs(units, main, prefetch=options.prefetch).items():
         if device in needs:

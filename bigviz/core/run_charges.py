@@ -22,9 +22,19 @@ from bigviz.core.sizes import format_size
 from bigviz.core.tree import SizeTree
 
 if TYPE_CHECKING:
-    from bigviz.core.planner import _Pass
+    from bigviz.core.planner import Why, _Pass
 
-__all__ = ["Run", "run_bytes", "with_run", "charge_run", "check_run_fits", "streamed_run_needs", "run_usage"]
+__all__ = [
+    "Run",
+    "run_bytes",
+    "run_room",
+    "room_text",
+    "charge_run",
+    "run_text",
+    "check_run_fits",
+    "streamed_run_needs",
+    "run_usage",
+]
 
 
 @dataclass
@@ -95,24 +105,36 @@ def run_bytes(tree: SizeTree, state: _Pass, name: str, device: Device | None) ->
     return run.resident_bytes(name, device)
 
 
-def with_run(tree: SizeTree, state: _Pass, name: str, device: Device, size: int) -> str:
-    """``"1.1 GiB weights + 0.4 GiB KV cache + 52 MiB activations"`` (just the size without
-    a workload; a streamed unit's cache is told about in :func:`_charge_run`)."""
+def run_room(state: _Pass, name: str, device: Device) -> tuple[int, ...] | None:
+    """What a unit placed now brings besides its weights, for its reason (see
+    :func:`room_text`): ``None`` without a workload, ``()`` on a streamed device (its run is
+    told about in :func:`charge_run`), else its KV cache and the activations it adds."""
     run = state.run
     if run is None:
-        return format_size(size)
+        return None
     if device in run.streamed:
-        return f"{format_size(size)} weights"
+        return ()
     kv, _, step = run.unit(name)
-    grow = max(0, step - run.act.get(device, 0))
+    return (kv, max(0, step - run.act.get(device, 0)))
+
+
+def room_text(size: int, room: tuple[int, ...] | None) -> str:
+    """``"1.1 GiB weights + 0.4 GiB KV cache + 52 MiB activations"`` (just the size without
+    a workload)."""
+    if room is None:
+        return format_size(size)
+    if not room:
+        return f"{format_size(size)} weights"
+    kv, grow = room
     return f"{format_size(size)} weights + {format_size(kv)} KV cache" + (
         f" + {format_size(grow)} activations" if grow else ""
     )
 
 
-def charge_run(tree: SizeTree, state: _Pass, name: str, device: Device, reason: str, described: bool) -> str:
-    """Charge a placed unit's KV cache and step on the device it runs on; returns the reason,
-    completed with where its run lives when the reason does not say it yet."""
+def charge_run(tree: SizeTree, state: _Pass, name: str, device: Device, why: Why, described: bool) -> Why:
+    """Charge a placed unit's KV cache and step on the device it runs on; returns its reason,
+    completed with where its run lives when the reason does not say it yet (see
+    :func:`run_text`)."""
     run = state.run
     assert run is not None
     kv, first, step = run.unit(name)
@@ -120,16 +142,24 @@ def charge_run(tree: SizeTree, state: _Pass, name: str, device: Device, reason: 
     if device in run.streamed:
         run.stream_kv += kv
         run.stream_act = max(run.stream_act, step)
-        return reason + (
-            f"; its {format_size(kv)} KV cache and {format_size(step)} of activations live on "
-            f"{device_label(run.main)}, where it runs"
-        )
+        return ("run", why, kv, step, run.main)
     state.remaining[device] -= kv + max(0, step - run.act.get(device, 0))
     run.kv[device] = run.kv.get(device, 0) + kv
     run.act[device] = max(run.act.get(device, 0), step)
     if described or not (kv or step):
-        return reason
-    return reason + f" (+ {format_size(kv)} KV cache, up to {format_size(step)} of activations there)"
+        return why
+    return ("run", why, kv, step, None)
+
+
+def run_text(kv: int, step: int, streamed_to: Device | None) -> str:
+    """What a reason adds about a unit's run: its cache and activations on ``streamed_to``,
+    the execution device, for a streamed unit; else on its own device."""
+    if streamed_to is not None:
+        return (
+            f"; its {format_size(kv)} KV cache and {format_size(step)} of activations live on "
+            f"{device_label(streamed_to)}, where it runs"
+        )
+    return f" (+ {format_size(kv)} KV cache, up to {format_size(step)} of activations there)"
 
 
 def check_run_fits(usage: tuple[DeviceUsage, ...], overridden: bool) -> None:

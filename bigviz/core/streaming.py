@@ -81,13 +81,14 @@ class UnitCost:
     compute_seconds: float = 0.0
 
     def __post_init__(self) -> None:
+        if not (self.read_bytes < 0 or self.copy_bytes < 0 or self.compute_seconds < 0):
+            return  # the Planner makes one per placement at every slider move: check cheaply first
         problems = [
             f"{field}={getattr(self, field)!r} must be >= 0"
             for field in ("read_bytes", "copy_bytes", "compute_seconds")
             if getattr(self, field) < 0
         ]
-        if problems:
-            raise ValueError(f"UnitCost {self.name!r}: " + "; ".join(problems))
+        raise ValueError(f"UnitCost {self.name!r}: " + "; ".join(problems))
 
     @property
     def streamed(self) -> bool:
@@ -342,7 +343,9 @@ def plan_forward(
     for name, device, nbytes in placements:
         read = nbytes if device == "disk" else 0
         copy = nbytes if gpu and device in ("cpu", "disk") else 0
-        units.append(UnitCost(name, read_bytes=read, copy_bytes=copy, compute_seconds=compute_seconds * nbytes / total))
+        compute = compute_seconds * nbytes / total
+        if read or copy or compute != 0:  # one that reads, copies and computes nothing moves no stage on
+            units.append(UnitCost(name, read_bytes=read, copy_bytes=copy, compute_seconds=compute))
     resident = sum(n for _, d, n in placements if d == "cpu")
     return predict_forward(
         units or [UnitCost("model")],

@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -113,11 +114,11 @@ class ModelInventory:
         self.modules = modules
         self.slots = slots
         self._computed = computed  # names of non-persistent buffers
-        self.tensors: tuple[ModelTensor, ...] = tuple(_describe(slots, computed))
+        self._described = tuple(_describe(slots, computed))  # the tensors as they are now
         self.ties: tuple[tuple[str, ...], ...] = tuple(
             tuple(g)
             for g in merge_groups(
-                _identity_ties(self.tensors) + _storage_ties(slots) + _declared_ties(model, modules, slots)
+                _identity_ties(self._described) + _storage_ties(slots) + _declared_ties(model, modules, slots)
             )
         )
         self._trees: dict[tuple[object, ...], SizeTree] = {}
@@ -197,6 +198,12 @@ class ModelInventory:
         return (module._parameters if kind == "param" else module._buffers)[attr]  # type: ignore[return-value]
 
     @cached_property
+    def tensors(self) -> tuple[ModelTensor, ...]:
+        """One :class:`ModelTensor` per tensor object, definition order, as the tensors were
+        when the inventory was made (sizing and planning never need them: made on first use)."""
+        return tuple(ModelTensor(*fields) for fields in self._described)
+
+    @cached_property
     def by_name(self) -> dict[str, ModelTensor]:
         """Every tensor name (aliases included) -> its :class:`ModelTensor`."""
         return {alias: t for t in self.tensors for alias in t.aliases}
@@ -225,12 +232,13 @@ class ModelInventory:
 
     def _build_tree(self) -> SizeTree:
         specs = []
-        by_name, computed = self.by_name, self._computed
+        computed = self._computed
+        shapes = {alias: (shape, dtype) for _, aliases, shape, dtype, *_ in self._described for alias in aliases}
         dtypes: dict[torch.dtype, str] = {}
         for name, (_, _, kind) in self.slots.items():
-            t = by_name[name]
-            dtype = dtypes.get(t.dtype) or dtypes.setdefault(t.dtype, canonical_dtype(t.dtype))
-            specs.append(TensorSpec(name, _numel(t.shape), dtype, t.shape, kind, name not in computed))
+            shape, torch_dtype = shapes[name]
+            dtype = dtypes.get(torch_dtype) or dtypes.setdefault(torch_dtype, canonical_dtype(torch_dtype))
+            specs.append(TensorSpec(name, _numel(shape), dtype, shape, kind, name not in computed))
         return SizeTree.build(specs, self.classes, self.ties, containers=self.containers)
 
     def __repr__(self) -> str:
@@ -256,33 +264,42 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _describe(slots: Mapping[str, Slot], computed: frozenset[str]) -> Iterator[ModelTensor]:
-    """One :class:`ModelTensor` per tensor object, grouped by identity, definition order."""
-    groups: dict[int, list[tuple[str, torch.Tensor, str]]] = {}
+Described = tuple[str, tuple[str, ...], tuple[int, ...], torch.dtype, str, bool, bool, bool, str]
+"""The fields of a :class:`ModelTensor`, in its order: a tuple is made several times faster
+than the frozen dataclass, and an inventory is made at every planning call."""
+
+
+def _describe(slots: Mapping[str, Slot], computed: frozenset[str]) -> Iterator[Described]:
+    """The fields of one :class:`ModelTensor` per tensor object, grouped by identity,
+    definition order."""
+    groups: dict[int, list[Any]] = {}  # id -> [first name, tensor, kind, other names...]
     for name, (module, attr, kind) in slots.items():
         tensor = (module._parameters if kind == "param" else module._buffers)[attr]
-        groups.setdefault(id(tensor), []).append((name, tensor, kind))  # type: ignore[arg-type]
+        members = groups.get(id(tensor))
+        if members is None:
+            groups[id(tensor)] = [name, tensor, kind]
+        else:
+            members.append(name)
     device_names: dict[torch.device, str] = {}  # str(device) is slow; a model has few devices
-    for members in groups.values():
-        name, tensor, kind = members[0]
+    for name, tensor, kind, *more in groups.values():
         device = tensor.device
         where = device_names.get(device) or device_names.setdefault(device, str(device))
-        persistent = kind == "param" or any(m[0] not in computed for m in members)
-        yield ModelTensor(
+        persistent = kind == "param" or name not in computed or any(m not in computed for m in more)
+        yield (
             name,
-            tuple(m[0] for m in members),
+            (name, *more),
             tuple(tensor.shape),
             tensor.dtype,
             kind,
             persistent,
-            device.type == "meta",
+            tensor.is_meta,  # what device.type == "meta" says, without making the type string
             tensor.requires_grad,
             where,
         )
 
 
-def _identity_ties(tensors: Iterable[ModelTensor]) -> list[list[str]]:
-    return [list(t.aliases) for t in tensors if len(t.aliases) > 1]
+def _identity_ties(described: Iterable[Described]) -> list[list[str]]:
+    return [list(aliases) for _, aliases, *_ in described if len(aliases) > 1]
 
 
 def _storage_ties(slots: Mapping[str, Slot]) -> list[list[str]]:
@@ -292,7 +309,7 @@ def _storage_ties(slots: Mapping[str, Slot]) -> list[list[str]]:
     for name, (module, attr, kind) in slots.items():
         tensor = (module._parameters if kind == "param" else module._buffers)[attr]
         assert tensor is not None
-        if tensor.device.type == "meta" or tensor.numel() == 0 or id(tensor) in seen:
+        if tensor.is_meta or tensor.numel() == 0 or id(tensor) in seen:
             continue  # meta tensors have no memory; an object's own names are identity ties
         seen.add(id(tensor))
         key = (
