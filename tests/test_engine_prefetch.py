@@ -176,3 +176,40 @@ def test_page_residency_on_a_real_memory_mapped_file(tmp_path):
         prefetch._pages.populate(tensor)
         assert prefetch._pages.resident(tensor)
         assert float(tensor[-1]) == 49_999.0
+
+
+class _RecordingFetcher(CpuFetcher):
+    """Records which units were started, in order; ``reads_on_release`` as asked."""
+
+    def __init__(self, reads_on_release: bool) -> None:
+        super().__init__()
+        self.reads_on_release = reads_on_release
+        self.started: list[str] = []
+
+    def start(self, unit, *, background):  # type: ignore[no-untyped-def]
+        self.started.append(unit.name)
+        return super().start(unit, background=background)
+
+
+@pytest.mark.parametrize("on_release", [True, False])
+def test_a_release_starts_the_next_read_when_the_fetcher_frees_memory_there(on_release: bool) -> None:
+    # resident units compute between the last streamed unit of one forward and the first of the
+    # next: reads must not wait for the next streamed unit to start (issue 12)
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(6)])
+    units = bound_units(model, {str(i): "disk" for i in range(6)}, main_device="cpu")
+    for unit in units:
+        unit.sources = dict.fromkeys(unit.slots, model.state_dict())
+    fetcher = _RecordingFetcher(on_release)
+    with Scheduler(units, fetcher, prefetch=True, depth=2) as scheduler:
+        for _ in range(2):
+            scheduler.begin_pass()
+            for unit in units:
+                scheduler.acquire(unit)
+                assert len(scheduler._pending) <= scheduler.depth + 1  # never more than depth + 1 ahead
+                scheduler.release(unit)
+                assert len(scheduler._pending) <= scheduler.depth + 1
+            scheduler.end_pass()
+        ahead = [h.unit.name for h in scheduler._pending.values()]
+        # after the last unit: the next forward's first units are on their way before it starts
+        assert ahead == (["0", "1", "2"] if on_release else ["0", "1"])
+        assert fetcher.started.count("3") == 2  # each unit read once per forward, never twice

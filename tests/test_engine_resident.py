@@ -96,7 +96,10 @@ def test_resident_weights_stay_in_memory_and_streamed_pages_are_dropped(checkpoi
     with torch.no_grad():
         expected = reference(idx)[0]
     _evict(folder)
-    model = _dispatch(folder, _split_map(2), "copy")
+    # five disk units: with 2 read ahead, a release starts the read 3 units on, whose kernel
+    # read-ahead (up to read_ahead_kb past it) reaches the head of the unit after it in a shard;
+    # with only 4 units that would be the unit just released, whose pages are checked below
+    model = _dispatch(folder, _split_map(1), "copy")
     state, residency = model._bigviz_dispatch, model._bigviz_residency
     assert residency.mode == "copy" and isinstance(state.scheduler.fetcher, StreamingFetcher)
     assert residency.copied is not None and residency.copied.nbytes == residency.resident_bytes > 0
@@ -126,7 +129,7 @@ def test_resident_weights_stay_in_memory_and_streamed_pages_are_dropped(checkpoi
         for handle in list(state.scheduler._pending.values()):
             handle.wait()  # units read ahead for the next forward: their reads are done
         ahead = [h.unit for h in state.scheduler._pending.values()]
-        assert len(disk) == CONFIG.n_layer - 2 and 0 < len(ahead) < len(disk)
+        assert len(disk) == CONFIG.n_layer - 1 and len(ahead) == state.scheduler.depth + 1 < len(disk)
         for unit in ahead:
             cached, whole = pages_of(unit)
             assert cached == whole, f"{unit.name}: read ahead for the next forward, {cached} of {whole} pages"
@@ -180,3 +183,150 @@ def test_unknown_modes_are_refused_before_anything_is_read(checkpoint: tuple[Pat
     with pytest.raises(ValueError, match="resident='pinned'.*'auto', 'copy', 'map'"):
         bigviz.load_checkpoint_and_dispatch(model, checkpoint[0], _split_map(2), resident="pinned")
     assert all(p.is_meta for p in model.parameters()) and not hasattr(model, "_bigviz_dispatch")
+
+
+# ------------------------------------------------------------------ the copy itself, byte by byte
+def _mapped_spans(path: Path, ranges: list[tuple[int, int]]) -> tuple[list[torch.Tensor], list]:
+    from bigviz.checkpoint.lazy import map_file
+
+    whole = map_file(path)
+    views = [whole[offset : offset + length] for offset, length in ranges]
+    return views, [file_span(v) for v in views]
+
+
+_RANGES = [(0, 4096), (8, 100), (4100, 9000), (12_288, 8192), (3 * 4096 + 4, 40_000)]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_the_copy_holds_every_byte_at_any_offset_and_bypasses_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool
+) -> None:
+    from bigviz.engine import resident
+
+    monkeypatch.setattr(resident, "_CHUNK", 2 * PAGE)  # many pieces per span, the last one partial
+    data = torch.randint(0, 256, (61_237,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    path = tmp_path / "w.bin"
+    path.write_bytes(data.numpy().tobytes())  # its length is no multiple of a block: O_DIRECT reads end short
+    ranges = [*_RANGES, (61_237 - 5001, 5001)]  # the last span ends with the file
+    views, spans = _mapped_spans(path, ranges)
+    assert all(spans)
+    _evict_file(path)
+    copies, direct_bytes = resident._read_all(spans, 3, lambda n: None, direct=direct)
+    for (offset, length), span in zip(ranges, spans):
+        copy = copies[(span.address, span.length)]
+        assert torch.equal(copy, data[offset : offset + length]), (offset, length)
+        assert file_span(copy) is None and copy.data_ptr() % 8 in (
+            0,
+            offset % 8,
+        )  # anonymous; views as any dtype the map did
+    total, bypass = sum(length for _, length in ranges), direct and _o_direct_works(tmp_path)
+    assert direct_bytes == (total if bypass else 0)
+    if bypass:  # O_DIRECT: the disk wrote into the copy, the page cache never held a page of it
+        assert sum(resident_pages(path) or b"\1") == 0
+
+
+def test_a_filesystem_refusing_o_direct_gets_buffered_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from bigviz.engine import resident
+
+    real = resident._read_into
+
+    def refuse(piece: object, flags: int) -> None:
+        if flags:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real(piece, flags)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(resident, "_read_into", refuse)
+    data = torch.arange(20_000, dtype=torch.int32)
+    path = tmp_path / "w.bin"
+    path.write_bytes(data.numpy().tobytes())
+    views, spans = _mapped_spans(path, [(4, 40_000), (40_004, 39_996)])
+    copies, direct_bytes = resident._read_all(spans, 2, lambda n: None, direct=True)
+    assert direct_bytes == 0
+    assert torch.equal(copies[(spans[0].address, 40_000)].view(torch.int32), data[1:10_001])
+    assert torch.equal(copies[(spans[1].address, 39_996)].view(torch.int32), data[10_001:])
+
+
+def test_a_file_cut_short_under_the_copy_is_an_error_naming_it(tmp_path: Path) -> None:
+    from bigviz.engine import resident
+
+    path = tmp_path / "w.bin"
+    path.write_bytes(bytes(50_000))
+    views, spans = _mapped_spans(path, [(0, 50_000)])
+    os.truncate(path, 20_000)  # another program shortens the file (the mapping's tail would SIGBUS)
+    with pytest.raises(OSError, match=r"w\.bin: short read at byte 20480|w\.bin: short read at byte 20000"):
+        resident._read_all(spans, 2, lambda n: None, direct=True)
+
+
+def _evict_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _o_direct_works(folder: Path) -> bool:
+    probe = folder / "o-direct-probe"
+    probe.write_bytes(bytes(PAGE))
+    try:
+        fd = os.open(probe, os.O_RDONLY | os.O_DIRECT)
+        try:
+            return os.preadv(fd, [mmap.mmap(-1, PAGE)], 0) == PAGE
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    finally:
+        probe.unlink()
+
+
+def test_where_a_unit_lies_in_its_files_is_found_once(
+    checkpoint: tuple[Path, GPT], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bigviz.engine import readahead
+
+    parsed = []
+    real = readahead.FileMaps.__init__
+
+    def counting(self: readahead.FileMaps) -> None:
+        parsed.append(1)
+        real(self)
+
+    monkeypatch.setattr(readahead.FileMaps, "__init__", counting)
+    folder, reference = checkpoint
+    model = _dispatch(folder, _split_map(2), "copy")
+    idx = torch.arange(6).view(1, 6)
+    with torch.no_grad():
+        assert torch.equal(model(idx)[0], reference(idx)[0])
+        after_first = len(parsed)
+        for _ in range(2):
+            assert torch.equal(model(idx)[0], reference(idx)[0])
+    disk = [u for u in model._bigviz_dispatch.units if u.storage == "disk"]
+    assert 0 < after_first and len(parsed) - after_first == 0, "/proc/self/maps parsed again in later forwards"
+    assert len(disk) == 4
+    bigviz.remove_hooks(model)
+
+
+def test_a_tied_weight_streamed_by_two_units_is_read_once_and_never_dropped_under_a_read_ahead(
+    checkpoint: tuple[Path, GPT],
+) -> None:
+    # all on disk, the embedding and the head share one offloaded tensor: dropping it when the
+    # embedding is done would make the head read it again, and dropping it when the head is done
+    # would undo the embedding's read-ahead for the next forward
+    folder, reference = checkpoint
+    _evict(folder)
+    model = _dispatch(folder, {"": "disk"}, "copy")
+    assert model.lm_head.weight is model.transformer.wte.weight
+    state = model._bigviz_dispatch
+    tied = _tensor_ranges(folder)["transformer.wte.weight"]
+    idx = torch.arange(6).view(1, 6)
+    for run in range(3):
+        with torch.no_grad():
+            assert torch.equal(model(idx)[0], reference(idx)[0]), f"forward {run}"
+        state.scheduler.fetcher.wait_dropped()
+        cached, whole = _inner_pages(*tied)
+        assert whole > 30 and cached == whole, f"forward {run}: the tied weight kept {cached} of {whole} pages"
+    bigviz.remove_hooks(model)

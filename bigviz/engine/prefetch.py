@@ -388,9 +388,9 @@ class Scheduler:
             self._prefetch_after(unit)
         return handle.wait()
 
-    def _prefetch_after(self, unit: BoundUnit) -> None:
+    def _prefetch_after(self, unit: BoundUnit, count: int | None = None) -> None:
         nxt: BoundUnit | None = unit
-        for _ in range(self.depth):
+        for _ in range(self.depth if count is None else count):
             nxt = self._next_of(nxt)  # type: ignore[arg-type]
             if nxt is None or nxt is unit:
                 break
@@ -407,10 +407,25 @@ class Scheduler:
                 self._pending[id(unit)] = self.fetcher.start(unit, background=True)
 
     def release(self, unit: BoundUnit) -> None:
-        """``unit``'s forward is over: a fetcher that keeps something for it may let it go."""
+        """``unit``'s forward is over: a fetcher that keeps something for it may let it go.
+
+        A fetcher whose ``reads_on_release`` is true (memory it holds is freed by the release:
+        :class:`~bigviz.engine.readahead.StreamingFetcher`) then starts the next read at once,
+        ``depth + 1`` units on: the reads keep running while resident units between two
+        streamed ones compute, instead of waiting for the next streamed unit to start.
+        """
         release = getattr(self.fetcher, "release", None)
-        if release is not None:
+        streaming = getattr(self.fetcher, "reads_on_release", False)
+        if release is not None and streaming:
+            release(unit, still_needed=self._still_needed)
+        elif release is not None:
             release(unit)
+        if self.prefetch and streaming:
+            self._prefetch_after(unit, self.depth + 1)
+
+    def _still_needed(self, unit_id: int) -> bool:
+        """A unit has not run yet in this forward, or is already read ahead for the next one."""
+        return unit_id in self._pending or unit_id not in self._this_pass
 
     def _next_of(self, unit: BoundUnit) -> BoundUnit | None:
         recorded = self._next is not None and id(unit) in self._next
