@@ -5,6 +5,8 @@ A small GPT is saved with one shard per block; part of it is mapped to "cpu", th
 ``mincore``: the resident weights live in process memory (every page present, none of them
 file-backed), the disk units' file pages are dropped from the page cache once used (except
 the units read ahead for the next forward), and outputs are bit-exact against the model in RAM.
+This file checks the page-cache streaming (``stream="cache"``); the default, reused
+``O_DIRECT`` slots, is checked in ``test_engine_slots.py``.
 """
 
 from __future__ import annotations
@@ -99,7 +101,8 @@ def test_resident_weights_stay_in_memory_and_streamed_pages_are_dropped(checkpoi
     # five disk units: with 2 read ahead, a release starts the read 3 units on, whose kernel
     # read-ahead (up to read_ahead_kb past it) reaches the head of the unit after it in a shard;
     # with only 4 units that would be the unit just released, whose pages are checked below
-    model = _dispatch(folder, _split_map(1), "copy")
+    model = _dispatch(folder, _split_map(1), "map")
+    settle_residency(model, resident="copy", stream="cache", progress=False)  # through the page cache
     state, residency = model._bigviz_dispatch, model._bigviz_residency
     assert residency.mode == "copy" and isinstance(state.scheduler.fetcher, StreamingFetcher)
     assert residency.copied is not None and residency.copied.nbytes == residency.resident_bytes > 0
@@ -318,7 +321,8 @@ def test_a_tied_weight_streamed_by_two_units_is_read_once_and_never_dropped_unde
     # would undo the embedding's read-ahead for the next forward
     folder, reference = checkpoint
     _evict(folder)
-    model = _dispatch(folder, {"": "disk"}, "copy")
+    model = _dispatch(folder, {"": "disk"}, "map")
+    settle_residency(model, resident="copy", stream="cache", progress=False)
     assert model.lm_head.weight is model.transformer.wte.weight
     state = model._bigviz_dispatch
     tied = _tensor_ranges(folder)["transformer.wte.weight"]

@@ -81,7 +81,7 @@ def load_checkpoint_and_dispatch(
         force_hooks: Hook the model even when it all fits on one device.
         strict: Refuse checkpoints with missing or unexpected keys.
         resident: ``"auto"``: a model that does not fit in RAM has its "cpu" weights read once
-            into process memory and its disk units streamed and dropped after use; one that
+            into process memory and its disk units streamed through reused buffers; one that
             fits keeps zero-copy memory maps. ``"copy"`` / ``"map"`` force either
             (:func:`~bigviz.engine.resident.settle_residency`).
 

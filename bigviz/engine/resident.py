@@ -12,10 +12,11 @@ streams the rest without polluting:
   copy is prefaulted in one call, then read with ``O_DIRECT`` (the disk writes into it, the
   page cache never holds a second copy); where the filesystem refuses ``O_DIRECT``, buffered
   reads whose pages are dropped behind them;
-- the disk units get a :class:`~bigviz.engine.readahead.StreamingFetcher`: read ahead in
-  execution order by parallel readers, ``depth`` units ahead of the running one, the next
-  read starting as soon as a unit is done (so reads run on while resident units compute),
-  and dropped after use.
+- the disk units get a :class:`~bigviz.engine.slots.SlotFetcher`: read ahead in execution
+  order by parallel readers with ``O_DIRECT``, ``depth`` units ahead of the running one,
+  into ``depth + 1`` buffers allocated once and reused (no page cache, nothing to drop; fresh
+  memory per unit costs a fault per page on a virtual machine), the next read starting as
+  soon as a unit is done (so reads run on while resident units compute).
 
 Why an anonymous copy rather than locking the mapped pages (``mlock``), measured on two 1.8 GB
 shards, cold, on a loaded 2-core machine (``/proc/self/status`` deltas):
@@ -65,6 +66,7 @@ import torch
 from torch import Tensor, nn
 
 from bigviz.core.streaming import DEFAULT_DEPTH
+from bigviz.checkpoint.probe import ALIGN  # O_DIRECT: offsets, lengths and addresses, multiples of it
 from bigviz.engine.readahead import FileMaps, FileSpan, StreamingFetcher, file_span, prefault
 
 __all__ = [
@@ -143,7 +145,7 @@ def decide(resident_bytes: int, streamed_bytes: int, *, available: int, requeste
         return "map", f"the model ({total:,} B) fits in the page cache ({room:,} B): zero-copy memory maps"
     return "copy", (
         f"the model ({total:,} B) does not fit in the page cache ({room:,} B): the resident part "
-        "is copied into process memory, disk units are streamed and dropped after use"
+        "is copied into process memory, disk units are streamed, never kept"
     )
 
 
@@ -215,7 +217,6 @@ def make_resident(model: nn.Module, *, readers: int = 4, progress: bool = True, 
     return ResidentReport(len(unique), total, time.perf_counter() - start, direct_bytes)
 
 
-ALIGN = 4096  # O_DIRECT: file offsets, lengths and buffer addresses, multiples of the block size
 _CHUNK = 16 * 2**20  # a multiple of ALIGN
 
 
@@ -248,23 +249,38 @@ def _read_all(
     out: dict[tuple[int, int], Tensor] = {}
     pieces: list[_Piece] = []
     for span in sorted(spans, key=lambda s: (s.path, s.offset)):
-        head = span.offset % ALIGN if direct else 0  # the span's place in its first block
-        size = -(-(head + span.length) // ALIGN) * ALIGN if direct else span.length
+        head, size = block_room(span.offset, span.length, direct=direct)
         raw = torch.empty(size + ALIGN, dtype=torch.uint8)
         base = -raw.data_ptr() % ALIGN
         out[(span.address, span.length)] = raw[base + head : base + head + span.length]
-        for i in range(0, size, _CHUNK):
-            upto = min(_CHUNK, head + span.length - i)
-            need = upto - (head if i == 0 else 0)
-            pieces.append(
-                _Piece(span.path, span.offset - head + i, min(_CHUNK, size - i), upto, need, raw.data_ptr() + base + i)
-            )
+        pieces += pieces_of(span.path, span.offset, span.length, raw.data_ptr() + base, direct=direct)
     direct_bytes = 0
     with ThreadPoolExecutor(max(1, readers), thread_name_prefix="bigviz-resident") as pool:
         for need, was_direct in pool.map(lambda piece: _read_piece(piece, direct), pieces):
             direct_bytes += need if was_direct else 0
             done(need)  # type: ignore[operator]
     return out, direct_bytes
+
+
+def block_room(offset: int, length: int, *, direct: bool) -> tuple[int, int]:
+    """``(head, size)``: where file bytes ``[offset, offset + length)`` start in the buffer
+    that receives them, and that buffer's size. With ``direct`` the buffer covers the whole
+    ``ALIGN`` blocks around them (``O_DIRECT`` reads whole blocks)."""
+    head = offset % ALIGN if direct else 0
+    return head, (-(-(head + length) // ALIGN) * ALIGN if direct else length)
+
+
+def pieces_of(path: str, offset: int, length: int, address: int, *, direct: bool) -> list[_Piece]:
+    """The reads that put file bytes ``[offset, offset + length)`` at ``address + head``
+    (:func:`block_room`), ``_CHUNK`` bytes each; ``address`` is a multiple of ``ALIGN``."""
+    head, size = block_room(offset, length, direct=direct)
+    out = []
+    for i in range(0, size, _CHUNK):
+        upto = min(_CHUNK, head + length - i)
+        out.append(
+            _Piece(path, offset - head + i, min(_CHUNK, size - i), upto, upto - (head if i == 0 else 0), address + i)
+        )
+    return out
 
 
 def _read_piece(piece: _Piece, direct: bool) -> tuple[int, bool]:
@@ -299,14 +315,22 @@ def _read_into(piece: _Piece, flags: int) -> None:
 
 
 def settle_residency(
-    model: nn.Module, *, resident: str = "auto", readers: int = 4, progress: bool = True, available: int | None = None
+    model: nn.Module,
+    *,
+    resident: str = "auto",
+    readers: int = 4,
+    progress: bool = True,
+    available: int | None = None,
+    stream: str = "slots",
 ) -> Residency:
     """Choose how a dispatched model keeps its weights (:func:`decide`) and set it up.
 
     With ``"copy"``: memory-mapped CPU weights are copied into process memory
-    (:func:`make_resident`) and, when the CPU executes disk units, they are streamed by a
-    :class:`~bigviz.engine.readahead.StreamingFetcher`, up to ``DEFAULT_DEPTH`` units ahead
-    as the RAM left allows (:func:`stream_depth`). With
+    (:func:`make_resident`) and, when the CPU executes disk units, they are streamed, up to
+    ``DEFAULT_DEPTH`` units ahead as the RAM left allows (:func:`stream_depth`), by a
+    :class:`~bigviz.engine.slots.SlotFetcher` (``stream="slots"``: ``O_DIRECT`` into
+    ``depth + 1`` reused buffers) or a :class:`~bigviz.engine.readahead.StreamingFetcher`
+    (``stream="cache"``: through the page cache, dropped after use). With
     ``"map"``: nothing changes (zero copy). Recorded in ``model._bigviz_residency``.
 
     Args:
@@ -315,7 +339,12 @@ def settle_residency(
         readers: Parallel readers for the copy and for streaming.
         progress: Show a progress bar while copying.
         available: Available RAM in bytes (default: measured now).
+        stream: ``"slots"`` or ``"cache"``: how disk units are streamed (see above).
     """
+    if stream not in ("slots", "cache"):
+        raise ValueError(f"stream={stream!r}: expected 'slots' (reused O_DIRECT buffers) or 'cache' (page cache)")
+    from bigviz.engine.slots import SlotFetcher  # it reads with this module's pieces
+
     state = getattr(model, "_bigviz_dispatch", None)
     streaming = [u for u in getattr(state, "units", []) if u.storage == "disk"]
     streamed = sum(u.nbytes for u in streaming)
@@ -327,10 +356,15 @@ def settle_residency(
         copied = make_resident(model, readers=readers, progress=progress) if mapped else None
         scheduler = getattr(state, "scheduler", None)
         if streaming and scheduler is not None and state.options.main_device.type == "cpu":
-            scheduler.fetcher.close()
-            scheduler.fetcher = StreamingFetcher(readers=readers)
             left = psutil.virtual_memory().available if available is None else max(0, available - mapped)
-            scheduler.depth = stream_depth(left, max(u.nbytes for u in streaming))
+            depth = stream_depth(left, max(u.nbytes for u in streaming))
+            scheduler.fetcher.close()
+            scheduler.fetcher = (
+                SlotFetcher(slots=depth + 1, readers=readers)
+                if stream == "slots"
+                else StreamingFetcher(readers=readers)
+            )
+            scheduler.depth = depth
             if scheduler.prefetch:
                 scheduler.fetch_ahead(scheduler.depth)  # the first forward's first disk units
             reason += f"; {scheduler.depth} unit(s) read ahead"
