@@ -286,13 +286,10 @@ def drop_caches(files: list[Path], mode: str) -> str:
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
         return "global"
+    from bigviz.checkpoint.probe import drop_file_pages
+
     for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        drop_file_pages(path)
     return "files"
 
 
@@ -412,19 +409,16 @@ def _paired_floor(spec: dict[str, Any], device_map: dict[str, str]) -> float:
     ``spec["readers"]`` parallel readers, just before a forward, then the page cache dropped
     again: this disk's speed varies twofold from minute to minute, so a forward is compared
     with a read made next to it."""
+    from bigviz.checkpoint.index import CheckpointIndex
     from bigviz.checkpoint.probe import timed_read
     from bigviz.core.devicemap import device_of
 
     files = shard_files(Path(spec["ckpt"]))
-    ranges = []
-    for path in files:
-        with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))
-        for key, entry in header.items():
-            if key != "__metadata__" and str(device_of(key, device_map)) == "disk":
-                begin, end = entry["data_offsets"]
-                ranges.append((path, 8 + size + begin, end - begin))
+    ranges = [
+        (info.file, info.data_offsets[0], info.nbytes)
+        for key, info in CheckpointIndex.open(spec["ckpt"]).entries.items()
+        if info.data_offsets is not None and str(device_of(key, device_map)) == "disk"
+    ]
     drop_caches(files, spec["drop"])
     seconds = timed_read(
         sorted(ranges, key=lambda r: (str(r[0]), r[1])), readers=spec["readers"], chunk_bytes=16 * 2**20

@@ -33,6 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bigviz.checkpoint.probe import drop_file_pages  # noqa: E402
 from bigviz.engine.readahead import populate, prefault  # noqa: E402
 
 PIECE = 16 * 2**20
@@ -41,14 +42,6 @@ PIECE = 16 * 2**20
 def _ticks() -> int:
     with open("/proc/stat") as f:
         return sum(int(x) for x in f.readline().split()[1:4])
-
-
-def _drop(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _cache(path: Path, pool: ThreadPoolExecutor) -> np.ndarray:
@@ -95,7 +88,7 @@ def main() -> None:
         for i in range(min(2 * args.rounds, len(files))):
             how, path = ("cache", "slot")[i % 2], files[i]
             os.sync()
-            _drop(path)
+            drop_file_pages(path)
             t, c = time.perf_counter(), _ticks()
             arr = _cache(path, pool) if how == "cache" else _slot(path, pool, slot)
             read, ticks = time.perf_counter() - t, _ticks() - c
@@ -107,7 +100,7 @@ def main() -> None:
                 passes.append(time.perf_counter() - t)
             print(f"{how:6} {path.name:34} {len(arr) / read / 1e9:5.2f} {ticks:9d} {passes[0]:10.3f} {passes[1]:10.3f}")
             del view, arr
-            _drop(path)
+            drop_file_pages(path)
 
 
 if __name__ == "__main__":

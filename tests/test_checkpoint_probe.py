@@ -171,7 +171,7 @@ def test_bad_inputs_are_named(tmp_path: Path) -> None:
 def _evictable(f: Path) -> bool:
     """True when dropping a file's pages works here (not tmpfs, mincore available)."""
     f.read_bytes()
-    probe_module._drop(f, 0, f.stat().st_size)
+    probe_module.drop_file_pages(f)
     pages = resident_pages(f)
     return pages is not None and not any(pages)
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
+
 import threading
 from collections.abc import Iterator, Mapping
 
@@ -213,3 +216,22 @@ def test_a_release_starts_the_next_read_when_the_fetcher_frees_memory_there(on_r
         # after the last unit: the next forward's first units are on their way before it starts
         assert ahead == (["0", "1", "2"] if on_release else ["0", "1"])
         assert fetcher.started.count("3") == 2  # each unit read once per forward, never twice
+
+
+@pytest.mark.parametrize(("error", "stops"), [(errno.EINVAL, True), (errno.EAGAIN, False)])
+def test_populate_gives_up_only_where_the_kernel_lacks_it(
+    monkeypatch: pytest.MonkeyPatch, error: int, stops: bool
+) -> None:
+    from bigviz.engine import readahead
+
+    libc = readahead._Libc()
+
+    def refuse(address: int, length: int, advice: int) -> int:
+        ctypes.set_errno(error)
+        return -1
+
+    monkeypatch.setattr(libc, "fn", refuse)
+    monkeypatch.setattr(readahead, "_LIBC", libc)
+    assert readahead.populate(4096, 4096) is False and readahead.prefault(4096, 4096) is False
+    assert libc.ok[readahead.MADV_POPULATE_READ] is (not stops)
+    assert libc.ok[readahead.MADV_POPULATE_WRITE] is (not stops)

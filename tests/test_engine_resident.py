@@ -5,27 +5,27 @@ A small GPT is saved with one shard per block; part of it is mapped to "cpu", th
 ``mincore``: the resident weights live in process memory (every page present, none of them
 file-backed), the disk units' file pages are dropped from the page cache once used (except
 the units read ahead for the next forward), and outputs are bit-exact against the model in RAM.
-This file checks the page-cache streaming (``stream="cache"``); the default, reused
-``O_DIRECT`` slots, is checked in ``test_engine_slots.py``.
+Disk units stream into reused ``O_DIRECT`` slots by default (the page cache untouched); the
+page-cache streaming (``stream="cache"``) is checked too.
 """
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
-import struct
 from pathlib import Path
 
 import pytest
 import torch
 
 import bigviz
-from bigviz.checkpoint.probe import resident_pages
+from bigviz.checkpoint.index import CheckpointIndex
+from bigviz.checkpoint.probe import drop_file_pages, resident_pages
 from bigviz.checkpoint.save import save_sharded
 from bigviz.engine.prefetch import CpuFetcher, _pages
 from bigviz.engine.readahead import StreamingFetcher, file_span
 from bigviz.engine.resident import decide, mapped_bytes, settle_residency
+from bigviz.engine.slots import SlotFetcher
 from bigviz.models import GPT, GPTConfig
 
 pytestmark = pytest.mark.skipif(
@@ -38,28 +38,13 @@ CONFIG = GPTConfig(n_layer=6, n_head=4, n_embd=128, vocab_size=300, block_size=3
 
 def _tensor_ranges(folder: Path) -> dict[str, tuple[Path, int, int]]:
     """checkpoint key -> (file, byte offset in the file, length), from safetensors headers."""
-    index = json.loads((folder / "model.safetensors.index.json").read_text())
-    out = {}
-    for file in sorted(set(index["weight_map"].values())):
-        raw = (folder / file).read_bytes()[:8]
-        size = struct.unpack("<Q", raw)[0]
-        with open(folder / file, "rb") as f:
-            f.seek(8)
-            header = json.loads(f.read(size))
-        for key, info in header.items():
-            if key != "__metadata__":
-                begin, end = info["data_offsets"]
-                out[key] = (folder / file, 8 + size + begin, end - begin)
-    return out
+    entries = CheckpointIndex.open(folder).entries
+    return {key: (info.file, info.data_offsets[0], info.nbytes) for key, info in entries.items() if info.data_offsets}
 
 
 def _evict(folder: Path) -> None:
     for path in folder.glob("*.safetensors"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        drop_file_pages(path)
 
 
 def _inner_pages(path: Path, offset: int, length: int) -> tuple[int, int]:
@@ -144,6 +129,52 @@ def test_resident_weights_stay_in_memory_and_streamed_pages_are_dropped(checkpoi
     bigviz.remove_hooks(model)
 
 
+def test_disk_units_stream_through_reused_slots_bit_exact(checkpoint: tuple[Path, GPT]) -> None:
+    folder, reference = checkpoint
+    device_map = _split_map(1)
+    _evict(folder)
+    model = _dispatch(folder, device_map, "copy")
+    state = model._bigviz_dispatch
+    fetcher = state.scheduler.fetcher
+    assert isinstance(fetcher, SlotFetcher) and fetcher.slots == state.scheduler.depth + 1
+    disk = [u for u in state.units if u.storage == "disk"]
+    seen: dict[str, int] = {}  # unit -> address its weights had in its forward
+
+    def in_forward(unit: object) -> None:
+        seen[unit.name] = unit.module.attn.c_attn.weight.data_ptr()  # type: ignore[attr-defined]
+
+    for unit in disk:
+        unit.module.mlp.register_forward_hook(lambda m, a, o, u=unit: in_forward(u))
+    idx = torch.randint(0, CONFIG.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = reference(idx)[0]
+    addresses: set[int] = set()
+    for run in range(3):
+        with torch.no_grad():
+            assert torch.equal(model(idx)[0], expected), f"forward {run}"
+        assert sorted(seen) == sorted(u.name for u in disk)
+        addresses |= set(seen.values())
+    # the weights of five units were read into at most depth + 1 buffers, made once
+    assert len(fetcher._slots) <= fetcher.slots and fetcher.made == len(fetcher._slots)
+    assert all(any(s.address <= a < s.address + s.size for s in fetcher._slots) for a in addresses)
+    assert fetcher.stats.units_read >= 3 * len(disk)
+    # O_DIRECT left the page cache alone (or the buffered fallback dropped what it read)
+    cached = sum(sum(resident_pages(p) or b"") for p in folder.glob("*.safetensors"))
+    assert cached < 50, f"disk units went through the page cache: {cached} pages cached"
+    bigviz.remove_hooks(model)
+
+
+def test_all_on_disk_with_a_tied_head_stays_exact(checkpoint: tuple[Path, GPT]) -> None:
+    folder, reference = checkpoint
+    model = _dispatch(folder, {"": "disk"}, "copy")
+    assert isinstance(model._bigviz_dispatch.scheduler.fetcher, SlotFetcher)
+    idx = torch.arange(6).view(1, 6)
+    for run in range(3):
+        with torch.no_grad():
+            assert torch.equal(model(idx)[0], reference(idx)[0]), f"forward {run}"
+    bigviz.remove_hooks(model)
+
+
 def test_a_model_that_fits_keeps_zero_copy_maps(checkpoint: tuple[Path, GPT]) -> None:
     folder, reference = checkpoint
     idx = torch.randint(0, CONFIG.vocab_size, (1, 5), generator=torch.Generator().manual_seed(4))
@@ -213,7 +244,7 @@ def test_the_copy_holds_every_byte_at_any_offset_and_bypasses_the_page_cache(
     ranges = [*_RANGES, (61_237 - 5001, 5001)]  # the last span ends with the file
     views, spans = _mapped_spans(path, ranges)
     assert all(spans)
-    _evict_file(path)
+    drop_file_pages(path)
     copies, direct_bytes = resident._read_all(spans, 3, lambda n: None, direct=direct)
     for (offset, length), span in zip(ranges, spans):
         copy = copies[(span.address, span.length)]
@@ -260,15 +291,6 @@ def test_a_file_cut_short_under_the_copy_is_an_error_naming_it(tmp_path: Path) -
     os.truncate(path, 20_000)  # another program shortens the file (the mapping's tail would SIGBUS)
     with pytest.raises(OSError, match=r"w\.bin: short read at byte 20480|w\.bin: short read at byte 20000"):
         resident._read_all(spans, 2, lambda n: None, direct=True)
-
-
-def _evict_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _o_direct_works(folder: Path) -> bool:

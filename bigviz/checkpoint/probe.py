@@ -56,6 +56,7 @@ __all__ = [
     "timed_read",
     "split_ranges",
     "resident_pages",
+    "drop_file_pages",
     "cache_file",
 ]
 
@@ -289,7 +290,10 @@ def _mincore(fd: int, begin: int, length: int) -> bytes | None:
         libc.munmap(address, length)
 
 
-def _drop(path: Path, offset: int, length: int) -> None:
+def drop_file_pages(path: str | os.PathLike, offset: int = 0, length: int = 0) -> None:
+    """Evict ``path[offset:offset + length]`` from the page cache (``length`` 0: to the end);
+    its dirty pages are written first, as only clean pages can be dropped. The next read of
+    those bytes comes from the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         with contextlib.suppress(OSError):
@@ -310,7 +314,7 @@ def _drop_new_pages(path: Path, offset: int, before: bytes) -> None:
         j = i
         while j < len(before) and not before[j]:
             j += 1
-        _drop(path, first + i * PAGE, (j - i) * PAGE)
+        drop_file_pages(path, first + i * PAGE, (j - i) * PAGE)
         i = j
 
 
@@ -323,7 +327,7 @@ def _cold_read(ranges: Sequence[Range], readers: int, chunk: int, method: str) -
     # whole files: the kernel's read-ahead brings in pages past the end of a range too
     before = {path: resident_pages(path) for path in dict.fromkeys(path for path, _, _ in ranges)}
     for path, offset, length in ranges:
-        _drop(path, offset, length)
+        drop_file_pages(path, offset, length)
     try:
         return timed_read(ranges, readers=readers, chunk_bytes=chunk)
     finally:  # pages resident before were just read again; the others are dropped again

@@ -36,6 +36,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import ctypes
+import errno
 import mmap
 import os
 import sys
@@ -137,11 +138,22 @@ class _Libc:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
             self.fn = libc.madvise
-        self.populate_ok = self.fn is not None
-        self.prefault_ok = self.fn is not None
+        self.ok = {MADV_POPULATE_READ: self.fn is not None, MADV_POPULATE_WRITE: self.fn is not None}
 
     def madvise(self, address: int, length: int, advice: int) -> bool:
         return self.fn is not None and self.fn(address, length, advice) == 0
+
+    def populate(self, address: int, length: int, advice: int) -> bool:
+        """``madvise(advice)`` over the pages of ``[address, address + length)``; False when it
+        fails, and never tried again where the kernel does not know it (EINVAL: before 5.14)."""
+        if not self.ok[advice] or length <= 0:
+            return False
+        begin = address - address % PAGE
+        if self.madvise(begin, address + length - begin, advice):
+            return True
+        if ctypes.get_errno() == errno.EINVAL:  # an older kernel; other errors may pass (EINTR, EAGAIN)
+            self.ok[advice] = False
+        return False
 
 
 _LIBC = _Libc()
@@ -150,13 +162,7 @@ _LIBC = _Libc()
 def populate(address: int, length: int) -> bool:
     """Read ``[address, address + length)`` of a mapping in now (at disk speed, mapped).
     False where the kernel cannot (before 5.14): the compute thread then faults pages in."""
-    if not _LIBC.populate_ok or length <= 0:
-        return False
-    begin = address - address % PAGE
-    if _LIBC.madvise(begin, address + length - begin, MADV_POPULATE_READ):
-        return True
-    _LIBC.populate_ok = False  # EINVAL: an older kernel; stop trying
-    return False
+    return _LIBC.populate(address, length, MADV_POPULATE_READ)
 
 
 def prefault(address: int, length: int) -> bool:
@@ -166,13 +172,7 @@ def prefault(address: int, length: int) -> bool:
     7.2 GB read into fresh memory by 4 threads ran at 0.45-0.55 GB/s, and at 1.05-1.31 GB/s
     with each piece prefaulted first. False where the kernel cannot (before 5.14): the read
     then faults the pages in itself."""
-    if not _LIBC.prefault_ok or length <= 0:
-        return False
-    begin = address - address % PAGE
-    if _LIBC.madvise(begin, address + length - begin, MADV_POPULATE_WRITE):
-        return True
-    _LIBC.prefault_ok = False  # EINVAL: an older kernel; stop trying
-    return False
+    return _LIBC.populate(address, length, MADV_POPULATE_WRITE)
 
 
 def _pages_of(span: FileSpan) -> tuple[int, int, int]:
@@ -200,6 +200,15 @@ def drop_pages(span: FileSpan) -> int:
             finally:
                 os.close(fd)
     return length
+
+
+def unit_tensors(unit: Unit) -> dict[str, Tensor]:
+    """Key -> the tensor a unit reads, as its store gives it (a mapped view of the checkpoint,
+    or a converted copy where the model declares another dtype)."""
+    out: dict[str, Tensor] = {}
+    for store, keys in unit.keys_by_source():
+        out.update({key: _cast(unit, key, _read(store, key)) for key in keys})
+    return out
 
 
 def merge_spans(spans: Sequence[FileSpan], *, gap: int = PAGE) -> list[FileSpan]:
@@ -270,7 +279,7 @@ class StreamingFetcher:
         """Queue ``unit``'s reads (background or not: the readers do them either way)."""
         future: Future = Future()
         try:
-            tensors = self._tensors(unit)
+            tensors = unit_tensors(unit)
             spans = self._spans_of(unit, tensors)
         except Exception as exc:
             future.set_exception(exc)
@@ -302,13 +311,6 @@ class StreamingFetcher:
         for span in spans:
             self._users.setdefault((span.address, span.length), set()).add(id(unit))
         return spans
-
-    @staticmethod
-    def _tensors(unit: Unit) -> dict[str, Tensor]:
-        out: dict[str, Tensor] = {}
-        for store, keys in unit.keys_by_source():
-            out.update({key: _cast(unit, key, _read(store, key)) for key in keys})
-        return out
 
     def release(self, unit: Unit, *, still_needed: Callable[[int], bool] | None = None) -> None:
         """``unit``'s forward is over: drop its pages (when ``drop``).

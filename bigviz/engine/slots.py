@@ -49,14 +49,14 @@ import contextlib
 import itertools
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from bigviz.engine.binding import BoundUnit as Unit
 from bigviz.engine.prefetch import Handle
-from bigviz.engine.readahead import FileMaps, StreamStats, StreamingFetcher, _when_all, file_span
+from bigviz.engine.readahead import FileMaps, StreamStats, _when_all, file_span, unit_tensors
 from bigviz.engine.resident import ALIGN, _read_piece, block_room, pieces_of
 from bigviz.engine.weights import nbytes
 
@@ -88,7 +88,7 @@ class _Slot:
     future: Future | None = None
     busy: bool = False  # handed to a forward and not yet released
     graph: bool = False  # handed out while autograd recorded: never reused
-    tensors: dict[str, Tensor] = field(default_factory=dict)
+    layout: _Layout | None = None  # what it holds or is reading
 
     @property
     def address(self) -> int:
@@ -150,28 +150,23 @@ class SlotFetcher:
     def start(self, unit: Unit, *, background: bool) -> Handle:
         """Queue ``unit``'s reads into a slot (the readers do them, background or not)."""
         try:
-            tensors = StreamingFetcher._tensors(unit)
+            tensors = unit_tensors(unit)
             layout = self._layout(unit, tensors)
         except Exception as exc:
             future: Future = Future()
             future.set_exception(exc)
             return Handle(unit, future)
         slot = self._by_unit.get(id(unit))
-        if (
-            slot is not None
-            and slot.owner == id(unit)
-            and slot.future is not None
-            and slot.tensors.keys() == tensors.keys()
-        ):
+        if slot is not None and slot.layout is layout and slot.future is not None:
             return _SlotHandle(unit, slot.future, self, slot)  # already read (or on its way)
         slot = self._take(layout.size)
         slot.gen, slot.owner, slot.started, slot.busy = slot.gen + 1, id(unit), next(self._clock), False
+        slot.layout = layout
         self._by_unit[id(unit)] = slot
         out = dict(layout.kept)
         base = self._base(slot)
         for key, (offset, length, dtype, shape) in layout.views.items():
             out[key] = slot.raw[base + offset : base + offset + length].view(dtype).view(shape)
-        slot.tensors = out
         pieces = [
             p for path, off, n, at in layout.reads for p in pieces_of(path, off, n, slot.address + at, direct=True)
         ]
@@ -194,7 +189,7 @@ class SlotFetcher:
             return
         if slot.graph:
             self._slots.remove(slot)  # the graph keeps the buffer alive while it needs it
-        slot.owner, slot.busy, slot.tensors = None, False, {}
+        slot.owner, slot.busy, slot.layout = None, False, None
         self.stats.units_dropped += 1
         self.stats.bytes_dropped += sum(n for _, _, n, _ in self._layouts[id(unit)].reads)
 
