@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from bigviz.engine.dispatch import dispatch_model
-from bigviz.engine.prefetch import CpuFetcher, FetchError, Scheduler
+from bigviz.engine.prefetch import CpuFetcher, FetchError
+from bigviz.engine.scheduler import Scheduler
 from bigviz.engine.binding import bound_units
 
 

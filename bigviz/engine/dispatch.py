@@ -46,7 +46,8 @@ from bigviz.engine.binding import Binding, BoundUnit, bind, called_modules
 from bigviz.engine.devices import torch_device
 from bigviz.engine.hooks import GUARDED_METHODS, add_hook_to_module, remove_hook_from_module
 from bigviz.engine.offload_hooks import AlignDevicesHook, ForwardLock, OffloadHook
-from bigviz.engine.prefetch import CpuFetcher, CudaFetcher, Fetcher, Scheduler
+from bigviz.engine.prefetch import CpuFetcher, CudaFetcher, Fetcher
+from bigviz.engine.scheduler import Scheduler
 from bigviz.engine.weights import as_slot_value, open_offload_folder, pin, set_slot, write_offload_folder
 from bigviz.modeling.inventory import ModelInventory
 from bigviz.planning.chain import dispatch_plan_for

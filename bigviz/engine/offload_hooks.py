@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from bigviz.engine.devices import DeviceLike, any_tensor, find_device, map_tensors, send_to_device, torch_device
 from bigviz.engine.hooks import ModelHook
 from bigviz.modeling.budgets import default_execution_device
-from bigviz.engine.prefetch import Scheduler
+from bigviz.engine.scheduler import Scheduler
 from bigviz.engine.binding import BoundUnit
 from bigviz.engine.weights import as_slot_value, set_slot
 
