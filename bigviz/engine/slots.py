@@ -23,9 +23,10 @@ summarised in ``bench/RESULTS.md``):
 
 A slot is process memory (``RssAnon``): the fetcher holds at most ``slots`` of them, each
 the size of the largest unit read so far. Units tied to each other (an embedding and the
-head that reuses it, both on disk) are read once per unit. While autograd records (a forward
-with gradients enabled), a unit's slot is not reused after its release: the graph may hold
-views of its weights for the backward, so the slot is retired and freed with the graph.
+head that reuses it, both on disk) are read once per unit. A slot is reused as soon as its unit
+is released: the offload hook runs an offloaded module's forward under ``torch.no_grad()``
+(offloaded modules are inference-only, their outputs guarded against backward), so no autograd
+graph keeps a view of a slot, and the hook points the module back at ``meta`` before the release.
 
 Example:
     >>> import os, tempfile, torch
@@ -87,7 +88,6 @@ class _Slot:
     started: int = 0  # order of the last start: the oldest idle slot is reused first
     future: Future | None = None
     busy: bool = False  # handed to a forward and not yet released
-    graph: bool = False  # handed out while autograd recorded: never reused
     layout: _Layout | None = None  # what it holds or is reading
 
     @property
@@ -108,7 +108,6 @@ class _SlotHandle(Handle):
         if self._slot.gen != self._gen:
             return self._fetcher.start(self.unit, background=False).wait()
         self._slot.busy = True
-        self._slot.graph = self._slot.graph or torch.is_grad_enabled()
         return tensors
 
 
@@ -182,13 +181,10 @@ class SlotFetcher:
         return _SlotHandle(unit, future, self, slot)
 
     def release(self, unit: Unit, **_: object) -> None:
-        """``unit``'s forward is over: its slot is free for the next read (or retired, when
-        autograd may still read the weights it holds)."""
+        """``unit``'s forward is over: its slot is free for the next read."""
         slot = self._by_unit.pop(id(unit), None)
         if slot is None:
             return
-        if slot.graph:
-            self._slots.remove(slot)  # the graph keeps the buffer alive while it needs it
         slot.owner, slot.busy, slot.layout = None, False, None
         self.stats.units_dropped += 1
         self.stats.bytes_dropped += sum(n for _, _, n, _ in self._layouts[id(unit)].reads)
