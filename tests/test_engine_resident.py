@@ -308,8 +308,10 @@ def _o_direct_works(folder: Path) -> bool:
         probe.unlink()
 
 
+@pytest.mark.parametrize("stream", ["slots", "cache"])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])  # bfloat16: converted copies, in no file
 def test_where_a_unit_lies_in_its_files_is_found_once(
-    checkpoint: tuple[Path, GPT], monkeypatch: pytest.MonkeyPatch
+    checkpoint: tuple[Path, GPT], monkeypatch: pytest.MonkeyPatch, stream: str, dtype: torch.dtype | None
 ) -> None:
     from bigviz.engine import readahead
 
@@ -322,13 +324,18 @@ def test_where_a_unit_lies_in_its_files_is_found_once(
 
     monkeypatch.setattr(readahead.FileMaps, "__init__", counting)
     folder, reference = checkpoint
-    model = _dispatch(folder, _split_map(2), "copy")
+    with bigviz.init_empty_weights():
+        model = GPT(CONFIG)
+    model = bigviz.load_checkpoint_and_dispatch(model, folder, _split_map(2), resident="map", dtype=dtype)
+    settle_residency(model, resident="copy", stream=stream, progress=False)
     idx = torch.arange(6).view(1, 6)
     with torch.no_grad():
-        assert torch.equal(model(idx)[0], reference(idx)[0])
+        first = model(idx)[0]
+        if dtype is None:
+            assert torch.equal(first, reference(idx)[0])
         after_first = len(parsed)
         for _ in range(2):
-            assert torch.equal(model(idx)[0], reference(idx)[0])
+            assert torch.equal(model(idx)[0], first)
     disk = [u for u in model._bigviz_dispatch.units if u.storage == "disk"]
     assert 0 < after_first and len(parsed) - after_first == 0, "/proc/self/maps parsed again in later forwards"
     assert len(disk) == 4

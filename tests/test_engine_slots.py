@@ -84,3 +84,27 @@ def test_bad_arguments_are_refused() -> None:
         SlotFetcher(slots=0)
     with pytest.raises(ValueError, match="stream='fast'.*'slots'.*'cache'"):
         settle_residency(torch.nn.Linear(2, 2), stream="fast")
+
+
+def test_a_converted_tensor_is_handed_out_and_the_layout_is_found_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bigviz.engine import slots
+
+    (unit,) = _units(tmp_path, 1)
+    unit.dtypes = {"b": torch.float16}  # the model declares another dtype: a new copy at each fetch
+    made: list[int] = []
+
+    class CountingMaps(slots.FileMaps):
+        def __init__(self) -> None:
+            made.append(1)
+            super().__init__()
+
+    monkeypatch.setattr(slots, "FileMaps", CountingMaps)
+    with SlotFetcher(slots=1) as fetcher:
+        for _ in range(3):
+            got = fetcher.start(unit, background=False).wait()
+            assert torch.equal(got["a"], unit._store["a"]) and got["a"].data_ptr() != unit._store["a"].data_ptr()
+            assert got["b"].dtype == torch.float16 and torch.equal(got["b"], unit._store["b"].half())
+            fetcher.release(unit)
+    assert len(made) == 1, f"/proc/self/maps parsed {len(made)} times for one unit"

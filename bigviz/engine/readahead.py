@@ -202,6 +202,15 @@ def drop_pages(span: FileSpan) -> int:
     return length
 
 
+Where = tuple[tuple[str, int, int], ...]
+
+
+def mapped_where(tensors: Mapping[str, Tensor], kept: frozenset[str]) -> Where:
+    """``(key, address, bytes)`` of the tensors not in ``kept`` (those found in no file: a
+    converted copy is new memory at each fetch), to tell whether what a unit maps moved."""
+    return tuple((key, t.data_ptr(), nbytes(t)) for key, t in tensors.items() if key not in kept)
+
+
 def unit_tensors(unit: Unit) -> dict[str, Tensor]:
     """Key -> the tensor a unit reads, as its store gives it (a mapped view of the checkpoint,
     or a converted copy where the model declares another dtype)."""
@@ -271,7 +280,7 @@ class StreamingFetcher:
         self._pool: ThreadPoolExecutor | None = None
         self._dropper: ThreadPoolExecutor | None = None
         self._spans: dict[int, list[FileSpan]] = {}  # unit id -> spans read, until released
-        self._where: dict[int, tuple[tuple[tuple[int, int], ...], list[FileSpan]]] = {}  # unit id -> spans found
+        self._where: dict[int, tuple[frozenset[str], Where, list[FileSpan]]] = {}  # unit id -> spans found
         self._users: dict[tuple[int, int], set[int]] = {}  # (address, length) -> ids of the units fetching it
         self._lock = threading.Lock()
 
@@ -300,14 +309,15 @@ class StreamingFetcher:
     def _spans_of(self, unit: Unit, tensors: Mapping[str, Tensor]) -> list[FileSpan]:
         """Where ``tensors`` lie in their files. Found once per unit from ``/proc/self/maps``
         (parsing it takes milliseconds: per unit and token, that is most of a small model's
-        forward) and reused while the tensors are the same mapped bytes."""
-        where = tuple((t.data_ptr(), nbytes(t)) for t in tensors.values())
+        forward) and reused while its file-backed tensors are the same mapped bytes."""
         known = self._where.get(id(unit))
-        if known is not None and known[0] == where:
-            return known[1]
+        if known is not None and known[1] == mapped_where(tensors, known[0]):
+            return known[2]
         maps = FileMaps()
-        spans = [s for s in (file_span(t, maps) for t in tensors.values()) if s is not None]
-        self._where[id(unit)] = (where, spans)
+        found = {key: file_span(t, maps) for key, t in tensors.items()}
+        kept = frozenset(key for key, span in found.items() if span is None)
+        spans = [span for span in found.values() if span is not None]
+        self._where[id(unit)] = (kept, mapped_where(tensors, kept), spans)
         for span in spans:
             self._users.setdefault((span.address, span.length), set()).add(id(unit))
         return spans

@@ -57,9 +57,8 @@ from torch import Tensor
 
 from bigviz.engine.binding import BoundUnit as Unit
 from bigviz.engine.prefetch import Handle
-from bigviz.engine.readahead import FileMaps, StreamStats, _when_all, file_span, unit_tensors
+from bigviz.engine.readahead import FileMaps, StreamStats, Where, _when_all, file_span, mapped_where, unit_tensors
 from bigviz.engine.resident import ALIGN, _read_piece, block_room, pieces_of
-from bigviz.engine.weights import nbytes
 
 __all__ = ["SlotFetcher"]
 
@@ -68,15 +67,16 @@ MERGE_GAP = 64 * 2**10  # tensors of a unit less than this apart in a file are r
 
 @dataclass
 class _Layout:
-    """Where a unit's bytes go in a slot: ``reads`` (path, file offset, length, slot offset) and,
-    for each key, its view (slot offset, bytes, dtype, shape) or the tensor itself when it is not in a
-    file (a converted copy: nothing to read)."""
+    """Where a unit's bytes go in a slot: ``reads`` (path, file offset, length, slot offset),
+    each file-backed key's view (slot offset, bytes, dtype, shape), and the keys not in a file
+    (converted copies: handed out as the store gives them, nothing to read). ``where`` is the
+    file-backed tensors' addresses it was made for."""
 
-    where: tuple[tuple[int, int], ...]
+    where: Where
     size: int
     reads: list[tuple[str, int, int, int]]
     views: dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]]
-    kept: dict[str, Tensor]
+    kept: frozenset[str]
 
 
 @dataclass(eq=False)
@@ -162,7 +162,7 @@ class SlotFetcher:
         slot.gen, slot.owner, slot.started, slot.busy = slot.gen + 1, id(unit), next(self._clock), False
         slot.layout = layout
         self._by_unit[id(unit)] = slot
-        out = dict(layout.kept)
+        out = {key: tensors[key] for key in layout.kept}
         base = self._base(slot)
         for key, (offset, length, dtype, shape) in layout.views.items():
             out[key] = slot.raw[base + offset : base + offset + length].view(dtype).view(shape)
@@ -216,14 +216,14 @@ class SlotFetcher:
 
     def _layout(self, unit: Unit, tensors: Mapping[str, Tensor]) -> _Layout:
         """Where ``tensors`` are read from and go to; found once per unit (``/proc/self/maps``
-        is parsed then) and reused while the tensors are the same mapped bytes."""
-        where = tuple((t.data_ptr(), nbytes(t)) for t in tensors.values())
+        is parsed then) and reused while its file-backed tensors are the same mapped bytes (a
+        converted copy is new memory at each fetch: it does not count)."""
         known = self._layouts.get(id(unit))
-        if known is not None and known.where == where:
+        if known is not None and known.where == mapped_where(tensors, known.kept):
             return known
         maps = FileMaps()
         spans = {key: file_span(t, maps) for key, t in tensors.items()}
-        kept = {key: t for key, t in tensors.items() if spans[key] is None}
+        kept = frozenset(key for key in tensors if spans[key] is None)
         ranges: list[list] = []  # [path, first byte, end byte, keys]
         for key, span in sorted(
             ((k, s) for k, s in spans.items() if s is not None), key=lambda i: (i[1].path, i[1].offset)
@@ -243,7 +243,7 @@ class SlotFetcher:
                 offset = at + head + span.offset - first  # type: ignore[union-attr]
                 views[key] = (offset, span.length, tensor.dtype, tuple(tensor.shape))  # type: ignore[union-attr]
             at += size
-        layout = _Layout(where, at, reads, views, kept)
+        layout = _Layout(mapped_where(tensors, kept), at, reads, views, kept)
         self._layouts[id(unit)] = layout
         return layout
 
