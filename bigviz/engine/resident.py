@@ -305,7 +305,10 @@ def _read_into(piece: _Piece, flags: int) -> None:
         while got < piece.upto:
             n = os.preadv(fd, [view[got:ask]], piece.offset + got)
             if n <= 0:
-                raise OSError(f"{piece.path}: short read at byte {piece.offset + got} (file changed?)")
+                raise OSError(
+                    f"{piece.path}: short read at byte {piece.offset + got}: the file is shorter than when "
+                    "the model was loaded (changed or truncated since); restore it, or load the model again"
+                )
             got += n
         if not flags and hasattr(os, "posix_fadvise"):  # the copy is ours now: the page cache need not keep it
             with contextlib.suppress(OSError):
