@@ -75,7 +75,10 @@ def test_a_slot_given_away_before_its_wait_reads_again(tmp_path: Path) -> None:
 def test_a_file_cut_short_is_an_error_naming_the_unit(tmp_path: Path) -> None:
     (unit,) = _units(tmp_path, 1, numel=200_000)
     os.truncate(tmp_path / "w.bin", 100_000)  # the mapping stays, the bytes are gone
-    with SlotFetcher(slots=1) as fetcher, pytest.raises(FetchError, match="'u0'.*short read.*truncated.*load the model again"):
+    with (
+        SlotFetcher(slots=1) as fetcher,
+        pytest.raises(FetchError, match="'u0'.*short read.*truncated.*load the model again"),
+    ):
         fetcher.start(unit, background=True).wait()
 
 
