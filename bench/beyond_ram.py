@@ -383,6 +383,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             state = getattr(model, "_bigviz_dispatch", None)
             if getattr(state, "scheduler", None) is not None:
                 out["depth"] = state.scheduler.depth  # units read ahead (for the prediction)
+                out["ring"] = getattr(state.scheduler.fetcher, "capacity", None)  # CPU streaming: its ring
             if getattr(model, "_bigviz_residency", None) is not None:
                 out["residency"] = model._bigviz_residency.reason
                 copied = model._bigviz_residency.copied
@@ -577,16 +578,21 @@ def split_bytes(shape: Shape, device_map: dict[str, str]) -> tuple[int, int, lis
 
 
 def predict(
-    shape: Shape, device_map: dict[str, str], compute: dict[str, float], bandwidth: float, depth: int = 2
+    shape: Shape,
+    device_map: dict[str, str],
+    compute: dict[str, float],
+    bandwidth: float,
+    depth: int = 2,
+    ring: int | None = None,
 ) -> Any:
     """bigviz.core.streaming's prediction of a later forward, at the floor's bandwidth, with the
-    engine's read-ahead depth."""
+    engine's read-ahead (its ring's bytes when the CPU streams, else ``depth`` units)."""
     from bigviz.core.streaming import UnitCost, predict_forward
 
     resident, _, placed = split_bytes(shape, device_map)
     seconds = {"wte": 0.0, "block": compute["block_s"], "head": compute["head_s"]}
     units = [UnitCost(kind, read_bytes=nbytes, compute_seconds=seconds[kind]) for kind, nbytes, _ in placed]
-    return predict_forward(units, disk_bandwidth=bandwidth, depth=depth, resident_bytes=resident)
+    return predict_forward(units, disk_bandwidth=bandwidth, depth=depth, resident_bytes=resident, ring=ring)
 
 
 def gb(nbytes: float) -> str:
@@ -719,14 +725,16 @@ def _later_row(
     floor_part = streamed / bandwidth if bandwidth else None
     note = f"read of the streamed part at the floor's speed: {fmt_s(floor_part)} ({ratio(seconds, floor_part)})"
     if compute and bandwidth:
-        depth = r.get("depth", 2)
-        guess = predict(shape, r["map"], compute, bandwidth, depth)
+        depth, ring = r.get("depth", 2), r.get("ring")
+        guess = predict(shape, r["map"], compute, bandwidth, depth, ring)
+        ahead = f"a {ring / GiB:.2f} GiB ring" if ring else f"{depth} unit(s) read ahead"
         note += (
-            f"; predicted {guess.seconds:.1f} s ({guess.bottleneck}-bound, {depth} unit(s) read ahead) "
+            f"; predicted {guess.seconds:.1f} s ({guess.bottleneck}-bound, {ahead}) "
             f"at the floor's bandwidth ({ratio(seconds, guess.seconds)} of it)"
         )
         if probe:
-            note += f", {predict(shape, r['map'], compute, probe['parallel'], depth).seconds:.1f} s at the probe's"
+            at_probe = predict(shape, r["map"], compute, probe["parallel"], depth, ring).seconds
+            note += f", {at_probe:.1f} s at the probe's"
     return f"| {name}: {label} | {fmt_s(seconds)} | {ratio(seconds, best)} | | {note} |"
 
 
@@ -760,7 +768,7 @@ def _goals(
                 + " (goal <= 1.1x)"
             )
         if compute:
-            guess = predict(shape, auto["map"], compute, bandwidth, auto.get("depth", 2))
+            guess = predict(shape, auto["map"], compute, bandwidth, auto.get("depth", 2), auto.get("ring"))
             lines.append(
                 f"- bigviz auto, slower next forward / predicted ({guess.bottleneck}-bound, floor's bandwidth, "
                 f"compute measured): **{ratio(later, guess.seconds)}** (when compute is the "

@@ -9,7 +9,7 @@ For each large file, alternately, read cold by 4 threads in 16 MiB pieces:
   ``madvise(MADV_POPULATE_READ)`` (bigviz's ``StreamingFetcher``, ``stream="cache"``), pages
   dropped afterwards;
 - ``slot``: each piece read with ``O_DIRECT`` into one buffer allocated once and reused
-  (bigviz's ``SlotFetcher``, the default).
+  (as bigviz's ``RingFetcher``, the default, reads into its ring).
 
 It prints the read speed, the CPU time the whole machine spent during the read (``/proc/stat``
 user + system ticks), and how long a first and a second pass over the bytes take (a numpy sum:

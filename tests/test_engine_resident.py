@@ -5,7 +5,7 @@ A small GPT is saved with one shard per block; part of it is mapped to "cpu", th
 ``mincore``: the resident weights live in process memory (every page present, none of them
 file-backed), the disk units' file pages are dropped from the page cache once used (except
 the units read ahead for the next forward), and outputs are bit-exact against the model in RAM.
-Disk units stream into reused ``O_DIRECT`` slots by default (the page cache untouched); the
+Disk units stream into one reused ``O_DIRECT`` ring by default (the page cache untouched); the
 page-cache streaming (``stream="cache"``) is checked too.
 """
 
@@ -25,7 +25,7 @@ from bigviz.checkpoint.save import save_sharded
 from bigviz.engine.prefetch import CpuFetcher, _pages
 from bigviz.engine.readahead import StreamingFetcher, file_span
 from bigviz.engine.resident import decide, mapped_bytes, settle_residency
-from bigviz.engine.slots import SlotFetcher
+from bigviz.engine.ring import RingFetcher
 from bigviz.models import GPT, GPTConfig
 
 pytestmark = pytest.mark.skipif(
@@ -129,15 +129,17 @@ def test_resident_weights_stay_in_memory_and_streamed_pages_are_dropped(checkpoi
     bigviz.remove_hooks(model)
 
 
-def test_disk_units_stream_through_reused_slots_bit_exact(checkpoint: tuple[Path, GPT]) -> None:
+def test_disk_units_stream_through_one_reused_ring_bit_exact(checkpoint: tuple[Path, GPT]) -> None:
     folder, reference = checkpoint
     device_map = _split_map(1)
     _evict(folder)
     model = _dispatch(folder, device_map, "copy")
     state = model._bigviz_dispatch
     fetcher = state.scheduler.fetcher
-    assert isinstance(fetcher, SlotFetcher) and fetcher.slots == state.scheduler.depth + 1
+    assert isinstance(fetcher, RingFetcher)
     disk = [u for u in state.units if u.storage == "disk"]
+    largest = max(u.nbytes for u in disk)
+    assert 1.5 * largest <= fetcher.capacity < 2 * largest  # less than two whole units' buffers
     seen: dict[str, int] = {}  # unit -> address its weights had in its forward
 
     def in_forward(unit: object) -> None:
@@ -154,9 +156,10 @@ def test_disk_units_stream_through_reused_slots_bit_exact(checkpoint: tuple[Path
             assert torch.equal(model(idx)[0].detach(), expected), f"forward {run}"
         assert sorted(seen) == sorted(u.name for u in disk)
         addresses |= set(seen.values())
-    # the weights of five units were read into at most depth + 1 buffers, made once
-    assert len(fetcher._slots) <= fetcher.slots and fetcher.made == len(fetcher._slots)
-    assert all(any(s.address <= a < s.address + s.size for s in fetcher._slots) for a in addresses)
+    # the weights of five units were read into one ring, made once; none needed a buffer of its own
+    ring = fetcher._ring
+    assert fetcher.made == 1 and fetcher.overflows == 0 and fetcher.held_bytes == ring.numel()
+    assert all(ring.data_ptr() <= a < ring.data_ptr() + ring.numel() for a in addresses)
     assert fetcher.stats.units_read >= 3 * len(disk)
     # O_DIRECT left the page cache alone (or the buffered fallback dropped what it read)
     cached = sum(sum(resident_pages(p) or b"") for p in folder.glob("*.safetensors"))
@@ -167,7 +170,7 @@ def test_disk_units_stream_through_reused_slots_bit_exact(checkpoint: tuple[Path
 def test_all_on_disk_with_a_tied_head_stays_exact(checkpoint: tuple[Path, GPT]) -> None:
     folder, reference = checkpoint
     model = _dispatch(folder, {"": "disk"}, "copy")
-    assert isinstance(model._bigviz_dispatch.scheduler.fetcher, SlotFetcher)
+    assert isinstance(model._bigviz_dispatch.scheduler.fetcher, RingFetcher)
     idx = torch.arange(6).view(1, 6)
     for run in range(3):
         with torch.no_grad():
@@ -308,7 +311,7 @@ def _o_direct_works(folder: Path) -> bool:
         probe.unlink()
 
 
-@pytest.mark.parametrize("stream", ["slots", "cache"])
+@pytest.mark.parametrize("stream", ["ring", "cache"])
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])  # bfloat16: converted copies, in no file
 def test_where_a_unit_lies_in_its_files_is_found_once(
     checkpoint: tuple[Path, GPT], monkeypatch: pytest.MonkeyPatch, stream: str, dtype: torch.dtype | None

@@ -11,7 +11,7 @@ from torch import nn
 
 import bigviz.planning
 import bigviz.planning.device_plan
-from bigviz.core.streaming import DEFAULT_DEPTH, forward_estimate
+from bigviz.core.streaming import forward_estimate, ring_bytes
 from bigviz.ui.planner import Planner
 
 LAYER = 16_640  # bytes of nn.Linear(64, 64) in float32
@@ -21,14 +21,15 @@ def _model(n: int = 8) -> nn.Module:
     return nn.Sequential(*[nn.Linear(64, 64) for _ in range(n)])
 
 
-@pytest.mark.parametrize("ram_layers, expected_layers", [(20, 20), (6, 6 - (DEFAULT_DEPTH + 1))])
+@pytest.mark.parametrize("ram_layers, budget", [(20, 20 * LAYER), (6, 6 * LAYER - ring_bytes(LAYER))])
 def test_the_default_cpu_budget_leaves_room_for_streamed_units(
-    monkeypatch: pytest.MonkeyPatch, ram_layers: int, expected_layers: int
+    monkeypatch: pytest.MonkeyPatch, ram_layers: int, budget: int
 ) -> None:
+    # a model that does not fit keeps the CPU's streaming ring (1.5 layers) out of the budget
     monkeypatch.setattr(bigviz.planning.device_plan, "get_max_memory", lambda max_memory: {"cpu": ram_layers * LAYER})
     plan = bigviz.planning.plan(_model(), None)
-    assert plan.max_memory["cpu"] == expected_layers * LAYER
-    assert sum(p.nbytes for p in plan.placements if p.device == "cpu") == min(8, expected_layers) * LAYER
+    assert plan.max_memory["cpu"] == budget
+    assert sum(p.nbytes for p in plan.placements if p.device == "cpu") == min(8, budget // LAYER) * LAYER
 
 
 def test_an_explicit_cpu_budget_means_resident_bytes() -> None:

@@ -201,7 +201,7 @@ class DevicePlan:
             (2.25, 'disk')
         """
         from bigviz.core.cost import DISK_BANDWIDTH, LINK_BANDWIDTH, find_bandwidth
-        from bigviz.core.streaming import DEFAULT_DEPTH, forward_estimate
+        from bigviz.core.streaming import forward_estimate
 
         disk = find_bandwidth(disk_bandwidth, DISK_BANDWIDTH, "disk")
         link = None
@@ -212,7 +212,7 @@ class DevicePlan:
             disk_bandwidth=disk,
             compute_seconds=compute_seconds,
             link_bandwidth=link,
-            depth=DEFAULT_DEPTH if depth is None else depth,
+            depth=depth,
         )
 
     @property

@@ -49,13 +49,27 @@ __all__ = [
     "estimate_forward",
     "compute_seconds",
     "DEFAULT_DEPTH",
+    "RING_AHEAD",
+    "ring_bytes",
     "resident_budget",
     "default_cpu_budget",
     "plan_forward",
     "forward_estimate",
 ]
 
-DEFAULT_DEPTH = 2  # disk units the engine reads ahead of the running one (bigviz.engine.readahead)
+DEFAULT_DEPTH = 2  # units the engine reads ahead of the running one (GPU staging, page-cache streaming)
+RING_AHEAD = 0.5  # CPU streaming: the ring holds the largest unit and this share of one more (bigviz.engine.ring)
+
+
+def ring_bytes(largest_unit: int, ahead: float = RING_AHEAD) -> int:
+    """Bytes of the ring the CPU streams disk units through: the running unit and ``ahead``
+    of the next (``bigviz.engine.ring.ring_capacity`` adds the alignment of its reads).
+
+    Example:
+        >>> ring_bytes(2 * 10**9)
+        3000000000
+    """
+    return int(largest_unit * (1 + ahead))
 
 
 @dataclass(frozen=True)
@@ -165,6 +179,7 @@ def predict_forward(
     link_bandwidth: float | None = None,
     depth: int = 2,
     resident_bytes: int = 0,
+    ring: int | None = None,
 ) -> ForwardEstimate:
     """Predict one forward pass over ``units`` (in execution order) as a three-stage pipeline.
 
@@ -176,18 +191,34 @@ def predict_forward(
         link_bandwidth: Bytes per second host-to-device (required when a unit copies bytes).
         depth: Streamed units read ahead of the one computing (0: no read-ahead).
         resident_bytes: Bytes read once before the first forward (the resident part).
+        ring: Bytes of the buffer streamed units are read into (CPU streaming: the engine's
+            ring, :func:`ring_bytes`). When given, it bounds the read-ahead instead of
+            ``depth``: the reads run on while the bytes read and not yet freed (a unit's are
+            freed when it has computed) fit in the ring, byte by byte.
 
     Raises:
         ValueError: a bandwidth is missing or not positive, or ``depth`` is negative.
+
+    Example:
+        >>> units = [UnitCost(f"h.{i}", read_bytes=10**9, compute_seconds=0.8) for i in range(3)]
+        >>> ring = predict_forward(units, disk_bandwidth=1e9, ring=int(1.5e9))  # half a unit read while one computes
+        >>> round(ring.seconds, 2), round(ring.stall_seconds, 2), predict_forward(units, disk_bandwidth=1e9).seconds
+        (4.4, 2.0, 3.8)
     """
     _check(units, disk_bandwidth=disk_bandwidth, link_bandwidth=link_bandwidth, depth=depth)
+    if ring is not None and ring <= 0:
+        raise ValueError(f"ring={ring!r} must be > 0 bytes")
     read_free = copy_free = compute_end = stall = 0.0
     streamed_ends: list[float] = []  # when each streamed unit finished computing
+    streamed_bytes: list[int] = []
+    gate = _RingGate(ring, streamed_ends, streamed_bytes) if ring is not None else None
     for unit in units:
         ready = 0.0
-        if unit.streamed:
-            gate = len(streamed_ends) - depth - 1
-            freed = streamed_ends[gate] if gate >= 0 else 0.0
+        if unit.streamed and gate is not None:
+            read_free = ready = gate.read(read_free, unit.read_bytes, disk_bandwidth)
+        elif unit.streamed:
+            at = len(streamed_ends) - depth - 1
+            freed = streamed_ends[at] if at >= 0 else 0.0
             start = max(read_free, compute_end if depth == 0 else freed)  # depth 0: read on demand
             read_free = ready = start + unit.read_bytes / disk_bandwidth
         if unit.copy_bytes:
@@ -197,6 +228,7 @@ def predict_forward(
         compute_end = start + unit.compute_seconds
         if unit.streamed:
             streamed_ends.append(compute_end)
+            streamed_bytes.append(unit.read_bytes)
     busy = _busy(units, disk_bandwidth, link_bandwidth)
     return ForwardEstimate(
         seconds=compute_end,
@@ -283,22 +315,22 @@ def compute_seconds(parameters: int, tokens: int, *, flops_per_second: float) ->
     return 2 * parameters * tokens / flops_per_second
 
 
-def resident_budget(cpu_budget: int, *, model_bytes: int, largest_unit: int, depth: int = DEFAULT_DEPTH) -> int:
+def resident_budget(cpu_budget: int, *, model_bytes: int, largest_unit: int, ahead: float = RING_AHEAD) -> int:
     """The default "cpu" budget (resident bytes) of a model that may not fit: all of
-    ``cpu_budget`` when the whole model fits, else ``cpu_budget`` less room for the streamed
-    units in RAM at once (the running one and ``depth`` read ahead).
+    ``cpu_budget`` when the whole model fits, else ``cpu_budget`` less the ring the streamed
+    units pass through (:func:`ring_bytes`: the running one and ``ahead`` of the next).
 
     Example:
         >>> resident_budget(100, model_bytes=90, largest_unit=10), resident_budget(100, model_bytes=150, largest_unit=10)
-        (100, 70)
+        (100, 85)
     """
     if model_bytes <= cpu_budget:
         return cpu_budget
-    return max(0, cpu_budget - (depth + 1) * largest_unit)
+    return max(0, cpu_budget - ring_bytes(largest_unit, ahead))
 
 
 def default_cpu_budget(
-    tree: SizeTree, cpu_budget: int, no_split: frozenset[str] = frozenset(), *, depth: int = DEFAULT_DEPTH
+    tree: SizeTree, cpu_budget: int, no_split: frozenset[str] = frozenset(), *, ahead: float = RING_AHEAD
 ) -> int:
     """:func:`resident_budget` for a model's size tree: the largest unit the engine streams is
     its largest module placed whole (a no-split block, a leaf module).
@@ -307,13 +339,13 @@ def default_cpu_budget(
         >>> from bigviz.core.tree import SizeTree, TensorSpec
         >>> tree = SizeTree.build([TensorSpec(f"h.{i}.weight", 100, "float32") for i in range(10)])
         >>> default_cpu_budget(tree, 5000), default_cpu_budget(tree, 3000)
-        (5000, 1800)
+        (5000, 2400)
     """
     from bigviz.core.nosplit import is_no_split
 
     units = [n.total_bytes for name, n in tree.nodes.items() if not n.children or is_no_split(tree, name, no_split)]
     return resident_budget(
-        cpu_budget, model_bytes=tree.nodes[""].total_bytes, largest_unit=max(units, default=0), depth=depth
+        cpu_budget, model_bytes=tree.nodes[""].total_bytes, largest_unit=max(units, default=0), ahead=ahead
     )
 
 
@@ -324,12 +356,14 @@ def plan_forward(
     compute_seconds: float = 0.0,
     link_bandwidth: float | None = None,
     main_device: str = "cpu",
-    depth: int = DEFAULT_DEPTH,
+    depth: int | None = None,
 ) -> ForwardEstimate:
     """:func:`predict_forward` for a plan's placements ``(name, device, bytes)`` in execution
     order: disk units are read per forward, "cpu" ones are resident (read once, before the
     first forward) unless a GPU executes (then they cross the link), compute is spread over
-    the units in proportion to their bytes.
+    the units in proportion to their bytes. Read-ahead as the engine does it: ``depth`` units
+    when given or when a GPU executes (``DEFAULT_DEPTH``), else the CPU's ring
+    (:func:`ring_bytes` of the largest disk unit).
 
     Example:
         >>> rows = [("h.0", "cpu", 4 * 10**9), ("h.1", "disk", 2 * 10**9), ("h.2", "disk", 2 * 10**9)]
@@ -347,12 +381,15 @@ def plan_forward(
         if read or copy or compute != 0:  # one that reads, copies and computes nothing moves no stage on
             units.append(UnitCost(name, read_bytes=read, copy_bytes=copy, compute_seconds=compute))
     resident = sum(n for _, d, n in placements if d == "cpu")
+    largest = max((u.read_bytes for u in units), default=0)
+    ring = ring_bytes(largest) if depth is None and not gpu and largest else None
     return predict_forward(
         units or [UnitCost("model")],
         disk_bandwidth=disk_bandwidth,
         link_bandwidth=link_bandwidth,
-        depth=depth,
+        depth=DEFAULT_DEPTH if depth is None else depth,
         resident_bytes=resident,
+        ring=ring,
     )
 
 
@@ -362,7 +399,7 @@ def forward_estimate(
     disk_bandwidth: float,
     compute_seconds: float = 0.0,
     link_bandwidth: float | None = None,
-    depth: int = DEFAULT_DEPTH,
+    depth: int | None = None,
 ) -> ForwardEstimate:
     """:func:`plan_forward` for a :class:`~bigviz.core.plan.DevicePlan` (its placements in
     definition order, the usual execution order; GPU-resident units cost compute only).
@@ -385,6 +422,38 @@ def forward_estimate(
         main_device=main,
         depth=depth,
     )
+
+
+class _RingGate:
+    """The reader of a ring: its position in the stream of streamed bytes may run at most
+    ``ring`` bytes past those freed (by units done computing, at ``ends``)."""
+
+    def __init__(self, ring: int, ends: list[float], sizes: list[int]) -> None:
+        self.ring, self.ends, self.sizes = ring, ends, sizes
+        self.pos = self.freed = 0  # bytes read, bytes freed
+        self.done = 0  # units whose bytes are freed
+
+    def read(self, now: float, nbytes: int, bandwidth: float) -> float:
+        """When a unit of ``nbytes``, read from ``now`` on, is all read."""
+        end = self.pos + nbytes
+        while self.pos < end:
+            while self.done < len(self.ends) and self.ends[self.done] <= now:
+                self._free()
+            upto = min(end, self.freed + self.ring)
+            if upto > self.pos:
+                now += (upto - self.pos) / bandwidth
+                self.pos = upto
+            elif self.done < len(self.ends):
+                now = max(now, self.ends[self.done])
+                self._free()
+            else:  # larger than the ring: the engine reads the rest into a buffer of its own
+                now += (end - self.pos) / bandwidth
+                self.pos = end
+        return now
+
+    def _free(self) -> None:
+        self.freed += self.sizes[self.done]
+        self.done += 1
 
 
 def _share(seconds: float, nbytes: float, total: int) -> float:

@@ -12,11 +12,11 @@ streams the rest without polluting:
   copy is prefaulted in one call, then read with ``O_DIRECT`` (the disk writes into it, the
   page cache never holds a second copy); where the filesystem refuses ``O_DIRECT``, buffered
   reads whose pages are dropped behind them;
-- the disk units get a :class:`~bigviz.engine.slots.SlotFetcher`: read ahead in execution
-  order by parallel readers with ``O_DIRECT``, ``depth`` units ahead of the running one,
-  into ``depth + 1`` buffers allocated once and reused (no page cache, nothing to drop; fresh
-  memory per unit costs a fault per page on a virtual machine), the next read starting as
-  soon as a unit is done (so reads run on while resident units compute).
+- the disk units get a :class:`~bigviz.engine.ring.RingFetcher`: read ahead in execution
+  order by parallel readers with ``O_DIRECT`` into one ring buffer allocated once and reused,
+  1.5 times the largest unit (no page cache, nothing to drop; fresh memory per unit costs a
+  fault per page on a virtual machine), the next reads starting as soon as a unit is done
+  (so reads run on while resident units compute).
 
 Why an anonymous copy rather than locking the mapped pages (``mlock``), measured on two 1.8 GB
 shards, cold, on a loaded 2-core machine (``/proc/self/status`` deltas):
@@ -324,17 +324,18 @@ def settle_residency(
     readers: int = 4,
     progress: bool = True,
     available: int | None = None,
-    stream: str = "slots",
+    stream: str = "ring",
 ) -> Residency:
     """Choose how a dispatched model keeps its weights (:func:`decide`) and set it up.
 
     With ``"copy"``: memory-mapped CPU weights are copied into process memory
-    (:func:`make_resident`) and, when the CPU executes disk units, they are streamed, up to
-    ``DEFAULT_DEPTH`` units ahead as the RAM left allows (:func:`stream_depth`), by a
-    :class:`~bigviz.engine.slots.SlotFetcher` (``stream="slots"``: ``O_DIRECT`` into
-    ``depth + 1`` reused buffers) or a :class:`~bigviz.engine.readahead.StreamingFetcher`
-    (``stream="cache"``: through the page cache, dropped after use). With
-    ``"map"``: nothing changes (zero copy). Recorded in ``model._bigviz_residency``.
+    (:func:`make_resident`) and, when the CPU executes disk units, they are streamed by a
+    :class:`~bigviz.engine.ring.RingFetcher` (``stream="ring"``: ``O_DIRECT`` into one
+    reused ring of 1.5 times the largest disk unit) or a
+    :class:`~bigviz.engine.readahead.StreamingFetcher` (``stream="cache"``: through the page
+    cache, dropped after use, up to ``DEFAULT_DEPTH`` units ahead as the RAM left allows:
+    :func:`stream_depth`). With ``"map"``: nothing changes (zero copy). Recorded in
+    ``model._bigviz_residency``.
 
     Args:
         model: A model dispatched by bigviz (or a plain one: then only its tensors count).
@@ -342,11 +343,11 @@ def settle_residency(
         readers: Parallel readers for the copy and for streaming.
         progress: Show a progress bar while copying.
         available: Available RAM in bytes (default: measured now).
-        stream: ``"slots"`` or ``"cache"``: how disk units are streamed (see above).
+        stream: ``"ring"`` or ``"cache"``: how disk units are streamed (see above).
     """
-    if stream not in ("slots", "cache"):
-        raise ValueError(f"stream={stream!r}: expected 'slots' (reused O_DIRECT buffers) or 'cache' (page cache)")
-    from bigviz.engine.slots import SlotFetcher  # it reads with this module's pieces
+    if stream not in ("ring", "cache"):
+        raise ValueError(f"stream={stream!r}: expected 'ring' (one reused O_DIRECT buffer) or 'cache' (page cache)")
+    from bigviz.engine.ring import RingFetcher  # it reads with this module's pieces
 
     state = getattr(model, "_bigviz_dispatch", None)
     streaming = [u for u in getattr(state, "units", []) if u.storage == "disk"]
@@ -359,18 +360,19 @@ def settle_residency(
         copied = make_resident(model, readers=readers, progress=progress) if mapped else None
         scheduler = getattr(state, "scheduler", None)
         if streaming and scheduler is not None and state.options.main_device.type == "cpu":
-            left = psutil.virtual_memory().available if available is None else max(0, available - mapped)
-            depth = stream_depth(left, max(u.nbytes for u in streaming))
             scheduler.fetcher.close()
-            scheduler.fetcher = (
-                SlotFetcher(slots=depth + 1, readers=readers)
-                if stream == "slots"
-                else StreamingFetcher(readers=readers)
-            )
-            scheduler.depth = depth
+            if stream == "ring":
+                ring = RingFetcher(readers=readers)
+                capacity = ring.prepare(streaming)
+                scheduler.fetcher, scheduler.depth = ring, DEFAULT_DEPTH  # the ring bounds what is read ahead
+                reason += f"; disk units read ahead into a ring of {capacity / 2**30:.2f} GiB"
+            else:
+                left = psutil.virtual_memory().available if available is None else max(0, available - mapped)
+                scheduler.fetcher = StreamingFetcher(readers=readers)
+                scheduler.depth = stream_depth(left, max(u.nbytes for u in streaming))
+                reason += f"; {scheduler.depth} unit(s) read ahead"
             if scheduler.prefetch:
                 scheduler.fetch_ahead(scheduler.depth)  # the first forward's first disk units
-            reason += f"; {scheduler.depth} unit(s) read ahead"
     residency = Residency(mode, mapped, streamed, free, reason, copied)
     model._bigviz_residency = residency
     return residency
