@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -31,8 +32,9 @@ PAGE = mmap.PAGESIZE
 class _Unit:
     """What a fetcher reads of a bound unit."""
 
-    def __init__(self, name: str, store: dict[str, torch.Tensor]) -> None:
+    def __init__(self, name: str, store: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
         self.name, self.storage, self.dtypes, self._store = name, "disk", {}, store
+        self.expected = expected  # the same values, not read from the file (its pages stay as they are)
 
     def keys_by_source(self) -> list[tuple[dict[str, torch.Tensor], list[str]]]:
         return [(self._store, list(self._store))]
@@ -47,13 +49,16 @@ def _units(tmp_path: Path, sizes: list[int]) -> list[_Unit]:
     whole = map_file(path).view(torch.float32)
     out, a = [], 3  # not page aligned: O_DIRECT reads the blocks around it
     for i, numel in enumerate(sizes):
-        out.append(_Unit(f"u{i}", {"a": whole[a : a + numel], "b": whole[a + numel : a + 2 * numel].view(-1, 1)}))
+        parts = {"a": slice(a, a + numel), "b": slice(a + numel, a + 2 * numel)}
+        store = {k: whole[p].view(-1, 1) if k == "b" else whole[p] for k, p in parts.items()}
+        expected = {k: values[p].view(-1, 1) if k == "b" else values[p] for k, p in parts.items()}
+        out.append(_Unit(f"u{i}", store, expected))
         a += 2 * numel
     return out
 
 
 def _exact(got: dict[str, torch.Tensor], unit: _Unit) -> bool:
-    return set(got) == set(unit._store) and all(torch.equal(got[k], v) for k, v in unit._store.items())
+    return set(got) == set(unit.expected) and all(torch.equal(got[k], v) for k, v in unit.expected.items())
 
 
 @pytest.fixture
@@ -141,6 +146,34 @@ def test_bytes_handed_out_are_never_read_over_before_their_release(
             for j, tensors in held.items():
                 assert _exact(tensors, units[j]), f"seed {seed}: {units[j].name} read over while held"
         assert fetcher.made == 1
+
+
+def test_units_beyond_the_ring_are_read_ahead_into_the_page_cache_then_dropped(tmp_path: Path, unmerged: None) -> None:
+    from bigviz.checkpoint.probe import drop_file_pages, resident_pages
+
+    units = _units(tmp_path, [3 * ALIGN // 4] * 4)  # 4 blocks of room a tensor, 8 a unit
+    path = str(tmp_path / "w.bin")
+    drop_file_pages(path)
+    with RingFetcher(capacity=ring_capacity(8 * ALIGN), readers=2, spill=8 * ALIGN) as fetcher:
+        held = fetcher.start(units[0], background=False).wait()
+        handles = [fetcher.start(u, background=True) for u in units[1:]]
+        # the ring (12 blocks) holds unit 0 and the first tensor of unit 1; the spill (8 blocks)
+        # takes the next two tensors in start order: unit 1's second, unit 2's first
+        assert [sorted(fetcher._reads[id(u)].hinted) for u in units[1:]] == [[1], [0], []]
+        fetcher.wait_ahead()  # the requests are made; the kernel reads on
+        deadline = time.monotonic() + 5
+        while not sum(resident_pages(path) or b"") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sum(resident_pages(path) or b"") > 0, "nothing was read ahead into the page cache"
+        for unit, handle in zip(units[1:], handles, strict=True):
+            assert _exact(held, units[units.index(unit) - 1])
+            fetcher.release(units[units.index(unit) - 1])
+            fetcher.wait_ahead()
+            held = handle.wait()
+            assert _exact(held, unit)
+        fetcher.release(units[3])
+        assert fetcher.spilled >= 4 * 3 * ALIGN and fetcher._hinted == 0 and fetcher.overflows == 0
+    assert sum(resident_pages(path) or b"") == 0, "read-ahead pages were not dropped after use"
 
 
 def test_a_file_cut_short_is_an_error_naming_the_unit(tmp_path: Path) -> None:

@@ -77,6 +77,7 @@ __all__ = [
     "decide",
     "check_mode",
     "stream_depth",
+    "spill_bytes",
     "RESIDENCY_MODES",
 ]
 
@@ -163,6 +164,23 @@ def stream_depth(available: int, largest_unit: int, *, margin: int = 2**30, most
     """
     fits = (available - margin) // max(1, largest_unit)
     return max(1, min(most, fits - 1))
+
+
+SPILL_UNITS = 3  # units a ring fetcher may read ahead into the page cache beyond its ring, RAM allowing
+
+
+def spill_bytes(available: int, largest_unit: int, *, margin: int = 2**30, most: int = SPILL_UNITS) -> int:
+    """Bytes a ring fetcher reads ahead into the page cache beyond its ring: up to ``most``
+    units, as much of ``available`` (RAM left beside the resident part and the ring) as
+    ``margin`` leaves; none when less than a unit's worth.
+
+    Example:
+        >>> GB = 10**9
+        >>> spill_bytes(20 * GB, 2 * GB) == 6 * GB, spill_bytes(4 * GB, 2 * GB) > 0, spill_bytes(GB, 2 * GB)
+        (True, True, 0)
+    """
+    room = min(most * largest_unit, available - margin)
+    return room if room >= largest_unit // 2 else 0
 
 
 def _cpu_tensors(model: nn.Module) -> Iterator[tuple[nn.Module, str, str, Tensor]]:
@@ -301,6 +319,9 @@ def _read_into(piece: _Piece, flags: int) -> None:
     ask = piece.length if flags else piece.upto
     fd = os.open(piece.path, os.O_RDONLY | flags)
     try:
+        if not flags and hasattr(os, "posix_fadvise"):  # no kernel read-ahead past the piece: it would stay cached
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(fd, piece.offset, piece.length, os.POSIX_FADV_RANDOM)
         got = 0
         while got < piece.upto:
             n = os.preadv(fd, [view[got:ask]], piece.offset + got)
@@ -312,7 +333,7 @@ def _read_into(piece: _Piece, flags: int) -> None:
             got += n
         if not flags and hasattr(os, "posix_fadvise"):  # the copy is ours now: the page cache need not keep it
             with contextlib.suppress(OSError):
-                os.posix_fadvise(fd, piece.offset, piece.upto, os.POSIX_FADV_DONTNEED)
+                os.posix_fadvise(fd, piece.offset, piece.length, os.POSIX_FADV_DONTNEED)  # whole pages
     finally:
         os.close(fd)
 
@@ -331,7 +352,8 @@ def settle_residency(
     With ``"copy"``: memory-mapped CPU weights are copied into process memory
     (:func:`make_resident`) and, when the CPU executes disk units, they are streamed by a
     :class:`~bigviz.engine.ring.RingFetcher` (``stream="ring"``: ``O_DIRECT`` into one
-    reused ring of 1.5 times the largest disk unit) or a
+    reused ring of 1.5 times the largest disk unit, and up to ``SPILL_UNITS`` units more read
+    ahead into the page cache as the RAM left allows: :func:`spill_bytes`) or a
     :class:`~bigviz.engine.readahead.StreamingFetcher` (``stream="cache"``: through the page
     cache, dropped after use, up to ``DEFAULT_DEPTH`` units ahead as the RAM left allows:
     :func:`stream_depth`). With ``"map"``: nothing changes (zero copy). Recorded in
@@ -361,15 +383,21 @@ def settle_residency(
         scheduler = getattr(state, "scheduler", None)
         if streaming and scheduler is not None and state.options.main_device.type == "cpu":
             scheduler.fetcher.close()
+            left = psutil.virtual_memory().available if available is None else max(0, available - mapped)
+            largest = max(u.nbytes for u in streaming)
             if stream == "ring":
                 ring = RingFetcher(readers=readers)
                 capacity = ring.prepare(streaming)
-                scheduler.fetcher, scheduler.depth = ring, DEFAULT_DEPTH  # the ring bounds what is read ahead
-                reason += f"; disk units read ahead into a ring of {capacity / 2**30:.2f} GiB"
+                ring.spill = spill_bytes(left - capacity, largest)
+                scheduler.fetcher = ring  # the ring and the spill bound what is read ahead; the depth covers both
+                scheduler.depth = max(DEFAULT_DEPTH, min(len(streaming) - 1, -(-(capacity + ring.spill) // largest)))
+                reason += (
+                    f"; disk units read ahead into a ring of {capacity / 2**30:.2f} GiB"
+                    f" and {ring.spill / 2**30:.2f} GiB more through the page cache"
+                )
             else:
-                left = psutil.virtual_memory().available if available is None else max(0, available - mapped)
                 scheduler.fetcher = StreamingFetcher(readers=readers)
-                scheduler.depth = stream_depth(left, max(u.nbytes for u in streaming))
+                scheduler.depth = stream_depth(left, largest)
                 reason += f"; {scheduler.depth} unit(s) read ahead"
             if scheduler.prefetch:
                 scheduler.fetch_ahead(scheduler.depth)  # the first forward's first disk units
