@@ -161,17 +161,7 @@ def test_disk_units_stream_through_one_reused_ring_bit_exact(checkpoint: tuple[P
     assert fetcher.made == 1 and fetcher.overflows == 0 and fetcher.held_bytes == ring.numel()
     assert all(ring.data_ptr() <= a < ring.data_ptr() + ring.numel() for a in addresses)
     assert fetcher.stats.units_read >= 3 * len(disk)
-    # the page cache holds at most what is read ahead for the next forward (the spill) ...
-    assert fetcher.spill > 0 and fetcher.spilled > 0
-    fetcher.wait_ahead()
-    cached = sum(sum(resident_pages(p) or b"") for p in folder.glob("*.safetensors"))
-    assert cached * PAGE <= fetcher.spill + 50 * PAGE, f"{cached} pages cached, more than the spill"
-    # ... and without a spill, O_DIRECT leaves it alone (or the buffered fallback dropped what it read)
-    fetcher.spill = 0
-    _evict(folder)
-    for _ in range(2):
-        with torch.no_grad():
-            assert torch.equal(model(idx)[0], expected)
+    # O_DIRECT left the page cache alone (or the buffered fallback dropped what it read)
     cached = sum(sum(resident_pages(p) or b"") for p in folder.glob("*.safetensors"))
     assert cached < 50, f"disk units went through the page cache: {cached} pages cached"
     bigviz.remove_hooks(model)

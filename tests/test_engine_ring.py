@@ -12,7 +12,6 @@ from __future__ import annotations
 import mmap
 import os
 import random
-import time
 from pathlib import Path
 
 import pytest
@@ -146,34 +145,6 @@ def test_bytes_handed_out_are_never_read_over_before_their_release(
             for j, tensors in held.items():
                 assert _exact(tensors, units[j]), f"seed {seed}: {units[j].name} read over while held"
         assert fetcher.made == 1
-
-
-def test_units_beyond_the_ring_are_read_ahead_into_the_page_cache_then_dropped(tmp_path: Path, unmerged: None) -> None:
-    from bigviz.checkpoint.probe import drop_file_pages, resident_pages
-
-    units = _units(tmp_path, [3 * ALIGN // 4] * 4)  # 4 blocks of room a tensor, 8 a unit
-    path = str(tmp_path / "w.bin")
-    drop_file_pages(path)
-    with RingFetcher(capacity=ring_capacity(8 * ALIGN), readers=2, spill=8 * ALIGN) as fetcher:
-        held = fetcher.start(units[0], background=False).wait()
-        handles = [fetcher.start(u, background=True) for u in units[1:]]
-        # the ring (12 blocks) holds unit 0 and the first tensor of unit 1; the spill (8 blocks)
-        # takes the next two tensors in start order: unit 1's second, unit 2's first
-        assert [sorted(fetcher._reads[id(u)].hinted) for u in units[1:]] == [[1], [0], []]
-        fetcher.wait_ahead()  # the requests are made; the kernel reads on
-        deadline = time.monotonic() + 5
-        while not sum(resident_pages(path) or b"") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert sum(resident_pages(path) or b"") > 0, "nothing was read ahead into the page cache"
-        for unit, handle in zip(units[1:], handles, strict=True):
-            assert _exact(held, units[units.index(unit) - 1])
-            fetcher.release(units[units.index(unit) - 1])
-            fetcher.wait_ahead()
-            held = handle.wait()
-            assert _exact(held, unit)
-        fetcher.release(units[3])
-        assert fetcher.spilled >= 4 * 3 * ALIGN and fetcher._hinted == 0 and fetcher.overflows == 0
-    assert sum(resident_pages(path) or b"") == 0, "read-ahead pages were not dropped after use"
 
 
 def test_a_file_cut_short_is_an_error_naming_the_unit(tmp_path: Path) -> None:

@@ -77,7 +77,6 @@ __all__ = [
     "decide",
     "check_mode",
     "stream_depth",
-    "spill_bytes",
     "RESIDENCY_MODES",
 ]
 
@@ -164,23 +163,6 @@ def stream_depth(available: int, largest_unit: int, *, margin: int = 2**30, most
     """
     fits = (available - margin) // max(1, largest_unit)
     return max(1, min(most, fits - 1))
-
-
-SPILL_UNITS = 3  # units a ring fetcher may read ahead into the page cache beyond its ring, RAM allowing
-
-
-def spill_bytes(available: int, largest_unit: int, *, margin: int = 2**30, most: int = SPILL_UNITS) -> int:
-    """Bytes a ring fetcher reads ahead into the page cache beyond its ring: up to ``most``
-    units, as much of ``available`` (RAM left beside the resident part and the ring) as
-    ``margin`` leaves; none when less than a unit's worth.
-
-    Example:
-        >>> GB = 10**9
-        >>> spill_bytes(20 * GB, 2 * GB) == 6 * GB, spill_bytes(4 * GB, 2 * GB) > 0, spill_bytes(GB, 2 * GB)
-        (True, True, 0)
-    """
-    room = min(most * largest_unit, available - margin)
-    return room if room >= largest_unit // 2 else 0
 
 
 def _cpu_tensors(model: nn.Module) -> Iterator[tuple[nn.Module, str, str, Tensor]]:
@@ -352,8 +334,7 @@ def settle_residency(
     With ``"copy"``: memory-mapped CPU weights are copied into process memory
     (:func:`make_resident`) and, when the CPU executes disk units, they are streamed by a
     :class:`~bigviz.engine.ring.RingFetcher` (``stream="ring"``: ``O_DIRECT`` into one
-    reused ring of 1.5 times the largest disk unit, and up to ``SPILL_UNITS`` units more read
-    ahead into the page cache as the RAM left allows: :func:`spill_bytes`) or a
+    reused ring of 1.5 times the largest disk unit) or a
     :class:`~bigviz.engine.readahead.StreamingFetcher` (``stream="cache"``: through the page
     cache, dropped after use, up to ``DEFAULT_DEPTH`` units ahead as the RAM left allows:
     :func:`stream_depth`). With ``"map"``: nothing changes (zero copy). Recorded in
@@ -383,21 +364,15 @@ def settle_residency(
         scheduler = getattr(state, "scheduler", None)
         if streaming and scheduler is not None and state.options.main_device.type == "cpu":
             scheduler.fetcher.close()
-            left = psutil.virtual_memory().available if available is None else max(0, available - mapped)
-            largest = max(u.nbytes for u in streaming)
             if stream == "ring":
                 ring = RingFetcher(readers=readers)
                 capacity = ring.prepare(streaming)
-                ring.spill = spill_bytes(left - capacity, largest)
-                scheduler.fetcher = ring  # the ring and the spill bound what is read ahead; the depth covers both
-                scheduler.depth = max(DEFAULT_DEPTH, min(len(streaming) - 1, -(-(capacity + ring.spill) // largest)))
-                reason += (
-                    f"; disk units read ahead into a ring of {capacity / 2**30:.2f} GiB"
-                    f" and {ring.spill / 2**30:.2f} GiB more through the page cache"
-                )
+                scheduler.fetcher, scheduler.depth = ring, DEFAULT_DEPTH  # the ring bounds what is read ahead
+                reason += f"; disk units read ahead into a ring of {capacity / 2**30:.2f} GiB"
             else:
+                left = psutil.virtual_memory().available if available is None else max(0, available - mapped)
                 scheduler.fetcher = StreamingFetcher(readers=readers)
-                scheduler.depth = stream_depth(left, largest)
+                scheduler.depth = stream_depth(left, max(u.nbytes for u in streaming))
                 reason += f"; {scheduler.depth} unit(s) read ahead"
             if scheduler.prefetch:
                 scheduler.fetch_ahead(scheduler.depth)  # the first forward's first disk units

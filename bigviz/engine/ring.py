@@ -14,13 +14,6 @@ Reads use ``O_DIRECT`` (the disk writes straight into the ring; the page cache i
 involved, so nothing resident is evicted and nothing needs dropping); where the filesystem
 refuses it, buffered reads dropped from the page cache behind them.
 
-**Spill.** While resident blocks compute, the ring is soon full and the disk would idle. Units
-started but not yet in the ring are read ahead into the page cache instead, up to ``spill``
-bytes (``posix_fadvise(WILLNEED)`` by threads of their own, in start order), and copied into
-the ring by a buffered read when room comes, then dropped from the page cache
-(``POSIX_FADV_DONTNEED``). The page cache is reclaimable, not process memory; the compute never
-touches those pages (the kernel copies them), so their first touch costs nothing extra.
-
 Why not read into the page cache (``madvise(MADV_POPULATE_READ)`` on the mapped file, then
 drop the pages: :class:`~bigviz.engine.readahead.StreamingFetcher`)? Measured on this
 project's 2-core virtual machine, 1.8 GB shards read cold by 4 threads (``bench/stream_touch.py``,
@@ -60,7 +53,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -80,21 +72,6 @@ __all__ = ["RingFetcher", "ring_capacity"]
 MERGE_GAP = 64 * 2**10  # tensors of a unit less than this apart in a file are read in one go ...
 MERGE_MOST = 64 * 2**20  # ... while the read stays this small, or one of them is under SMALL
 SMALL = 2**20
-_HINT = 16 * 2**20  # bytes per read-ahead request into the page cache
-
-
-def _will_need(path: str, offset: int, length: int, done: list[bool]) -> None:
-    """Ask the kernel to read ``path[offset:offset + length]`` into the page cache (returns
-    once the reads are queued), unless the bytes are ``done`` with (read into the ring since:
-    they would be read again, for nothing)."""
-    if done[0] or not hasattr(os, "posix_fadvise"):
-        return
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
-        finally:
-            os.close(fd)
 
 
 def ring_capacity(largest: int, ahead: float = RING_AHEAD) -> int:
@@ -150,9 +127,6 @@ class _Read:
     seq: int
     tensors: Mapping[str, Tensor]
     placed: list[int | None]
-    hinted: dict[int, list[bool]] = field(
-        default_factory=dict
-    )  # extents read ahead into the page cache -> [no longer wanted]
     futures: list[Future] = field(default_factory=list)
     allocs: list[_Alloc] = field(default_factory=list)
     own: Tensor | None = None  # extents that did not fit in the ring
@@ -190,23 +164,17 @@ class RingFetcher:
             sized by :meth:`prepare`, or by the first unit started.
         readers: Threads reading ``16 MiB`` pieces.
         direct: Read with ``O_DIRECT`` where the filesystem allows it.
-        spill: Bytes of units not yet in the ring read ahead into the page cache (0: none).
     """
 
     reads_on_release = True  # a release frees ring bytes: the scheduler may start the next read
 
-    def __init__(self, *, capacity: int | None = None, readers: int = 4, direct: bool = True, spill: int = 0) -> None:
-        if (capacity is not None and capacity < ALIGN) or readers < 1 or spill < 0:
+    def __init__(self, *, capacity: int | None = None, readers: int = 4, direct: bool = True) -> None:
+        if (capacity is not None and capacity < ALIGN) or readers < 1:
             raise ValueError(
-                f"RingFetcher: capacity={capacity!r} must be >= {ALIGN} bytes, readers={readers!r} >= 1 "
-                f"and spill={spill!r} >= 0"
+                f"RingFetcher: capacity={capacity!r} must be >= {ALIGN} bytes and readers={readers!r} >= 1"
             )
         self.capacity = None if capacity is None else capacity // ALIGN * ALIGN
-        self.readers, self.direct, self.spill = readers, direct, spill
-        self.spilled = 0  # bytes read ahead into the page cache (for tests and reports)
-        self._hints: ThreadPoolExecutor | None = None
-        self._ahead: list[Future] = []  # read-ahead requests not known to be done
-        self._hinted = 0  # bytes hinted and not yet in the ring
+        self.readers, self.direct = readers, direct
         self.stats = StreamStats()
         self.made = 0  # rings allocated: for tests and reports
         self.overflows = 0  # units (part) read into a buffer of their own
@@ -334,7 +302,6 @@ class RingFetcher:
             size = read.layout.extents[i].size
             at = self._fit(size)
             if at is None:
-                self._hint()
                 return
             self._queue.popleft()
             if self._ring is None:
@@ -360,53 +327,18 @@ class RingFetcher:
         return self._head if self._head + size <= tail else None  # in use: [tail, end) and [0, head)
 
     def _submit(self, read: _Read, i: int, buffer: Tensor, at: int) -> None:
-        """Start extent ``i``'s reads into ``buffer`` at byte ``at`` (aligned): buffered (from
-        the page cache, then dropped) when it was read ahead there, else ``O_DIRECT``."""
+        """Start extent ``i``'s reads into ``buffer`` at byte ``at`` (aligned)."""
         extent = read.layout.extents[i]
         read.placed[i] = at - (-buffer.data_ptr() % ALIGN) if buffer is self._ring else -1
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.readers, thread_name_prefix="bigviz-ring")
-        direct = self.direct
-        if i in read.hinted:
-            read.hinted.pop(i)[0] = True  # its read-ahead requests not yet made are skipped
-            self._hinted -= extent.size
-            direct = False
         address = buffer.data_ptr() + at
         for piece in pieces_of(extent.path, extent.offset, extent.length, address, direct=True):
-            read.futures.append(self._pool.submit(_read_piece, piece, direct))
-
-    def wait_ahead(self) -> None:
-        """Wait until the read-ahead requests into the page cache made so far are made (tests)."""
-        for future in self._ahead:
-            future.result()
-        self._ahead = []
-
-    def _hint(self) -> None:
-        """Read queued extents ahead into the page cache, in start order, up to ``spill`` bytes."""
-        for read, i in self._queue:
-            if read.gone or i in read.hinted:
-                continue
-            extent = read.layout.extents[i]
-            if self._hinted + extent.size > self.spill:
-                return
-            if self._hints is None:
-                self._hints = ThreadPoolExecutor(2, thread_name_prefix="bigviz-ahead")
-            read.hinted[i] = done = [False]
-            self._hinted += extent.size
-            self.spilled += extent.length
-            for offset in range(0, extent.length, _HINT):
-                n = min(_HINT, extent.length - offset)
-                self._ahead.append(self._hints.submit(_will_need, extent.path, extent.offset + offset, n, done))
-        self._ahead = [f for f in self._ahead if not f.done()]
+            read.futures.append(self._pool.submit(_read_piece, piece, self.direct))
 
     def _give_up(self, read: _Read) -> None:
         """``read`` is released, or nothing will use it: its ring bytes may be read over once
-        its reads in flight are done (what it had read ahead into the page cache stays there
-        until the kernel needs the room)."""
-        for i, done in read.hinted.items():
-            self._hinted -= read.layout.extents[i].size
-            done[0] = True
-        read.hinted.clear()
+        its reads in flight are done."""
         read.gone, read.busy, read.own = True, False, None
         if self._reads.get(id(read.unit)) is read:
             del self._reads[id(read.unit)]
@@ -454,11 +386,9 @@ class RingFetcher:
 
     def close(self) -> None:
         """Stop the readers and free the ring (tensors handed out keep their own memory alive)."""
-        for pool in (self._pool, self._hints):
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
-        self._pool = self._hints = None
-        self._hinted = 0
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
         self._reads.clear()
         self._queue.clear()
         self._live.clear()
