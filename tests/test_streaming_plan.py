@@ -61,3 +61,51 @@ def test_compute_overlaps_reads_in_the_estimate() -> None:
     overlapped = forward_estimate(plan, disk_bandwidth=1e6, compute_seconds=read)
     assert read < overlapped.seconds < 2 * read  # neither serial nor free
     assert forward_estimate(plan, disk_bandwidth=1e6, compute_seconds=read, depth=0).seconds > overlapped.seconds
+
+
+def _gpt(n_layer: int) -> nn.Module:
+    from bigviz.models import GPT, GPTConfig
+
+    with bigviz.init_empty_weights():
+        return GPT(GPTConfig(n_layer=n_layer, n_head=4, n_embd=64, vocab_size=100, block_size=16))
+
+
+def _sizes(model: nn.Module) -> tuple[int, int]:
+    """Bytes of one block, and of everything but the blocks (tied weights once)."""
+    block = sum(t.numel() * t.element_size() for t in model.transformer.h[0].state_dict().values())
+    total = sum(t.numel() * t.element_size() for t in model.parameters())  # a tie counts once
+    return block, total - len(model.transformer.h) * block
+
+
+@pytest.mark.parametrize("n_layer, resident", [(17, 8), (6, 2), (5, 4), (4, 1)])
+def test_the_cpu_spreads_streamed_blocks_between_resident_ones(n_layer: int, resident: int) -> None:
+    model = _gpt(n_layer)
+    size, rest = _sizes(model)
+    budget = {"cpu": rest + resident * size + size // 2, "disk": 10**12}
+    spread = bigviz.plan(model, budget)  # "auto": the CPU executes, blocks interleaved
+    in_order = bigviz.plan(model, budget, strategy="sequential")
+    order = lambda m: [str(m[f"transformer.h.{i}"]) for i in range(n_layer)]  # noqa: E731
+    assert order(in_order.device_map) == ["cpu"] * resident + ["disk"] * (n_layer - resident)
+    got = "".join("c" if d == "cpu" else "d" for d in order(spread.device_map))
+    assert got.count("c") == resident
+    doubled = got * 2  # the forward wraps around: a run across its end counts whole
+    runs = {kind: {len(r) for r in doubled.split(other)[1:-1] if r} for kind, other in (("c", "d"), ("d", "c"))}
+    assert all(max(v) - min(v) <= 1 for v in runs.values()), got  # each kind evenly apart
+    assert max(runs["c"]) == -(-resident // (n_layer - resident)), got  # no longer run of resident blocks
+    assert [(u.device, u.used) for u in spread.usage] == [(u.device, u.used) for u in in_order.usage]
+    moved = got != "c" * resident + "d" * (n_layer - resident)
+    assert any("interleaved" in n for n in spread.notes) == moved and not any(
+        "interleaved" in n for n in in_order.notes
+    )
+    assert bigviz.infer_auto_device_map(model, budget) == in_order.device_map  # accelerate's order
+
+
+def test_overrides_and_a_gpu_keep_the_order() -> None:
+    model = _gpt(6)
+    size, rest = _sizes(model)
+    budget = {"cpu": rest + 3 * size + size // 2, "disk": 10**12}
+    pinned = bigviz.plan(model, budget, overrides={"transformer.h.1": "cpu"}).device_map
+    assert pinned["transformer.h.1"] == "cpu"  # yours stays where you put it
+    on_gpu = bigviz.plan(model, {0: rest + size + size // 2, "cpu": 3 * size + size // 2, "disk": 10**12})
+    blocks = [str(on_gpu.device_of(f"transformer.h.{i}")) for i in range(6)]
+    assert blocks == sorted(blocks, key=["0", "cpu", "disk"].index) and "disk" in blocks  # a GPU executes: in order

@@ -141,6 +141,12 @@ def make_plan(tree: SizeTree, max_memory: Mapping[Any, object], options: PlanOpt
         staging = _offload_needs(tree, state, main, options)
     if state.unplaced:
         raise PlanError(_does_not_fit(tree, budgets, state))
+    if options.strategy != "sequential" and _spread_streamed(tree, state, ties, main):
+        staging = _offload_needs(tree, state, main, options)
+        notes.append(
+            "CPU and disk blocks interleaved (same blocks, same bytes on each): each block streamed "
+            "from disk is read while resident ones compute (strategy='sequential' keeps them in order)"
+        )
     # the room reported kept for weights is what the final placement's units need (the unit rule,
     # as the engine fetches them); the passes may have reserved more on the way
     notes += [
@@ -473,6 +479,41 @@ def _put(
     assert state.ties is not None
     for _, leader in state.ties.by_leader.get(name, ()):  # only leaders are looked up: not every tensor
         state.where[leader] = device
+
+
+def _spread_streamed(tree: SizeTree, state: _Pass, ties: _Ties, main: Device) -> bool:
+    """When the CPU executes, spread the sibling blocks streamed from disk evenly between the
+    resident ones of the same size (``h.0 cpu, h.1 disk, h.2 cpu, ...`` instead of every
+    resident block first): a streamed block is then read while the resident block before it
+    computes, where a run of resident blocks would leave the disk idle (it can read ahead only
+    as far as the stream's buffer). Same count and bytes per device; overrides and modules
+    holding a tie keep their place. Returns whether anything moved."""
+    if main != "cpu":
+        return False
+    groups: dict[tuple[str, int], list[int]] = {}
+    for i, placed in enumerate(state.placed):
+        name, device, size, override, tied_to = placed[:5]
+        if override or tied_to or device not in ("cpu", "disk") or name not in tree.nodes or not size:
+            continue
+        if ties.by_follower.get(name) or ties.by_leader.get(name):
+            continue
+        groups.setdefault((parent(name), size), []).append(i)
+    moved = False
+    for idx in groups.values():
+        devices = [state.placed[i][1] for i in idx]
+        n, k = len(idx), devices.count("cpu")
+        if k in (0, n):
+            continue
+        # evenly apart (a line drawn on the grid): runs of either kind differ by at most one
+        want = ["cpu" if (2 * (j + 1) * k + n) // (2 * n) > (2 * j * k + n) // (2 * n) else "disk" for j in range(n)]
+        if want == devices:
+            continue
+        slots = {d: [state.placed[i] for i in idx if state.placed[i][1] == d] for d in ("cpu", "disk")}
+        names = [state.placed[i][0] for i in idx]
+        for i, name, device in zip(idx, names, want, strict=True):
+            state.placed[i] = (name, *slots[device].pop(0)[1:])
+        moved = True
+    return moved
 
 
 def _placements(tree: SizeTree, state: _Pass) -> tuple[Placement, ...]:

@@ -202,10 +202,16 @@ class RingFetcher:
     def prepare(self, units: Sequence[Unit], ahead: float = RING_AHEAD) -> int:
         """Find the units' layouts and size the ring for the largest (unless given); returns
         the capacity."""
-        largest = max((self._layout(u, unit_tensors(u)).size for u in units), default=0)
-        if self.capacity is None:
+        sizes = []
+        for unit in units:
+            try:
+                sizes.append(self._layout(unit, unit_tensors(unit)).size)
+            except Exception:  # noqa: BLE001 - its fetch will fail, naming the unit (FetchError)
+                continue
+        largest = max(sizes, default=0)
+        if self.capacity is None and largest:
             self.capacity = ring_capacity(largest, ahead)
-        return self.capacity
+        return self.capacity or 0
 
     def start(self, unit: Unit, *, background: bool) -> Handle:
         """Queue ``unit``'s reads behind those already started (readers do them as the ring
