@@ -87,7 +87,7 @@ def test_the_cpu_spreads_streamed_blocks_between_resident_ones(n_layer: int, res
     order = lambda m: [str(m[f"transformer.h.{i}"]) for i in range(n_layer)]  # noqa: E731
     assert order(in_order.device_map) == ["cpu"] * resident + ["disk"] * (n_layer - resident)
     got = "".join("c" if d == "cpu" else "d" for d in order(spread.device_map))
-    assert got.count("c") == resident
+    assert got.count("c") == resident and got[0] == "c"
     doubled = got * 2  # the forward wraps around: a run across its end counts whole
     runs = {kind: {len(r) for r in doubled.split(other)[1:-1] if r} for kind, other in (("c", "d"), ("d", "c"))}
     assert all(max(v) - min(v) <= 1 for v in runs.values()), got  # each kind evenly apart

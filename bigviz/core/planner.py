@@ -506,6 +506,8 @@ def _spread_streamed(tree: SizeTree, state: _Pass, ties: _Ties, main: Device) ->
             continue
         # evenly apart (a line drawn on the grid): runs of either kind differ by at most one
         want = ["cpu" if (2 * (j + 1) * k + n) // (2 * n) > (2 * j * k + n) // (2 * n) else "disk" for j in range(n)]
+        first = want.index("cpu")  # begin with a resident block, as the greedy pass did (one alone stays put)
+        want = want[first:] + want[:first]
         if want == devices:
             continue
         slots = {d: [state.placed[i] for i in idx if state.placed[i][1] == d] for d in ("cpu", "disk")}
