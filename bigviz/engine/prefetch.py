@@ -1,7 +1,7 @@
 """Fetching offloaded units' weights: how a unit's tensors reach the execution device.
 
 Two fetchers, one per kind of execution device (a model larger than RAM streams its disk
-units with :class:`~bigviz.engine.slots.SlotFetcher` instead):
+units with :class:`~bigviz.engine.ring.RingFetcher` instead):
 
 * :class:`CpuFetcher` (the CPU executes): a unit's tensors *are* the store's tensors, i.e.
   zero-copy views of memory-mapped safetensors files; nothing is copied. Prefetching pages

@@ -2,7 +2,7 @@
 
 :class:`Scheduler` records the order units run in during the first forward (guessing
 definition order until then) and, as each unit starts, starts fetching the next ``depth`` ones
-with its fetcher (:mod:`bigviz.engine.prefetch`, :mod:`bigviz.engine.slots`,
+with its fetcher (:mod:`bigviz.engine.prefetch`, :mod:`bigviz.engine.ring`,
 :mod:`bigviz.engine.readahead`: *how* a unit is read). A fetch that fails in the background
 raises :class:`~bigviz.engine.prefetch.FetchError` in the caller, naming the unit.
 
@@ -128,7 +128,7 @@ class Scheduler:
         """``unit``'s forward is over: a fetcher that keeps something for it may let it go.
 
         A fetcher whose ``reads_on_release`` is true (memory it holds is freed by the release:
-        :class:`~bigviz.engine.slots.SlotFetcher`,
+        :class:`~bigviz.engine.ring.RingFetcher`,
         :class:`~bigviz.engine.readahead.StreamingFetcher`) then starts the next read at once,
         ``depth + 1`` units on: the reads keep running while resident units between two
         streamed ones compute, instead of waiting for the next streamed unit to start.
