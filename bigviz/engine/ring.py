@@ -119,16 +119,16 @@ class _Layout:
 
 @dataclass(eq=False)
 class _Read:
-    """One unit's read: where each extent went (a ring offset, or ``None`` while queued),
-    the reads in flight, whether a forward holds it (``busy``) or it was given up."""
+    """One unit's read: where each extent went (``(buffer, byte offset)``: the ring or the
+    read's own buffer; ``None`` while queued), the reads in flight, whether a forward holds it
+    (``busy``) or it was given up."""
 
     unit: Unit
     layout: _Layout
     seq: int
     tensors: Mapping[str, Tensor]
-    placed: list[int | None]
+    placed: list[tuple[Tensor, int] | None]
     futures: list[Future] = field(default_factory=list)
-    allocs: list[_Alloc] = field(default_factory=list)
     own: Tensor | None = None  # extents that did not fit in the ring
     busy: bool = False
     gone: bool = False  # released or given up: its ring bytes may be read over
@@ -137,8 +137,7 @@ class _Read:
 @dataclass(eq=False)
 class _Alloc:
     read: _Read
-    start: int
-    end: int
+    start: int  # ring offset
 
 
 class _RingHandle(Handle):
@@ -202,10 +201,10 @@ class RingFetcher:
     def prepare(self, units: Sequence[Unit], ahead: float = RING_AHEAD) -> int:
         """Find the units' layouts and size the ring for the largest (unless given); returns
         the capacity."""
-        sizes = []
+        sizes, maps = [], FileMaps()  # /proc/self/maps parsed once for all of them
         for unit in units:
             try:
-                sizes.append(self._layout(unit, unit_tensors(unit)).size)
+                sizes.append(self._layout(unit, unit_tensors(unit), maps).size)
             except Exception:  # noqa: BLE001 - its fetch will fail, naming the unit (FetchError)
                 continue
         largest = max(sizes, default=0)
@@ -273,24 +272,12 @@ class RingFetcher:
                 self._give_up(read)
                 raise error
         out = {key: read.tensors[key] for key in read.layout.kept}
-        for i, extent in enumerate(read.layout.extents):
-            buffer, base = self._where(read, i)
+        for where, extent in zip(read.placed, read.layout.extents, strict=True):
+            buffer, base = where  # type: ignore[misc]
             for key, (offset, length, dtype, shape) in extent.views.items():
                 out[key] = buffer[base + offset : base + offset + length].view(dtype).view(shape)
         read.busy = True
         return out
-
-    def _where(self, read: _Read, i: int) -> tuple[Tensor, int]:
-        at = read.placed[i]
-        if at is not None and at >= 0:
-            assert self._ring is not None
-            return self._ring, -self._ring.data_ptr() % ALIGN + at
-        assert read.own is not None
-        own_at = -read.own.data_ptr() % ALIGN
-        for j in range(i):
-            if read.placed[j] == -1:
-                own_at += read.layout.extents[j].size
-        return read.own, own_at
 
     def _pump(self) -> None:
         """Place queued extents, in start order, while the ring has room; start their reads."""
@@ -314,9 +301,7 @@ class RingFetcher:
                 assert self.capacity is not None
                 self._ring = torch.empty(self.capacity + ALIGN, dtype=torch.uint8)
                 self.made += 1
-            alloc = _Alloc(read, at, at + size)
-            self._live.append(alloc)
-            read.allocs.append(alloc)
+            self._live.append(_Alloc(read, at))
             self._head = at + size
             self._submit(read, i, self._ring, -self._ring.data_ptr() % ALIGN + at)
 
@@ -335,7 +320,7 @@ class RingFetcher:
     def _submit(self, read: _Read, i: int, buffer: Tensor, at: int) -> None:
         """Start extent ``i``'s reads into ``buffer`` at byte ``at`` (aligned)."""
         extent = read.layout.extents[i]
-        read.placed[i] = at - (-buffer.data_ptr() % ALIGN) if buffer is self._ring else -1
+        read.placed[i] = (buffer, at)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.readers, thread_name_prefix="bigviz-ring")
         address = buffer.data_ptr() + at
@@ -349,14 +334,14 @@ class RingFetcher:
         if self._reads.get(id(read.unit)) is read:
             del self._reads[id(read.unit)]
 
-    def _layout(self, unit: Unit, tensors: Mapping[str, Tensor]) -> _Layout:
+    def _layout(self, unit: Unit, tensors: Mapping[str, Tensor], maps: FileMaps | None = None) -> _Layout:
         """Where ``tensors`` are read from and go to; found once per unit (``/proc/self/maps``
         is parsed then) and reused while its file-backed tensors are the same mapped bytes (a
         converted copy is new memory at each fetch: it does not count)."""
         known = self._layouts.get(id(unit))
         if known is not None and known.where == mapped_where(tensors, known.kept):
             return known
-        maps = FileMaps()
+        maps = FileMaps() if maps is None else maps
         spans = {key: file_span(t, maps) for key, t in tensors.items()}
         kept = frozenset(key for key in tensors if spans[key] is None)
         groups: list[list] = []  # [path, first byte, end byte, keys]
