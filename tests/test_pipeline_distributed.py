@@ -185,7 +185,7 @@ def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("the request was not refused before running")
 
     monkeypatch.setattr(cli, "_run", forbidden)
-    monkeypatch.setattr("bigviz.distributed.stage.load_checkpoint_in_model", forbidden)
+    monkeypatch.setattr("bigviz.distributed.stage.execute_load_plan", forbidden)
 
 
 def _refused(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
