@@ -49,11 +49,12 @@ from bigviz.modeling.inventory import ModelInventory
 from bigviz.core.devices import normalize_device, torch_name
 from bigviz.core.names import leaf, parent
 from bigviz.core.pipeline import PipelineError, PipelinePlan
-from bigviz.core.stages import cut_pipeline
+from bigviz.core.stages import cut_pipeline, over_budget
 from bigviz.core.tree import SizeTree
 from bigviz.core.sizes import format_size
 from bigviz.distributed.adapters import DecoderLayout, decoder_layout
 from bigviz.modeling.sizes import module_tree
+from bigviz.planning.pipeline import pipeline_run_bytes
 
 __all__ = ["SPLITS", "StageBuild", "check_pipeline", "build_stage_module", "build_stage"]
 
@@ -137,10 +138,20 @@ def check_pipeline(
 
 
 def _replan(model: nn.Module, plan: PipelinePlan) -> PipelinePlan:
-    """The plan with the same cuts for this model: same blocks per stage, within budgets."""
+    """The plan with the same cuts for this model: same blocks per stage, and each stage's
+    weights (and run, when the plan counts one) within its budget."""
     tree = module_tree(model, plan.dtype)
+    kv, act = pipeline_run_bytes(model, tree, plan.run, dtype=plan.dtype)
     mine = cut_pipeline(
-        tree, plan.split_points, no_split=plan.no_split, balance=plan.balance, budgets=plan.budgets, dtype=plan.dtype
+        tree,
+        plan.split_points,
+        no_split=plan.no_split,
+        balance=plan.balance,
+        budgets=plan.budgets,
+        dtype=plan.dtype,
+        kv_cache=kv,
+        activations=act,
+        run=plan.run,
     )
     problems = [
         f"stage {s}: the plan has blocks {_span(plan.blocks(s))}, this model {_span(mine.blocks(s))}"
@@ -151,25 +162,9 @@ def _replan(model: nn.Module, plan: PipelinePlan) -> PipelinePlan:
     problems += (
         [f"the plan names {len(unknown)} module(s) this model lacks: {', '.join(unknown[:5])}"] if unknown else []
     )
-    problems += [
-        f"stage {s} needs {format_size(b)}, over its budget of {format_size(budget)}"
-        for s, (b, budget) in enumerate(zip(mine.stage_bytes, plan.budgets))
-        if budget is not None and b > budget
-    ]
+    problems += over_budget(mine)
     PipelineError.check(problems, "the pipeline plan does not match this model")
-    return PipelinePlan(
-        mine.units,
-        mine.cuts,
-        mine.stage_bytes,
-        mine.stage_flops,
-        mine.budgets,
-        mine.shared,
-        mine.balance,
-        mine.no_split,
-        mine.dtype,
-        mine.notes,
-        tree,
-    )
+    return mine
 
 
 def _span(blocks: Sequence[str]) -> str:
