@@ -15,103 +15,13 @@ import bigviz
 from bigviz.checkpoint.load import check_checkpoint
 from bigviz.core.pipeline import PipelineError
 from bigviz.distributed import build_stage_module, empty_model
-from bigviz.models import GPT, GPTConfig, Llama, LlamaConfig
+from bigviz.models import GPT, GPTConfig
+from tests.pipeline_models import BUILDERS, hf_llama
 
 IDS = torch.tensor([[5, 3, 17, 2, 9, 11]])
 
 
-def _hf_llama() -> nn.Module:
-    from transformers import LlamaConfig as HFLlamaConfig
-    from transformers import LlamaForCausalLM
-
-    return LlamaForCausalLM(
-        HFLlamaConfig(
-            hidden_size=64,
-            intermediate_size=172,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=256,
-            max_position_embeddings=128,
-        )
-    )
-
-
-def _hf_gpt2() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    return GPT2LMHeadModel(
-        GPT2Config(n_layer=4, n_head=2, n_embd=32, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0)
-    )
-
-
-def _hf_gemma2() -> nn.Module:
-    """Alternating sliding-window and full attention, soft-capped logits, a tied head: a
-    forward that differs from Llama's in the ways a hand-written stage would miss."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    return Gemma2ForCausalLM(
-        Gemma2Config(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-            vocab_size=128,
-            sliding_window=3,
-            max_position_embeddings=64,
-        )
-    )
-
-
-def _hf_mixtral() -> nn.Module:
-    """Experts stored one by one in the checkpoint, fused in the model: a stage must read the
-    keys each fused tensor is converted from."""
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    return MixtralForCausalLM(
-        MixtralConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=128,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            max_position_embeddings=64,
-        )
-    )
-
-
-def _hf_qwen2() -> nn.Module:
-    """A tied head (tie_word_embeddings) and q/k/v biases."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    return Qwen2ForCausalLM(
-        Qwen2Config(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=128,
-            max_position_embeddings=64,
-            tie_word_embeddings=True,
-        )
-    )
-
-
-BUILDERS = {
-    "gpt": lambda: GPT(GPTConfig.preset("gpt-tiny", n_layer=4)),
-    "llama": lambda: Llama(LlamaConfig.preset("llama-tiny", n_layers=4)),
-    "hf-llama": _hf_llama,
-    "hf-gpt2": _hf_gpt2,
-    "hf-gemma2": _hf_gemma2,
-    "hf-mixtral": _hf_mixtral,
-    "hf-qwen2": _hf_qwen2,
-}
+_hf_llama = hf_llama
 
 
 @pytest.fixture(scope="module")

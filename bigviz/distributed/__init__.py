@@ -28,6 +28,10 @@ _EXPORTS: dict[str, str] = {
     "DecoderStage": "bigviz.distributed.adapters",
     "DecoderLayout": "bigviz.distributed.adapters",
     "HFStage": "bigviz.distributed.adapters",
+    "cache_nbytes": "bigviz.distributed.adapters",
+    "generate": "bigviz.distributed.generation",
+    "generation_ids": "bigviz.distributed.generation",
+    "GenerateResult": "bigviz.distributed.generation",
 }
 __all__ = sorted(_EXPORTS)
 
