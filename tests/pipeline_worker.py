@@ -29,7 +29,9 @@ def main(out: str, new: int, microbatches: int, prompt: str, folders: list[str])
     for folder in folders:
         model = empty_model(folder)
         context = ids.shape[1] + new - 1
-        plan = bigviz.plan_pipeline(model, world, batch_size=len(ids), context_length=context, microbatches=microbatches)
+        plan = bigviz.plan_pipeline(
+            model, world, batch_size=len(ids), context_length=context, microbatches=microbatches
+        )
         built = build_stage_module(model, folder, plan, rank, split="wrap")
         held = {id(t) for t in (*built.module.parameters(), *built.module.buffers())}
         strays = [n for n, p in model.named_parameters() if id(p) not in held and not p.is_meta]

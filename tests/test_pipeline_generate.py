@@ -6,7 +6,6 @@ bad arguments); two and three processes are in ``test_pipeline_distributed.py``.
 
 from __future__ import annotations
 
-import os
 import socket
 from pathlib import Path
 
@@ -147,5 +146,3 @@ def test_bad_arguments_are_refused_on_every_rank_before_anything_runs(folders, o
     assert traced.method == "trace"
     with pytest.raises(PipelineError, match="keeps no cache: build the stage with split='wrap'"):
         generate(traced, PROMPT, 2)
-
-
