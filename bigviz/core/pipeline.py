@@ -309,12 +309,12 @@ class PipelinePlan:
             cap = self.budgets[i]
             budget = f" of {format_size(cap)}" if cap is not None else ""
             span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
-            lines.append(f"  stage {i}: {self._stage_text(i):>10}{budget}  {span} ({len(self.blocks(i))} blocks)")
+            lines.append(f"  stage {i}: {self.stage_text(i):>10}{budget}  {span} ({len(self.blocks(i))} blocks)")
         lines += [f"  cut before {c.before}: {c.reason}" for c in self.cuts]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
-    def _stage_text(self, stage: int) -> str:
+    def stage_text(self, stage: int) -> str:
         """``"1.2 GiB"``, or with a run ``"1.2 GiB weights + 256 MiB KV cache + 40 MiB activations = ..."``."""
         if self.run is None:
             return format_size(self.stage_bytes[stage])

@@ -539,7 +539,7 @@ def over_budget(plan: PipelinePlan) -> list[str]:
         ['stage 1 needs 48 B with a budget of 32 B: 16 B over']
     """
     return [
-        f"stage {s} needs {plan._stage_text(s)} with a budget of {format_size(budget)}: "
+        f"stage {s} needs {plan.stage_text(s)} with a budget of {format_size(budget)}: "
         f"{format_size(total - budget)} over"
         for s, (total, budget) in enumerate(zip(plan.stage_totals, plan.budgets))
         if budget is not None and total > budget
