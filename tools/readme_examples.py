@@ -60,7 +60,7 @@ def workload_example() -> str:
 
 
 def pipeline_example() -> str:
-    """"Across machines": Llama 3.1 70B in bfloat16 on four 80 GiB ranks, 8 sequences of 8192
+    """The "Across machines" example: Llama 3.1 70B in bfloat16 on four 80 GiB ranks, 8 sequences of 8192
     tokens in 4 micro-batches: the plan's stages with their run, and the longest context."""
     import torch
 
