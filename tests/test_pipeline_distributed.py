@@ -238,6 +238,39 @@ def test_nccl_stages_on_gpus(folders, tmp_path):
     assert torch.equal(logits[0], logits[1])
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_nccl_generation_on_gpus(generated, tmp_path):
+    """Generation with one stage per GPU and NCCL: each rank's cache as planned, and the greedy
+    tokens of the single process on the CPU (GPU kernels sum in their own order; a near tie
+    between two tokens would show here)."""
+    n = min(torch.cuda.device_count(), 2)
+    folder, want = generated["hf-llama"]
+    _torchrun(
+        tmp_path,
+        str(folder),
+        "--stages",
+        str(n),
+        "--prompt-ids",
+        ",".join(map(str, PROMPT)),
+        "--max-new-tokens",
+        str(NEW),
+        "--microbatches",
+        "2",
+        "--backend",
+        "nccl",
+        "--out",
+        "tokens.pt",
+        "--report",
+        "report.json",
+        nproc=n,
+    )
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [r["device"] for r in report["ranks"]] == [f"cuda:{i}" for i in range(n)]
+    assert all(r["cache_bytes"] == r["planned_kv_bytes"] for r in report["ranks"])
+    assert torch.equal(torch.load(tmp_path / "tokens.pt"), want)
+
+
 # ---- refused before anything loads (the command line, in this process) -----------------
 @pytest.fixture
 def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:

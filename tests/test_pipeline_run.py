@@ -90,6 +90,7 @@ def test_a_saved_plans_cuts_are_kept_for_a_run(llama, tmp_path):
         bigviz.plan_pipeline(llama, saved, batch_size=16, context_length=512)
     assert "weights +" in str(info.value)
     longest = bigviz.max_context(llama, stages=saved)
+    assert bigviz.max_context(llama, saved) == longest  # a plan in place of max_memory
     assert bigviz.plan_pipeline(llama, saved, context_length=longest).split_points == plan.split_points
 
 

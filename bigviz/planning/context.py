@@ -53,7 +53,7 @@ def max_context(
     * with ``device_map`` (a plan or a map), that placement is kept as it is, offload
       included, and only the run must fit beside it;
     * with ``stages`` (one budget per pipeline stage, or a :class:`PipelinePlan` whose cuts
-      and budgets to keep), the run of a pipeline: every stage's weights, its layers' KV
+      and budgets to keep; a plan may also be given in place of ``max_memory``), the run of a pipeline: every stage's weights, its layers' KV
       cache for the whole batch and one micro-batch's activations within its budget
       (:func:`bigviz.plan_pipeline`; the cuts move with the context unless a plan is given).
 
@@ -81,6 +81,8 @@ def max_context(
         >>> max_context(model, stages=["100KB", "100KB"], batch_size=2)   # two ranks of 100 kB each
         6
     """
+    if isinstance(max_memory, PipelinePlan):  # max_context(model, pipeline_plan): that plan's stages
+        max_memory, stages = None, max_memory
     model = resolve_model(model)
     top = limit if limit is not None else position_limit(model) or 2**24
     model = ModelInventory.of(model) if isinstance(model, nn.Module) else model  # walked once, planned often
