@@ -14,20 +14,22 @@ import bigviz
 from bigviz.models import GPT, GPTConfig, Llama, LlamaConfig
 
 
-def hf_llama(layers: int = 4) -> nn.Module:
-    """Grouped-query attention (4 query heads, 2 key/value heads)."""
+def hf_llama(
+    layers: int = 4, *, hidden: int = 64, ffn: int = 172, heads: int = 4, vocab: int = 256, positions: int = 128
+) -> nn.Module:
+    """Grouped-query attention (``heads`` query heads, 2 key/value heads)."""
     from transformers import LlamaConfig as HFLlamaConfig
     from transformers import LlamaForCausalLM
 
     return LlamaForCausalLM(
         HFLlamaConfig(
-            hidden_size=64,
-            intermediate_size=172,
+            hidden_size=hidden,
+            intermediate_size=ffn,
             num_hidden_layers=layers,
-            num_attention_heads=4,
+            num_attention_heads=heads,
             num_key_value_heads=2,
-            vocab_size=256,
-            max_position_embeddings=128,
+            vocab_size=vocab,
+            max_position_embeddings=positions,
         )
     )
 

@@ -53,6 +53,12 @@ def generated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
     return out
 
 
+def _generate_args(folder: Path, stages: int, *extra: str) -> list[str]:
+    """The command line's arguments to generate NEW tokens from PROMPT, two micro-batches."""
+    prompt = ",".join(map(str, PROMPT))
+    return [str(folder), "--stages", str(stages), "--prompt-ids", prompt, "--max-new-tokens", str(NEW), *extra]
+
+
 def _torchrun(cwd: Path, *args: str, nproc: int = 2, script: str | None = None, code: int = 0) -> str:
     """Run the entry point (or ``script``) under torchrun with ``nproc`` processes; its
     output, or a failure when it does not exit with ``code``."""
@@ -159,20 +165,7 @@ def test_two_processes_generate_the_models_own_tokens(generated, tmp_path):
 def test_the_command_line_generates_and_reports_each_ranks_cache(generated, tmp_path):
     folder, want = generated["hf-mixtral"]
     out = _torchrun(
-        tmp_path,
-        str(folder),
-        "--stages",
-        "2",
-        "--prompt-ids",
-        ",".join(map(str, PROMPT)),
-        "--max-new-tokens",
-        str(NEW),
-        "--microbatches",
-        "2",
-        "--out",
-        "tokens.pt",
-        "--report",
-        "report.json",
+        tmp_path, *_generate_args(folder, 2, "--microbatches", "2", "--out", "tokens.pt", "--report", "report.json")
     )
     assert torch.equal(torch.load(tmp_path / "tokens.pt"), want)
     report = json.loads((tmp_path / "report.json").read_text())
@@ -192,17 +185,7 @@ def test_a_bad_request_under_torchrun_is_said_once_and_every_rank_exits(generate
     folder, _ = generated["gpt"]
     out = _torchrun(
         tmp_path,
-        str(folder),
-        "--stages",
-        "2",
-        "--prompt-ids",
-        "1,2",
-        "--max-new-tokens",
-        "2",
-        "--out",
-        str(tmp_path / "missing" / "tokens.pt"),
-        "--timeout",
-        "60",
+        *_generate_args(folder, 2, "--out", str(tmp_path / "missing" / "tokens.pt"), "--timeout", "60"),
         code=2,
     )
     assert out.count("the folder") == 1 and "does not exist; create it first" in out, out[-3000:]
@@ -246,25 +229,8 @@ def test_nccl_generation_on_gpus(generated, tmp_path):
     between two tokens would show here)."""
     n = min(torch.cuda.device_count(), 2)
     folder, want = generated["hf-llama"]
-    _torchrun(
-        tmp_path,
-        str(folder),
-        "--stages",
-        str(n),
-        "--prompt-ids",
-        ",".join(map(str, PROMPT)),
-        "--max-new-tokens",
-        str(NEW),
-        "--microbatches",
-        "2",
-        "--backend",
-        "nccl",
-        "--out",
-        "tokens.pt",
-        "--report",
-        "report.json",
-        nproc=n,
-    )
+    extra = ["--microbatches", "2", "--backend", "nccl", "--out", "tokens.pt", "--report", "report.json"]
+    _torchrun(tmp_path, *_generate_args(folder, n, *extra), nproc=n)
     report = json.loads((tmp_path / "report.json").read_text())
     assert [r["device"] for r in report["ranks"]] == [f"cuda:{i}" for i in range(n)]
     assert all(r["cache_bytes"] == r["planned_kv_bytes"] for r in report["ranks"])

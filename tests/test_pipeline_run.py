@@ -10,27 +10,13 @@ import torch
 import bigviz
 from bigviz.core.pipeline import PipelineError
 from bigviz.models import GPT, GPTConfig
-
-
-def _hf_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=172,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=512,
-    )
-    with torch.device("meta"):
-        return LlamaForCausalLM(config).eval()
+from tests.pipeline_models import hf_llama
 
 
 @pytest.fixture(scope="module")
 def llama():
-    return _hf_llama()
+    with torch.device("meta"):
+        return hf_llama(6, positions=512).eval()
 
 
 def test_stage_kv_and_activations_follow_the_planners_rules(llama):

@@ -21,9 +21,6 @@ from tests.pipeline_models import BUILDERS, hf_llama
 IDS = torch.tensor([[5, 3, 17, 2, 9, 11]])
 
 
-_hf_llama = hf_llama
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, torch.Tensor]]:
     """Each model saved as a sharded checkpoint with its config, and its own logits for IDS."""
@@ -249,20 +246,9 @@ def test_each_rank_holds_its_stage_not_the_model(tmp_path):
     anonymous copy): each rank's peak anonymous memory while its stage loads stays within its
     stage's bytes, far from the model's (initialising the other stages' tensors as missing
     keys costs them too)."""
-    from transformers import LlamaConfig as HFLlamaConfig
-    from transformers import LlamaForCausalLM
-
     torch.manual_seed(0)
-    config = HFLlamaConfig(
-        hidden_size=512,
-        intermediate_size=1376,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        vocab_size=8192,
-        max_position_embeddings=128,
-    )
-    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama", max_shard_size="10MB")
+    model = hf_llama(4, hidden=512, ffn=1376, heads=8, vocab=8192)
+    model.save_pretrained(tmp_path / "llama", max_shard_size="10MB")
     for rank in (0, 1):
         got = _rank_memory(tmp_path / "llama", rank, "bfloat16")
         assert got["stage"] < 0.6 * got["model"]

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 from bigviz.core.names import owner
 from bigviz.core.serialize import write_json_atomic
-from bigviz.core.dtypes import canonical_dtype
 from bigviz.core.errors import PlanError
 from bigviz.core.sizes import format_size
+from bigviz.core.workload import Workload
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -96,31 +96,32 @@ class PipelineRun:
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("batch_size", "microbatches"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                problems.append(f"{name}={value!r}: give an integer >= 1")
-        length = self.context_length
-        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
-            problems.append(f"context_length={length!r}: give the tokens each sequence's cache holds (>= 0)")
-        if not problems and self.microbatches > self.batch_size:
+        try:  # batch, context and cache dtype: the workload's own rules
+            object.__setattr__(self, "kv_dtype", self.workload().kv_dtype)
+        except PlanError as err:
+            problems += err.problems
+        m = self.microbatches
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            problems.append(f"microbatches={m!r}: give an integer >= 1")
+        elif not problems and m > self.batch_size:
             problems.append(
-                f"microbatches={self.microbatches} with batch_size={self.batch_size}: every micro-batch holds "
+                f"microbatches={m} with batch_size={self.batch_size}: every micro-batch holds "
                 f"at least one sequence (give batch_size >= microbatches)"
             )
         if self.device_type not in ("cuda", "cpu"):
             problems.append(f"device_type={self.device_type!r}: use 'cuda' or 'cpu'")
-        if self.kv_dtype is not None:
-            try:
-                object.__setattr__(self, "kv_dtype", canonical_dtype(self.kv_dtype))
-            except ValueError as err:
-                problems.append(f"kv_dtype: {err}")
         PipelineError.check(problems, "invalid pipeline run")
+
+    def workload(self, *, microbatch: bool = False) -> Workload:
+        """The whole batch's workload (what the KV caches hold), or one micro-batch's (the
+        activations a stage holds while it runs it)."""
+        batch = self.microbatch_size if microbatch else self.batch_size
+        return Workload(batch_size=batch, context_length=self.context_length, kv_dtype=self.kv_dtype)
 
     @property
     def microbatch_size(self) -> int:
         """Sequences in the largest micro-batch."""
-        return -(-self.batch_size // self.microbatches)
+        return -(-self.batch_size // max(self.microbatches, 1))
 
 
 def pipeline_bubble(stages: int, microbatches: int, passes: int = 1) -> float:

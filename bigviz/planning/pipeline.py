@@ -19,7 +19,6 @@ import torch
 from bigviz.core.pipeline import PipelineError, PipelinePlan, PipelineRun
 from bigviz.core.stages import cut_pipeline, make_pipeline_plan, over_budget
 from bigviz.core.tree import SizeTree
-from bigviz.core.workload import Workload
 from bigviz.planning.models import ModelLike, as_tree, default_no_split, resolve_model
 from bigviz.planning.workload import model_run_spec
 
@@ -165,9 +164,7 @@ def pipeline_run_bytes(
         return None, None
     if kv_cache is not None and activations is not None:
         return dict(kv_cache), dict(activations)
-    whole = Workload(run.batch_size, run.context_length, run.kv_dtype)
-    micro = Workload(run.microbatch_size, run.context_length, run.kv_dtype)
     spec = model_run_spec(model, tree, dtype=dtype, device_type=run.device_type)
-    kv = dict(kv_cache) if kv_cache is not None else spec.kv_cache(whole)
-    act = dict(activations) if activations is not None else spec.activations(micro)
+    kv = dict(kv_cache) if kv_cache is not None else spec.kv_cache(run.workload())
+    act = dict(activations) if activations is not None else spec.activations(run.workload(microbatch=True))
     return kv, act
