@@ -245,6 +245,7 @@ def _job(args: argparse.Namespace, env: _Env) -> _Job:
     """The model on meta, the dtype and the stage plan counting the run."""
     import torch
 
+    from bigviz.core.errors import PlanError
     from bigviz.core.pipeline import PipelinePlan
     from bigviz.distributed.models import checkpoint_dtype, empty_model, generation_config
     from bigviz.planning import plan_pipeline
@@ -255,18 +256,15 @@ def _job(args: argparse.Namespace, env: _Env) -> _Job:
     job = _Job(args, env.rank, env.world or 1, model, None, dtype, "cuda" if cuda else "cpu", {})
     job.saved = PipelinePlan.load_json(args.plan) if args.plan is not None else None
     stages = job.saved or args.stages
-    job.plan = plan_pipeline(
-        model,
-        stages,
-        no_split_module_classes=args.no_split,
-        balance=args.balance,
-        dtype=dtype,
-        batch_size=job.batch_size,
-        context_length=job.context,
-        microbatches=args.microbatches,
-        device_type=job.device_type,
-        kv_cache=None if job.generating else {},  # a forward keeps no cache
-    )
+    knobs: dict[str, Any] = dict(no_split_module_classes=args.no_split, balance=args.balance, dtype=dtype)
+    run = dict(batch_size=job.batch_size, context_length=job.context, microbatches=args.microbatches)
+    try:
+        kv = None if job.generating else {}  # a forward keeps no cache
+        job.plan = plan_pipeline(model, stages, **knobs, **run, device_type=job.device_type, kv_cache=kv)
+    except ValueError as err:
+        if job.generating or isinstance(err, PlanError):
+            raise
+        job.plan = plan_pipeline(model, stages, **knobs)  # a forward of a model whose run bigviz cannot read
     if job.generating and not args.ignore_eos:
         from bigviz.distributed.generation import generation_ids
 
@@ -362,7 +360,7 @@ def _run(job: _Job) -> dict[str, Any] | None:
     device = torch.device("cuda", torch.cuda.current_device()) if job.device_type == "cuda" else torch.device("cpu")
     batch = torch.tensor([job.ids] * job.batch_size, dtype=torch.long, device=device)  # (B, T)
     split = "wrap" if job.generating else args.split
-    with PeakMemory(("RssAnon", "VmRSS")) as peak:
+    with PeakMemory(("RssAnon", "VmRSS"), interval=0.01) as peak:
         built = build_stage_module(
             job.model, args.checkpoint, job.plan, job.rank, device=device, example_args=(batch[:1],), split=split,
             dtype=job.dtype,
