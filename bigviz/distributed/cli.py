@@ -326,18 +326,13 @@ def _join(args: argparse.Namespace, env: _Env) -> Any:
     return dist.group.WORLD
 
 
-def _agree(problems: list[str], env: _Env, joined: bool) -> list[str]:
-    """Every rank's problems, on every rank (a problem only one rank sees stops them all);
-    a problem every rank found is listed once."""
+def _agree(problems: list[str], joined: bool) -> list[str]:
+    """Every rank's problems, on every rank (a problem only one rank sees stops them all)."""
     if not joined:
         return problems
-    import torch.distributed as dist
+    from bigviz.distributed.generation import shared_problems
 
-    gathered: list[Any] = [None] * (env.world or 1)
-    dist.all_gather_object(gathered, problems)
-    common = [p for p in gathered[0] if all(p in other for other in gathered)]
-    own = [f"rank {r}: {p}" for r, found in enumerate(gathered) for p in found if p not in common]
-    return common + own
+    return shared_problems(problems)
 
 
 def _leave(joined: bool) -> None:
@@ -502,7 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     joined = env.joinable and env.world is not None and env.world > 0
     if joined:
         _join(args, env)
-    problems = _agree(problems, env, joined)
+    problems = _agree(problems, joined)
     if problems or job is None:
         if env.rank == 0:
             from bigviz.core.errors import format_problems

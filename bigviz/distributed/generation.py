@@ -39,7 +39,7 @@ from torch import Tensor
 from bigviz.core.pipeline import PipelineError
 from bigviz.distributed.adapters import cache_nbytes
 
-__all__ = ["GenerateResult", "generate", "generation_ids"]
+__all__ = ["GenerateResult", "generate", "generation_ids", "shared_problems"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.long)
 _SKIP, _TENSOR = 0, 1  # header kinds: the micro-batch has finished (nothing follows), or a tensor follows
@@ -178,15 +178,18 @@ def _check(rank: int, prompt_ids: Tensor | None, max_new_tokens: int, microbatch
     return problems
 
 
-def _agree(problems: list[str], ring: _Ring) -> None:
-    """Every rank learns every rank's problems before any message of the ring is sent, and
-    all raise together (a rank that raised alone would leave the others waiting)."""
+def shared_problems(problems: Sequence[str], group: Any = None) -> list[str]:
+    """Every rank's problems, on every rank of ``group`` (one collective): a problem every rank
+    found is listed once, the others with the rank that found them. A rank that stopped alone
+    would leave the others waiting for it; after this, all stop or none does.
+    """
     import torch.distributed as dist
 
-    gathered: list[Any] = [None] * ring.size
-    dist.all_gather_object(gathered, (ring.rank, problems), group=ring.group)
-    found = [f"rank {r}: {p}" for r, ps in gathered for p in ps]
-    PipelineError.check(found, "cannot generate across the stages; nothing was run")
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, list(problems), group=group)
+    common = [p for p in gathered[0] if all(p in found for found in gathered)]
+    own = [f"rank {r}: {p}" for r, found in enumerate(gathered) for p in found if p not in common]
+    return common + own
 
 
 def generate(
@@ -238,8 +241,11 @@ def generate(
     if not hasattr(module, "step") or not hasattr(module, "new_cache"):
         problems.append(f"{type(module).__name__} keeps no cache: build the stage with split='wrap'")
     elif (module.first, module.last) != (ring.rank == 0, ring.rank == ring.size - 1):
-        problems.append(f"stage {ring.rank} of {ring.size} runs {'the first' if module.first else 'a later'} part")
-    _agree(problems, ring)
+        problems.append(
+            f"rank {ring.rank} of {ring.size} holds a stage that is {'' if module.first else 'not '}the first and "
+            f"{'' if module.last else 'not '}the last: give each rank its own stage (build_stage_module(..., rank))"
+        )
+    PipelineError.check(shared_problems(problems, group), "cannot generate across the stages; nothing was run")
     eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
     loop = _Loop(module, ring, microbatches, eos, pad)
