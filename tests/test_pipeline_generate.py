@@ -19,6 +19,8 @@ from bigviz.distributed import build_stage_module, cache_nbytes, empty_model, ge
 from bigviz.distributed.models import generation_config
 from tests.pipeline_models import BUILDERS, build, save, single_process_generate
 
+pytestmark = pytest.mark.slow  # seven checkpoints saved and generated from once, then cut into stages
+
 PROMPT = torch.tensor([[5, 3, 17, 2, 9, 11], [1, 4, 1, 5, 9, 2]])
 NEW = 5
 
