@@ -156,6 +156,13 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         """Bytes of ``name`` as stored in the checkpoint (no read)."""
         return self.info(name).nbytes
 
+    def identity(self, name: str) -> tuple[int, int] | None:
+        """``(device, inode)`` of the file ``name`` is read from, as this object holds it open
+        (None once closed): a reader that opens the file by path checks it is still this one
+        (a path given to a new file by rename names another)."""
+        held = self._fds.get(self.info(name).file)
+        return None if held is None else (held[1][0], held[1][1])
+
     def prefetch(self, names: Iterable[str]) -> None:
         """Ask the kernel to read these tensors into the page cache.
 
@@ -338,6 +345,12 @@ class WeightStores(Mapping[str, torch.Tensor]):
     def info(self, name: str) -> TensorInfo:
         """The `TensorInfo` of ``name`` in the file store holding it."""
         return self._where[name].info(name)  # type: ignore[attr-defined]
+
+    def identity(self, name: str) -> tuple[int, int] | None:
+        """The file ``name`` is read from (see `LazyWeights.identity`); None for a store
+        that holds no files."""
+        held = getattr(self._where[name], "identity", None)
+        return None if held is None else held(name)
 
     def prefetch(self, names: Iterable[str]) -> None:
         """Page-cache hints, passed to each file store for its names."""
