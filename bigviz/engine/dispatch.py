@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from bigviz.checkpoint.offload_folder import offload_problems
+from bigviz.checkpoint.offload_folder import offload_problems, offload_weights
 from bigviz.core.dispatch_plan import DispatchPlan
 from bigviz.core.errors import DeviceMapError
 from bigviz.engine.binding import Binding, BoundUnit, bind, called_modules
@@ -48,7 +48,7 @@ from bigviz.engine.hooks import GUARDED_METHODS, add_hook_to_module, remove_hook
 from bigviz.engine.offload_hooks import AlignDevicesHook, ForwardLock, OffloadHook
 from bigviz.engine.prefetch import CpuFetcher, CudaFetcher, Fetcher
 from bigviz.engine.scheduler import Scheduler
-from bigviz.engine.weights import as_slot_value, open_offload_folder, pin, set_slot, write_offload_folder
+from bigviz.engine.weights import as_slot_value, pin, set_slot
 from bigviz.modeling.inventory import ModelInventory
 from bigviz.planning.chain import dispatch_plan_for
 
@@ -342,8 +342,7 @@ def _materialise(binding: Binding, options: DispatchOptions, state: DispatchStat
     new_sources: dict[str, Mapping[str, Tensor]] = {}
     if binding.to_write:
         assert options.offload_folder is not None  # checked in _checked_binding
-        write_offload_folder(binding.to_write, options.offload_folder)
-        store = open_offload_folder(options.offload_folder)
+        store = offload_weights(binding.to_write, options.offload_folder)  # what this write made, locked
         state.owned.append(store)
         new_sources.update(dict.fromkeys(binding.to_write, store))
     if binding.to_pin:

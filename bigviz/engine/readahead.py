@@ -324,7 +324,7 @@ def merge_spans(spans: Sequence[FileSpan], *, gap: int = PAGE) -> list[FileSpan]
     Example:
         >>> a, b = FileSpan("f", 0, 100, 1000), FileSpan("f", 120, 50, 1120)
         >>> merge_spans([b, a])
-        [FileSpan(path='f', offset=0, length=170, address=1000)]
+        [FileSpan(path='f', offset=0, length=170, address=1000, device=0, inode=0)]
     """
     out: list[FileSpan] = []
     for span in sorted(spans, key=lambda s: (s.path, s.address)):
