@@ -43,6 +43,7 @@ from bigviz.checkpoint.errors import raise_problems
 from bigviz.checkpoint.index import CheckpointIndex, TensorInfo
 from bigviz.checkpoint.load_plan import module_matches
 from bigviz.checkpoint.safetensors_io import file_stamp
+from bigviz.core.dtypes import load_dtype
 
 __all__ = ["LazyWeights", "WeightStores", "map_file"]
 
@@ -102,7 +103,7 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         unknown = [k for k in self._names.values() if k not in self.index.entries]
         if unknown:
             raise KeyError(f"names map to keys the checkpoint lacks: {unknown[:10]}")
-        self.dtype = dtype
+        self.dtype = _checked_dtype(dtype)
         self._keep = tuple(keep_dtype)
         self._dtypes = dict(dtypes or {})
         self._closed = False
@@ -274,6 +275,12 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         if begin % dtype.itemsize:  # misaligned (files from other writers): a copy cannot be avoided
             raw = raw.clone()
         return raw.view(dtype).view(info.shape)
+
+
+def _checked_dtype(dtype: object) -> torch.dtype | None:
+    """``dtype`` as a torch dtype, floating only (:func:`~bigviz.core.dtypes.load_dtype`)."""
+    name = load_dtype(dtype)
+    return None if name is None else getattr(torch, name)
 
 
 def _libc_madvise() -> Callable[[int, int, int], int] | None:

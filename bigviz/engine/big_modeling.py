@@ -22,7 +22,13 @@ import torch
 from torch import Tensor, nn
 
 from bigviz.checkpoint.index import CheckpointIndex
-from bigviz.checkpoint.load import execute_load_plan, inventory_of, load_checkpoint_in_model, plan_load
+from bigviz.checkpoint.load import (
+    execute_load_plan,
+    inventory_of,
+    load_checkpoint_in_model,
+    plan_load,
+    torch_load_dtype,
+)
 from bigviz.checkpoint.load_plan import LoadPlan, check_plan, plan_problems
 from bigviz.checkpoint.model_names import device_map_in_model_names
 from bigviz.core.devices import MISSING_DEVICE_FIX
@@ -103,6 +109,7 @@ def load_checkpoint_and_dispatch(
     from bigviz.engine.resident import check_mode, settle_residency  # larger than RAM
 
     check_mode(resident)  # before anything is read
+    dtype = torch_load_dtype(dtype)  # floating only, before planning with it
     inventory = inventory_of(model)  # ties made, then the model's one walk for this call
     mapping, made = resolve_device_map(
         inventory,
