@@ -27,7 +27,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from bigviz.checkpoint.errors import CheckpointError, raise_problems
 from bigviz.checkpoint.torch_io import TORCH_SUFFIXES
-from bigviz.core.serialize import parse_json
+from bigviz.core.serialize import DuplicateKeysError, parse_json
 
 __all__ = ["CheckpointFiles", "find_files", "missing_problems", "MISSING_FIX"]
 
@@ -130,6 +130,8 @@ def _format_name(suffix: str) -> str:
 def _index_format(path: Path) -> str | None:
     try:
         doc = parse_json(path.read_bytes(), path, "checkpoint index")
+    except DuplicateKeysError as err:
+        doc = err.doc  # still this format's index: opening it reports the duplicates
     except (OSError, ValueError):
         return None
     mapping = doc.get("weight_map", doc) if isinstance(doc, dict) else {}
@@ -146,6 +148,10 @@ def _from_index_file(path: Path, *, check_files: bool = True) -> CheckpointFiles
         doc = parse_json(path.read_bytes(), path, "checkpoint index")  # deep nesting: an error, not a crash
     except OSError as err:
         raise CheckpointError(f"{path}: cannot read the index ({err.strerror or err})") from err
+    except DuplicateKeysError as err:
+        raise CheckpointError(
+            f"index '{path}' names a key more than once", _duplicate_problems(path, err.duplicates), fix=_DUPLICATE_FIX
+        ) from None
     except ValueError as err:
         raise CheckpointError(f"{err}; re-download or re-save it") from err
     if not isinstance(doc, dict):
@@ -171,6 +177,25 @@ def _from_index_file(path: Path, *, check_files: bool = True) -> CheckpointFiles
         dict(metadata),
         missing,
     )
+
+
+_DUPLICATE_FIX = (
+    "JSON keeps only the last of them, so which file holds the tensor is unknown: fix the index so "
+    "each tensor is listed once, or re-download or re-save the checkpoint"
+)
+
+
+def _duplicate_problems(path: Path, duplicates: dict[str, list[object]]) -> list[str]:
+    """One line per key given twice: a tensor in two files (both named), or another key."""
+    out = []
+    for key, values in duplicates.items():
+        if all(isinstance(v, str) for v in values):
+            files = ", ".join(dict.fromkeys(str(v) for v in values))
+            same = " (the same file each time)" if len(set(values)) == 1 else ""
+            out.append(f"{path.name}: tensor {key!r} is listed {len(values)} times, in {files}{same}")
+        else:
+            out.append(f"{path.name}: key {key!r} appears {len(values)} times")
+    return out
 
 
 MISSING_FIX = "download or copy the missing shards into the folder (or fix the index)"
