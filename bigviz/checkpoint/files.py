@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
@@ -87,6 +88,7 @@ def _pick_in_folder(folder: Path, prefer_safe: bool) -> Path:
         kinds.reverse()
     for candidates in kinds:
         if len(candidates) == 1:
+            _refuse_a_lone_shard(folder, candidates[0])
             return candidates[0]
         if len(candidates) > 1:
             listed = ", ".join(p.name for p in candidates)
@@ -121,6 +123,18 @@ def _candidates(folder: Path, names: list[str], main: str, is_weights, suffix: s
     if "index.json" in names and _index_format(folder / "index.json") == _format_name(suffix):
         return [folder / "index.json"]
     return [folder / n for n in names if is_weights(n)]
+
+
+def _refuse_a_lone_shard(folder: Path, path: Path) -> None:
+    """A folder whose only weights file is named as one shard of several (``-00001-of-00003``)
+    holds part of a checkpoint, not one: its index and other shards are missing."""
+    found = re.search(r"-(\d{5})-of-(\d{5})\.", path.name)
+    if found and int(found.group(2)) > 1:
+        raise CheckpointError(
+            f"{folder}: incomplete checkpoint: it holds {path.name}, shard {int(found.group(1))} of "
+            f"{int(found.group(2))}, with no index naming the shards; {MISSING_FIX} (or pass that file's "
+            "path to read it alone)"
+        )
 
 
 def _format_name(suffix: str) -> str:
