@@ -35,7 +35,7 @@ from bigviz.core.devices import MISSING_DEVICE_FIX
 from bigviz.core.errors import DeviceMapError
 from bigviz.core.names import owner, parent
 from bigviz.engine.devices import DeviceLike, torch_device
-from bigviz.engine.dispatch import dispatch_inventory, execute_dispatch
+from bigviz.engine.dispatch import dispatch_inventory, execute_dispatch, refuse_dispatched
 from bigviz.engine.hooks import add_hook_to_module
 from bigviz.engine.offload_hooks import CpuOffload, UserCpuOffloadHook
 from bigviz.engine.weights import open_offload_folder
@@ -108,7 +108,8 @@ def load_checkpoint_and_dispatch(
     """
     from bigviz.engine.resident import check_mode, settle_residency  # larger than RAM
 
-    check_mode(resident)  # before anything is read
+    refuse_dispatched(model, "load_checkpoint_and_dispatch")  # before anything is read
+    check_mode(resident)
     dtype = torch_load_dtype(dtype)  # floating only, before planning with it
     inventory = inventory_of(model)  # ties made, then the model's one walk for this call
     mapping, made = resolve_device_map(
@@ -241,6 +242,7 @@ def cpu_offload(
         >>> model(torch.ones(1, 2)).shape
         torch.Size([1, 2])
     """
+    refuse_dispatched(model, "cpu_offload")
     inventory = ModelInventory.of(model)
     return dispatch_inventory(
         inventory,
@@ -279,6 +281,7 @@ def disk_offload(
         >>> model(torch.ones(1, 2)).shape, model[0].weight.device.type
         (torch.Size([1, 2]), 'meta')
     """
+    refuse_dispatched(model, "disk_offload")  # before the folder is opened
     inventory = ModelInventory.of(model)
     weights = open_offload_folder(offload_dir) if inventory.has_meta() else None  # an earlier disk_offload's
     stores = [weights] if weights is not None else []

@@ -41,11 +41,11 @@ from torch import Tensor, nn
 
 from bigviz.checkpoint.offload_folder import offload_problems, offload_weights
 from bigviz.core.dispatch_plan import DispatchPlan
-from bigviz.core.errors import DeviceMapError
+from bigviz.core.errors import BigvizError, DeviceMapError
 from bigviz.engine.binding import Binding, BoundUnit, bind, called_modules
 from bigviz.engine.devices import torch_device
 from bigviz.engine.hooks import GUARDED_METHODS, add_hook_to_module, remove_hook_from_module
-from bigviz.engine.offload_hooks import AlignDevicesHook, ForwardLock, OffloadHook
+from bigviz.engine.offload_hooks import AlignDevicesHook, CpuOffload, ForwardLock, OffloadHook
 from bigviz.engine.prefetch import CpuFetcher, CudaFetcher, Fetcher
 from bigviz.engine.scheduler import Scheduler
 from bigviz.engine.weights import as_slot_value, pin, set_slot
@@ -59,6 +59,8 @@ __all__ = [
     "DispatchOptions",
     "DispatchState",
     "DEFAULT_SKIP_KEYS",
+    "refuse_dispatched",
+    "AlreadyDispatchedError",
 ]
 
 DEFAULT_SKIP_KEYS: tuple[str, ...] = ("cache", "past_key_values")
@@ -160,6 +162,45 @@ def _explain_meta_error(error: BaseException, idle: list[BoundUnit]) -> None:
     )
 
 
+class AlreadyDispatchedError(BigvizError, ValueError):
+    """A model (or a module in it) that a dispatch already hooked, given to a dispatch again."""
+
+
+_DISPATCH_HOOKS = (AlignDevicesHook, OffloadHook, CpuOffload)
+
+
+def refuse_dispatched(model: nn.Module, entry: str) -> None:
+    """The one guard of every dispatching entry point, run before anything is read, opened or
+    moved: a model already dispatched (by bigviz or accelerate: its modules carry their
+    hooks) is refused. Dispatching it again would stack hooks on hooks, and leak the first
+    dispatch's open files and prefetch threads.
+
+    Raises:
+        AlreadyDispatchedError: naming the entry point and where the model is hooked.
+
+    Example:
+        >>> import torch
+        >>> model = dispatch_model(torch.nn.Sequential(torch.nn.Linear(2, 2)), {"": "cpu"}, force_hooks=True)
+        >>> refuse_dispatched(model, "cpu_offload")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        bigviz.engine.dispatch.AlreadyDispatchedError: cpu_offload: this model is already dispatched ...
+    """
+    hooked = []
+    for name, module in model.named_modules():
+        hook = getattr(module, "_hf_hook", None)
+        hooks = getattr(hook, "hooks", (hook,)) if hook is not None else ()
+        ours = getattr(module, "_bigviz_dispatch", None) is not None
+        if ours or any(isinstance(h, _DISPATCH_HOOKS) or type(h).__module__.startswith("accelerate.") for h in hooks):
+            hooked.append(repr(name) if name else "the model itself")
+    if hooked:
+        shown = ", ".join(hooked[:4]) + (f" and {len(hooked) - 4} more modules" if len(hooked) > 4 else "")
+        raise AlreadyDispatchedError(
+            f"{entry}: this model is already dispatched (hooks on {shown}); dispatching it again would stack "
+            "hooks and leave the first dispatch's files and threads open. Call bigviz.remove_hooks(model) "
+            "first (weights go back where they were before), then dispatch it again"
+        )
+
+
 def dispatch_model(
     model: nn.Module,
     device_map: Mapping[str, int | str | torch.device],
@@ -250,8 +291,7 @@ def dispatch_inventory(
 ) -> nn.Module:
     """`dispatch_model` on a model's inventory: plan (one validation pass: names, devices,
     coverage, all problems at once, before anything moves), then execute."""
-    if getattr(inventory.model, "_bigviz_dispatch", None) is not None:
-        raise ValueError("dispatch_model: this model is already dispatched; call bigviz.remove_hooks(model) first")
+    refuse_dispatched(inventory.model, "dispatch_model")
     plan = dispatch_plan_for(
         inventory,
         device_map,
