@@ -103,8 +103,8 @@ def load_checkpoint_and_dispatch(
         >>> with torch.device("meta"):
         ...     model = torch.nn.Linear(2, 2)
         >>> model = load_checkpoint_and_dispatch(model, folder, {"": "disk"})
-        >>> model(torch.ones(1, 2)).shape, model.weight.device.type
-        (torch.Size([1, 2]), 'meta')
+        >>> model(torch.ones(1, 2)).shape, model.weight.is_meta  # read at forward time
+        (torch.Size([1, 2]), True)
     """
     from bigviz.engine.resident import check_mode, settle_residency  # larger than RAM
 
@@ -278,8 +278,8 @@ def disk_offload(
     Example:
         >>> import torch, tempfile
         >>> model = disk_offload(torch.nn.Sequential(torch.nn.Linear(2, 2)), tempfile.mkdtemp())
-        >>> model(torch.ones(1, 2)).shape, model[0].weight.device.type
-        (torch.Size([1, 2]), 'meta')
+        >>> model(torch.ones(1, 2)).shape, model[0].weight.is_meta
+        (torch.Size([1, 2]), True)
     """
     refuse_dispatched(model, "disk_offload")  # before the folder is opened
     inventory = ModelInventory.of(model)

@@ -13,7 +13,8 @@ in the map, else the CPU):
                memory-mapped pages (no copy); a GPU gets them via pinned staging buffers
 =============  ==========================================================================
 
-Offloaded tensors sit on ``meta`` between forwards. One hook per offloaded entry fetches
+Offloaded tensors sit on ``meta`` between forwards (``is_meta``; their ``.device`` says where they
+run: :class:`~bigviz.engine.weights.Offloaded`). One hook per offloaded entry fetches
 all its tensors; the next entry is fetched while the current one computes (``prefetch``).
 
 Example:
@@ -23,8 +24,8 @@ Example:
     >>> expected = model(x)
     >>> with tempfile.TemporaryDirectory() as folder:
     ...     _ = dispatch_model(model, {"0": "cpu", "1": "cpu", "2": "disk"}, offload_folder=folder)
-    ...     torch.equal(model(x), expected), model[2].weight.device.type
-    (True, 'meta')
+    ...     torch.equal(model(x), expected), model[2].weight.is_meta, model[2].weight.device.type
+    (True, True, 'cpu')
 """
 
 from __future__ import annotations

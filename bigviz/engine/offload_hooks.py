@@ -34,7 +34,7 @@ from bigviz.engine.hooks import ModelHook
 from bigviz.modeling.budgets import default_execution_device
 from bigviz.engine.scheduler import Scheduler
 from bigviz.engine.binding import BoundUnit
-from bigviz.engine.weights import as_slot_value, set_slot
+from bigviz.engine.weights import as_slot_value, get_slot, meta_like, set_slot
 
 __all__ = [
     "AlignDevicesHook",
@@ -190,8 +190,8 @@ class OffloadHook(ModelHook):
         >>> unit.sources = {k: {"weight": torch.eye(2), "bias": torch.zeros(2)} for k in unit.slots}
         >>> hook = OffloadHook(unit, Scheduler([unit], CpuFetcher(), prefetch=False))
         >>> _ = hook.init_hook(layer)
-        >>> layer.weight.device
-        device(type='meta')
+        >>> layer.weight.is_meta, layer.weight.device  # no data; used on the CPU
+        (True, device(type='cpu'))
     """
 
     no_grad = True
@@ -259,7 +259,14 @@ class OffloadHook(ModelHook):
             self.lock.release(self)
 
     def detach_hook(self, module: nn.Module) -> nn.Module:
-        """Put back in memory (on the CPU) the weights that were in memory before dispatch."""
+        """Put back in memory (on the CPU) the weights that were in memory before dispatch;
+        the others go back to plain ``meta`` (no longer reporting an execution device)."""
+        for slot, placeholder in self.unit.placeholders.values():
+            if get_slot(slot) is placeholder:
+                plain = self.restored.get((id(placeholder), "meta"))
+                if plain is None:
+                    plain = self.restored[(id(placeholder), "meta")] = meta_like(placeholder, slot[2])
+                set_slot(slot, plain)
         for key in self.unit.materialised:
             store = self.unit.sources[key]
             for slot in self.unit.slots[key]:

@@ -179,7 +179,7 @@ def _cpu_tensors(model: nn.Module) -> Iterator[tuple[nn.Module, str, str, Tensor
     for module in model.modules():
         for kind, table in (("param", module._parameters), ("buffer", module._buffers)):
             for attr, tensor in table.items():
-                if tensor is not None and tensor.device.type == "cpu":
+                if tensor is not None and tensor.device.type == "cpu" and not tensor.is_meta:  # offloaded: no data
                     yield module, attr, kind, tensor
 
 
