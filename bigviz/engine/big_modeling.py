@@ -154,6 +154,7 @@ def load_checkpoint_and_dispatch(
         force_hooks=force_hooks,
         offload_folder=offload_folder,
         owned=stores,
+        stamps=index.stamps.values(),
     )
     settle_residency(model, resident=resident)
     return model.eval()

@@ -46,6 +46,7 @@ from bigviz.core.errors import BigvizError, DeviceMapError
 from bigviz.engine.binding import Binding, BoundUnit, bind, called_modules
 from bigviz.engine.devices import torch_device
 from bigviz.engine.hooks import GUARDED_METHODS, add_hook_to_module, remove_hook_from_module
+from bigviz.engine.mapped import MappedFiles
 from bigviz.engine.offload_hooks import AlignDevicesHook, CpuOffload, ForwardLock, OffloadHook
 from bigviz.engine.prefetch import CpuFetcher, CudaFetcher, Fetcher
 from bigviz.engine.scheduler import Scheduler
@@ -92,6 +93,7 @@ class DispatchState:
         scheduler: The prefetch scheduler (``scheduler.order``: recorded execution order).
         owned: Stores opened by the dispatch (closed by ``remove_hooks``).
         lock: Held by a forward of the model (threads calling it take turns).
+        mapped: The files its CPU weights are memory-mapped from, checked before each forward.
     """
 
     device_map: dict[str, int | str]
@@ -101,6 +103,7 @@ class DispatchState:
     scheduler: Scheduler | None = None
     owned: list[Any] = field(default_factory=list)
     lock: ForwardLock = field(default_factory=ForwardLock)  # one forward at a time, whatever the thread
+    mapped: MappedFiles | None = None
 
     def close(self) -> None:
         """Detach remaining unit hooks, stop prefetching and close the files opened."""
@@ -114,6 +117,9 @@ class DispatchState:
             if close is not None:
                 close()
         self.owned.clear()
+        if self.mapped is not None:
+            self.mapped.close()
+            self.mapped = None
 
 
 class _RootHook(AlignDevicesHook):
@@ -125,6 +131,8 @@ class _RootHook(AlignDevicesHook):
 
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         self.state.lock.acquire(self)  # first: another thread's forward finishes before this one starts
+        if self.state.mapped is not None:
+            self.state.mapped.verify()  # a truncated shard under zero-copy CPU weights: an error, not SIGBUS
         return super().pre_forward(module, *args, **kwargs)
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
@@ -322,12 +330,16 @@ def execute_dispatch(
     force_hooks: bool = False,
     offload_folder: str | Path | None = None,
     owned: Sequence[Any] = (),
+    stamps: Iterable[tuple[int, ...]] = (),
 ) -> nn.Module:
     """Carry out a checked dispatch plan on ``inventory``'s model: bind it (every problem
     raised at once, before anything moves), write or pin what streams from memory, place the
     resident tensors, and hook the units. Returns the model, with ``hf_device_map`` set.
 
     ``owned`` are stores the dispatch closes on ``remove_hooks`` (a load's disk weights).
+    ``stamps``: the files' stamps when a load opened them (a checkpoint index's), so that the
+    files under zero-copy CPU weights are compared with those (:class:`MappedFiles`); a model
+    with such weights is hooked even on one device, for that check.
     """
     model = inventory.model
     options = DispatchOptions(
@@ -342,8 +354,12 @@ def execute_dispatch(
     binding = _checked_binding(inventory, plan, options, stores)
     state = DispatchState(dict(plan.device_map), options, plan, owned=list(owned))
     _materialise(binding, options, state)
-    if len(set(plan.device_map.values())) > 1 or binding.units or force_hooks:
+    mapped = MappedFiles.of(model, stamps)
+    if len(set(plan.device_map.values())) > 1 or binding.units or force_hooks or len(mapped):
+        state.mapped = mapped if len(mapped) else None
         _attach(inventory, binding, state)
+    else:
+        mapped.close()
     model.hf_device_map = dict(plan.device_map)
     return model
 

@@ -361,6 +361,18 @@ def _read_into(piece: _Piece, flags: int) -> None:
         os.close(fd)
 
 
+def _watch_what_is_still_mapped(model: nn.Module, state: object) -> None:
+    """After the copy, only the files of what is still mapped are checked before a forward
+    (a file whose weights were copied may change: nothing reads it any more)."""
+    from bigviz.engine.mapped import MappedFiles
+
+    old = getattr(state, "mapped", None)
+    if old is None:
+        return
+    state.mapped = MappedFiles.of(model, old.stamps()) or None  # type: ignore[attr-defined]
+    old.close()
+
+
 def settle_residency(
     model: nn.Module,
     *,
@@ -402,6 +414,7 @@ def settle_residency(
     copied = None
     if mode == "copy":
         copied = make_resident(model, readers=readers, progress=progress) if mapped else None
+        _watch_what_is_still_mapped(model, state)
         scheduler = getattr(state, "scheduler", None)
         if streaming and scheduler is not None and state.options.main_device.type == "cpu":
             scheduler.fetcher.close()

@@ -4,7 +4,8 @@ never garbage. A shard *replaced* by rename (or moved away and a new file put in
 harmless: the model keeps reading the file it opened. Both hold in every way disk units are
 streamed: zero-copy maps (``resident="map"``), the ``O_DIRECT`` ring (``resident="copy"``) and the
 page cache (``stream="cache"``), whether the change comes before the first forward or between
-two. Each case runs in a subprocess, so a SIGBUS would show as its exit status."""
+two; and for the zero-copy "cpu" weights of a dispatched model, whose files are checked before
+each forward. Each case runs in a subprocess, so a SIGBUS would show as its exit status."""
 
 from __future__ import annotations
 
@@ -97,11 +98,40 @@ SCRIPT = textwrap.dedent("""
         return {"same": same, "resident": FileMaps().find(model.transformer.wte.weight.data_ptr()) is None}
 
 
+    def cpu_case(folder, mode, where, resident):
+        # the shard holding zero-copy "cpu" weights (the embeddings) changed under the model
+        torch.manual_seed(0)
+        ref = GPT(GPTConfig.preset("gpt-tiny")).eval()
+        bigviz.save_sharded(ref, folder, max_shard_size="20KB", progress=False)
+        with bigviz.init_empty_weights():
+            model = GPT(GPTConfig.preset("gpt-tiny"))
+        device_map = DEVICE_MAP if where == "split" else {"": "cpu"}
+        model = bigviz.load_checkpoint_and_dispatch(model, folder, device_map, resident=resident)
+        x = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            want = ref(x)[0]
+            first = torch.equal(model(x)[0], want)
+        weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+        shard = folder / weight_map["transformer.wte.weight"]
+        change(shard, mode)
+        result = {"first": first, "shard": str(shard), "errors": []}
+        for _ in range(2):
+            try:
+                with torch.no_grad():
+                    result["same"] = torch.equal(model(x)[0], want)
+            except Exception as err:
+                result["errors"].append([type(err).__name__, str(err)])
+        bigviz.remove_hooks(model)
+        return result
+
+
     root = Path(sys.argv[1])
     out = {}
     for spec in sys.argv[2:]:
         if spec.startswith("resident-"):
             out[spec] = resident_copy_after(root / spec, spec.split("-")[1])
+        elif spec.startswith("cpu-"):
+            out[spec] = cpu_case(root / spec, *spec.split("-")[1:])
         else:
             out[spec] = case(root / spec, *spec.split("-"))
     print(json.dumps(out))
@@ -110,6 +140,8 @@ SCRIPT = textwrap.dedent("""
 STREAMS = ["map", "ring", "cache"]
 CASES = [f"{s}-{m}-{w}" for s in STREAMS for m in ("truncate", "rewrite", "replace", "move") for w in ("between",)]
 CASES += [f"{s}-{m}-before" for s in STREAMS for m in ("replace", "truncate")]
+CPU_CASES = [f"cpu-{m}-{w}-map" for m in ("truncate", "rewrite", "replace") for w in ("split", "all")]
+CPU_CASES += ["cpu-truncate-split-copy"]  # copied into memory: the file is not read any more
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +149,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Every case in one subprocess (one torch import)."""
     root = tmp_path_factory.mktemp("changing")
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(root), *CASES, "resident-replace", "resident-move"],
+        [sys.executable, "-c", SCRIPT, str(root), *CASES, "resident-replace", "resident-move", *CPU_CASES],
         capture_output=True,
         text=True,
         timeout=600,
@@ -153,3 +185,20 @@ def test_a_shard_replaced_by_rename_keeps_serving_what_was_opened(results: dict,
 def test_a_resident_copy_made_after_a_rename_copies_the_file_the_model_opened(results: dict, mode: str):
     result = results[f"resident-{mode}"]
     assert result["resident"] and result["same"], result
+
+
+@pytest.mark.parametrize("case", [c for c in CPU_CASES if c.endswith("-map") and "replace" not in c])
+def test_a_shard_under_zero_copy_cpu_weights_changed_is_an_error_not_a_sigbus(results: dict, case: str):
+    """The weights on the CPU are views of the mapped shard: its files are checked before each
+    forward (one fstat each), on a split map and on a map with nothing offloaded."""
+    result = results[case]
+    assert result["first"] and len(result["errors"]) == 2, result
+    for kind, message in result["errors"]:
+        assert kind == "FetchError" and result["shard"] in message and "changed" in message, message
+        assert "'transformer.wte'" in message, message
+
+
+@pytest.mark.parametrize("case", [c for c in CPU_CASES if "replace" in c or c.endswith("-copy")])
+def test_a_shard_under_cpu_weights_renamed_or_already_copied_is_harmless(results: dict, case: str):
+    result = results[case]
+    assert result["first"] and result["errors"] == [] and result["same"], result
