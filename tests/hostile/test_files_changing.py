@@ -45,6 +45,16 @@ SCRIPT = textwrap.dedent("""
             shard.write_bytes(b"\\0" * size)
 
 
+    def run_twice(model, x, want, result):
+        # every later forward says so too: two, each error recorded
+        for _ in range(2):
+            try:
+                with torch.no_grad():
+                    result["same"] = torch.equal(model(x)[0], want)
+            except Exception as err:
+                result["errors"].append([type(err).__name__, str(err)])
+
+
     def dispatched(folder, stream):
         with bigviz.init_empty_weights():
             model = GPT(GPTConfig.preset("gpt-tiny"))
@@ -70,12 +80,7 @@ SCRIPT = textwrap.dedent("""
         change(shard, mode)
         result = {"first": first, "units": units, "shard": str(shard), "errors": [],
                   "fetcher": type(model._bigviz_dispatch.scheduler.fetcher).__name__}
-        for _ in range(2):
-            try:
-                with torch.no_grad():
-                    result["same"] = torch.equal(model(x)[0], want)
-            except Exception as err:
-                result["errors"].append([type(err).__name__, str(err)])
+        run_twice(model, x, want, result)
         result["meta"] = all(p.is_meta for p in model.transformer.h.parameters())
         bigviz.remove_hooks(model)
         return result
@@ -115,12 +120,7 @@ SCRIPT = textwrap.dedent("""
         shard = folder / weight_map["transformer.wte.weight"]
         change(shard, mode)
         result = {"first": first, "shard": str(shard), "errors": []}
-        for _ in range(2):
-            try:
-                with torch.no_grad():
-                    result["same"] = torch.equal(model(x)[0], want)
-            except Exception as err:
-                result["errors"].append([type(err).__name__, str(err)])
+        run_twice(model, x, want, result)
         bigviz.remove_hooks(model)
         return result
 
