@@ -352,3 +352,56 @@ def test_a_full_disk_keeps_an_earlier_offload_as_it_was(small_fs: Path):
     bigviz.disk_offload(again, folder)  # the earlier offload still reads
     with torch.no_grad():
         assert torch.equal(again(torch.ones(1, 16)), small(torch.ones(1, 16)))
+
+
+KILLED = textwrap.dedent("""
+    import os, signal, sys
+    from pathlib import Path
+    import torch
+    import bigviz
+    from bigviz.checkpoint import offload_folder
+    from bigviz.models import GPT, GPTConfig
+
+    folder, when = Path(sys.argv[1]), sys.argv[2]
+    torch.manual_seed(1)
+    model = GPT(GPTConfig.preset("gpt-tiny"))
+    original = offload_folder.write_checkpoint_files
+
+    def killed(*args, **kwargs):
+        if when == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
+        original(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)  # its files written, the record not switched yet
+
+    offload_folder.write_checkpoint_files = killed
+    bigviz.disk_offload(model, folder)
+""")
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_an_offload_killed_mid_write_leaves_a_folder_the_next_offload_takes(tmp_path: Path, when: str):
+    folder = tmp_path / "off"
+    bigviz.remove_hooks(bigviz.disk_offload(_gpt(3), folder))  # an earlier offload, then one killed
+    done = subprocess.run([sys.executable, "-c", KILLED, str(folder), when], capture_output=True, text=True)
+    assert done.returncode == -9, done.stderr[-2000:]
+    model = bigviz.disk_offload(_gpt(2), folder)  # bigviz's own leftovers: taken, not refused
+    with torch.no_grad():
+        assert torch.equal(model(_ids())[0], _gpt(2)(_ids())[0])
+    record = json.loads((folder / "bigviz-offload.json").read_text())
+    assert {p.name for p in folder.iterdir()} == set(record["files"]) | {"bigviz-offload.json"}
+
+
+def test_a_read_only_offload_folder_is_an_error_naming_it(small_fs: Path):
+    from tests.hostile.conftest import remount_read_only
+
+    folder = small_fs / "off"
+    bigviz.remove_hooks(bigviz.disk_offload(torch.nn.Sequential(torch.nn.Linear(4, 4)), folder))
+    files = snapshot(folder)
+    remount_read_only(small_fs)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    before = model_state(model)
+    with pytest.raises(OSError) as err:
+        bigviz.disk_offload(model, folder)
+    assert err.value.errno == errno.EROFS and str(folder) in str(err.value)
+    assert snapshot(folder) == files
+    assert_same_state(model, before) and not hasattr(model, "_hf_hook")
