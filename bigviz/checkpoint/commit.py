@@ -194,9 +194,15 @@ def restore_config(folder: Path, stage: Path) -> None:
     if os.path.lexists(folder / CONFIG):
         return
     source = stage / (CONFIG if _new_weights_live(folder, stage) else _CONFIG_BEFORE)
-    if source.is_file():
-        with contextlib.suppress(FileExistsError):
-            os.link(source, folder / CONFIG)  # never over a config that appeared meanwhile
+    if not source.is_file():
+        return
+    try:
+        os.link(source, folder / CONFIG)  # never over a config that appeared meanwhile
+    except FileExistsError:
+        pass
+    except OSError:  # no hard links here: a copy (the stage is removed next)
+        if not os.path.lexists(folder / CONFIG):
+            shutil.copyfile(source, folder / CONFIG)
 
 
 def _new_weights_live(folder: Path, stage: Path) -> bool:

@@ -65,6 +65,7 @@ class BoundUnit:
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     key_nbytes: dict[str, int] = field(default_factory=dict)
     requires_grad: bool = False
+    grads: dict[str, bool] = field(default_factory=dict)  # key -> the requires_grad its placeholder declares
 
     @property
     def name(self) -> str:
@@ -225,6 +226,7 @@ def _add_fetch(
                     current, slot[2], device=device, name=name, unit=unit.name
                 )
             unit.placeholders[(id(slot[0]), slot[1])] = (slot, placeholders[id(current)])
+            unit.grads.setdefault(key, placeholders[id(current)].requires_grad)  # read once: not per forward
         unit.requires_grad |= slot[2] == "param" and current.requires_grad
 
 

@@ -227,8 +227,7 @@ class OffloadHook(ModelHook):
         for key, slots in self.unit.slots.items():
             # the flags the model declares (some kernels choose their path by requires_grad,
             # nn.MultiheadAttention even under no_grad): the same numbers as in memory
-            grad = self.unit.placeholders[(id(slots[0][0]), slots[0][1])][1].requires_grad
-            value = as_slot_value(tensors[key], slots[0][2], requires_grad=grad)
+            value = as_slot_value(tensors[key], slots[0][2], requires_grad=self.unit.grads.get(key, False))
             for slot in slots:
                 set_slot(slot, value)
         return args, kwargs
@@ -236,7 +235,7 @@ class OffloadHook(ModelHook):
     def _needs_guard(self, args: tuple, kwargs: dict) -> bool:
         if not torch.is_grad_enabled():
             return False
-        if any(p.requires_grad for _, p in self.unit.placeholders.values()):
+        if any(self.unit.grads.values()):
             return True
         return any_tensor((args, kwargs), lambda t: t.requires_grad, skip_keys=self.skip_keys)
 

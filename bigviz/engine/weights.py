@@ -209,13 +209,17 @@ class Offloaded:
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        with torch._C.DisableTorchFunctionSubclass():
-            leaves = tree_leaves((args, kwargs))
+        if not kwargs and len(args) == 1:  # an attribute or a method of the placeholder alone: no data met
+            ours = [args[0]] if isinstance(args[0], Offloaded) else []
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args)
+        else:
+            leaves = tree_leaves((args, kwargs or {}))
             ours = [t for t in leaves if isinstance(t, Offloaded)]
             if any(isinstance(t, Tensor) and not t.is_meta for t in leaves):
                 raise _used_outside(func, ours)
-            out = func(*args, **kwargs)
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **(kwargs or {}))
         if not ours:
             return out
         # what is derived from it (``weight.T``, ``weight.detach()``, a chunk) is the same no-data weight
