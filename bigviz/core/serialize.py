@@ -75,24 +75,55 @@ def write_json_atomic(data: Any, path: str | os.PathLike[str]) -> None:
     write_text_atomic(json.dumps(data, indent=2) + "\n", path)
 
 
-def parse_json(text: str | bytes, where: object, what: str) -> Any:
+def parse_json(text: str | bytes, where: object, what: str, *, unique_keys: bool = False) -> Any:
     """Parse JSON, or raise ``ValueError`` naming ``where`` it came from: bad syntax, bad
     UTF-8, or nesting so deep that Python's parser would raise ``RecursionError``.
+
+    With ``unique_keys``, an object that names a key twice is refused too: Python's parser
+    keeps the last silently, so ``{"num_hidden_layers": 2, "num_hidden_layers": 80}`` would
+    mean 80 with no word.
 
     Example:
         >>> parse_json("[" * 100_000, "x.json", "device map")
         Traceback (most recent call last):
         ...
         ValueError: x.json: JSON nested too deeply (Python's parser gives up); this is not a device map file
+        >>> parse_json('{"a": 1, "a": 2}', "c.json", "model config", unique_keys=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: c.json: key 'a' appears twice (1, then 2); JSON keeps only the last, so bigviz refuses the file: keep one
     """
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_object if unique_keys else None)
     except RecursionError:
         raise ValueError(
             f"{where}: JSON nested too deeply (Python's parser gives up); this is not a {what} file"
         ) from None
+    except _DuplicateKey as err:
+        raise ValueError(
+            f"{where}: key {err.key!r} appears twice ({err.values}); JSON keeps only the last, so bigviz "
+            "refuses the file: keep one"
+        ) from None
     except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ValueError(f"{where}: not valid JSON ({err}); is this a {what} file?") from err
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str, first: object, second: object) -> None:
+        super().__init__(key)
+        self.key = key
+        self.values = ", then ".join(
+            text if len(text) <= 40 else text[:37] + "..." for text in map(repr, (first, second))
+        )
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key, out[key], value)
+        out[key] = value
+    return out
 
 
 def _read_json(path: str | os.PathLike[str], what: str) -> Any:

@@ -90,14 +90,7 @@ def kv_cache_bytes(
 
 
 def _as_model(source: ModelOrConfig) -> nn.Module:
-    from bigviz.models import GPTConfig, LlamaConfig
-
-    if isinstance(source, nn.Module):
-        return source
-    if isinstance(source, (GPTConfig, LlamaConfig)):
-        with torch.device("meta"):
-            return GPT(source) if isinstance(source, GPTConfig) else Llama(source)
-    return model_from_config(source)
+    return source if isinstance(source, nn.Module) else model_from_config(source)  # a config: checked, on meta
 
 
 def run_spec(model: nn.Module, *, dtype: torch.dtype | str | None = None, device_type: str = "cuda") -> RunSpec:
