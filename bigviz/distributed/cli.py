@@ -20,15 +20,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bigviz.core.outputs import input_files, output_problems, write_output
+
 __all__ = ["main", "parse_stages", "parse_ids"]
 
 SCHEDULES = ("gpipe", "1f1b")
+MAX_TOKENS = 2**24  # the batch is built in memory: micro-batches x ids tokens
 
 
 def parse_stages(text: str) -> int | list[str]:
@@ -110,13 +112,18 @@ class _Job:
     dtype: str | None
 
 
-def _argument_problems(args: argparse.Namespace, world: int | None) -> list[str]:
+def _argument_problems(args: argparse.Namespace, world: int | None, rank: int) -> list[str]:
     problems = []
     if args.microbatches < 1:
         problems.append(f"--microbatches {args.microbatches}: give 1 or more")
-    for flag, path in (("--out", args.out), ("--report", args.report)):
-        if path is not None and Path(path).exists() and not args.overwrite:
-            problems.append(f"{flag} {path} exists: bigviz does not overwrite it unless you pass --overwrite")
+    elif args.microbatches * len(args.input_ids) > MAX_TOKENS:
+        problems.append(
+            f"--microbatches {args.microbatches} x {len(args.input_ids)} ids: more than {MAX_TOKENS:,} tokens in one run"
+        )
+    if rank == 0:  # the writer: its own file system (another machine's may lack the folder)
+        inputs = [*input_files(args.checkpoint), *([Path(args.plan)] if args.plan else [])]
+        outputs = {"--out": args.out, "--report": args.report}
+        problems += output_problems(outputs, overwrite=args.overwrite, inputs=inputs)
     if not Path(args.checkpoint).exists():
         problems.append(f"checkpoint {args.checkpoint} does not exist")
     if world is None:
@@ -135,7 +142,8 @@ def _prepare(args: argparse.Namespace) -> _Job:
     from bigviz.planning import plan_pipeline
 
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
-    PipelineError.check(_argument_problems(args, world), "cannot run the pipeline; nothing was loaded")
+    rank = int(os.environ.get("RANK", "0"))
+    PipelineError.check(_argument_problems(args, world, rank), "cannot run the pipeline; nothing was loaded")
     model = empty_model(args.checkpoint)
     dtype = checkpoint_dtype(args.checkpoint) if args.dtype == "auto" else args.dtype.removeprefix("torch.")
     if args.plan is not None:
@@ -156,7 +164,7 @@ def _prepare(args: argparse.Namespace) -> _Job:
         problems.append(f"--input-ids {too_big} are outside the vocabulary (0 .. {vocab - 1})")  # type: ignore[operator]
     PipelineError.check(problems, "cannot run the pipeline; nothing was loaded")
     check_pipeline(model, args.checkpoint, plan, adapter=args.split == "wrap")
-    return _Job(args, int(os.environ.get("RANK", "0")), plan.n_stages, model, plan, dtype)
+    return _Job(args, rank, plan.n_stages, model, plan, dtype)
 
 
 def _vocab_size(model: Any) -> int | None:
@@ -236,38 +244,29 @@ def _max_rss() -> int:
 
 
 def _write(job: _Job, result: dict[str, Any]) -> None:
-    """Rank 0: the logits with torch.save and the report as JSON, each written atomically."""
+    """Rank 0: the logits with torch.save and the report as JSON, each written atomically with
+    the usual permissions, replacing a file only with --overwrite (:mod:`bigviz.core.outputs`)."""
     import torch
 
     from bigviz.core.serialize import write_json_atomic
 
     ranks = sorted(result["ranks"], key=lambda r: r["rank"])
     logits = next(r.pop("logits") for r in ranks if "logits" in r)
-    out = Path(job.args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
-    os.close(fd)
-    try:
-        torch.save(logits, tmp)
-        os.replace(tmp, out)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    print(f"wrote {out}: logits of the last position, shape {tuple(logits.shape)}, {logits.dtype}")
-    if job.args.report:
-        write_json_atomic(
-            {
-                "checkpoint": str(job.args.checkpoint),
-                "input_ids": job.args.input_ids,
-                "microbatches": job.args.microbatches,
-                "schedule": job.args.schedule,
-                "dtype": job.dtype,
-                "plan": job.plan.to_dict(),
-                "ranks": ranks,
-            },
-            job.args.report,
-        )
-        print(f"wrote {job.args.report}")
+    args = job.args
+    write_output(args.out, lambda tmp: torch.save(logits, tmp), overwrite=args.overwrite)
+    print(f"wrote {args.out}: logits of the last position, shape {tuple(logits.shape)}, {logits.dtype}")
+    if args.report:
+        report = {
+            "checkpoint": str(args.checkpoint),
+            "input_ids": args.input_ids,
+            "microbatches": args.microbatches,
+            "schedule": args.schedule,
+            "dtype": job.dtype,
+            "plan": job.plan.to_dict(),
+            "ranks": ranks,
+        }
+        write_output(args.report, lambda tmp: write_json_atomic(report, tmp), overwrite=args.overwrite)
+        print(f"wrote {args.report}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -291,5 +290,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"rank {r['rank']}: stage {r['stage']} ({r['method']}) loaded {len(r['loaded'])} tensors, "
                 f"{r['bytes_loaded']} bytes, on {r['device']}"
             )
-        _write(job, result)
+        try:
+            _write(job, result)
+        except OSError as err:  # a file that appeared meanwhile, a full disk: said, not a traceback
+            print(f"bigviz.distributed: the run finished but its output was not written: {err}", file=sys.stderr)
+            return 1
     return 0

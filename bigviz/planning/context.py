@@ -16,6 +16,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from bigviz.core.counts import check_count
 from bigviz.core.errors import PlanError
 from bigviz.core.plan import DevicePlan
 from bigviz.core.workload import longest_fit
@@ -23,6 +24,7 @@ from bigviz.modeling.budgets import get_max_memory
 from bigviz.modeling.inventory import ModelInventory
 from bigviz.planning.device_plan import plan
 from bigviz.planning.models import ModelLike, resolve_model
+from bigviz.planning.positions import position_limit
 
 __all__ = ["max_context", "position_limit"]
 
@@ -68,6 +70,9 @@ def max_context(
         >>> max_context(model, {"cpu": "10MiB"}), max_context(model, {"cpu": 160_000})
         (64, 15)
     """
+    check_count("batch_size", batch_size)
+    if limit is not None:
+        check_count("limit", limit)
     model = resolve_model(model)
     budgets = get_max_memory(max_memory)
     top = limit if limit is not None else position_limit(model) or 2**24
@@ -88,13 +93,3 @@ def max_context(
         return allow_offload or device_map is not None or not any(result.offloaded_bytes().values())
 
     return longest_fit(fits, top)
-
-
-def position_limit(model: ModelLike) -> int | None:
-    """The longest context a model's positions allow, when it says."""
-    config = getattr(model, "config", None)
-    for key in ("max_position_embeddings", "n_positions", "block_size", "max_seq_len"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
