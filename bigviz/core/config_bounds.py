@@ -96,6 +96,9 @@ def config_problems(data: Mapping[str, Any], *, max_parameters: int = MAX_PARAME
         'auto_map: the config asks to run Python code'
     """
     problems: list[str] = []
+    model_type = data.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        problems.append(f'model_type = {_short(model_type)}: write the model\'s type as a string, e.g. "llama"')
     for path, sub in _configs(data, "", 0, problems):
         problems += _remote_code(sub, path)
         problems += _number_problems(sub, path)
@@ -236,7 +239,7 @@ def _largest(data: Mapping[str, Any], kind: str, *, pattern: str | None = None) 
     for key, value in data.items():
         if not isinstance(key, str) or _kind(key) != kind or not match.fullmatch(key):
             continue
-        numbers = [int(v) for v in _items(value) if _whole(v) or (isinstance(v, float) and v.is_integer())]
+        numbers = [int(v) for v in _items(value) if isinstance(v, (int, float)) and _whole_or_integral(v)]
         if numbers and (best is None or max(numbers) > best[1]):
             best = (key, max(numbers))
     return best
@@ -244,6 +247,10 @@ def _largest(data: Mapping[str, Any], kind: str, *, pattern: str | None = None) 
 
 def _whole(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _whole_or_integral(value: int | float) -> bool:
+    return _whole(value) or (isinstance(value, float) and value.is_integer())
 
 
 def _sizing_keys(data: Mapping[str, Any]) -> list[tuple[str, int]]:

@@ -25,7 +25,7 @@ Example:
     []
     >>> write_output(out, lambda tmp: open(tmp, "w").write("{}"), overwrite=False)
     >>> output_problems({"--out": out}, overwrite=False)  # doctest: +ELLIPSIS
-    ['--out .../map.json exists: bigviz does not replace it unless you pass --overwrite']
+    ['--out .../map.json exists: bigviz does not overwrite it unless you pass --overwrite']
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def _path_problem(path: Path, where: str, *, overwrite: bool, inputs: list[Path]
     if not stat.S_ISREG(mode):
         return f"{where} exists and is not a regular file: give another path"
     if not overwrite:
-        return f"{where} exists: bigviz does not replace it unless you pass --overwrite"
+        return f"{where} exists: bigviz does not overwrite it unless you pass --overwrite"
     return None
 
 

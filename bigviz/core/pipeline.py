@@ -372,7 +372,8 @@ def _shape_problems(data: object) -> list[str]:
             )
     for i, cut in enumerate(data["cuts"]):
         problems += _field_problems(f"cuts[{i}]", cut, {"stage": int, "before": str}, {"reason": str})
-    for i, shared in enumerate(data.get("shared") if isinstance(data.get("shared"), list) else []):
+    shared_list = data.get("shared")
+    for i, shared in enumerate(shared_list if isinstance(shared_list, list) else []):
         problems += _field_problems(f"shared[{i}]", shared, {"name": str, "leader": str, "stages": list, "bytes": int})
     if len(data["cuts"]) != max(n - 1, 0):
         problems.append(f"{len(data['cuts'])} cuts for {n} stages: expected {max(n - 1, 0)}")

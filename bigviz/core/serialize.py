@@ -76,8 +76,8 @@ def write_json_atomic(data: Any, path: str | os.PathLike[str]) -> None:
 
 
 def parse_json(text: str | bytes, where: object, what: str, *, unique_keys: bool = False) -> Any:
-    """Parse JSON, or raise ``ValueError`` naming ``where`` it came from: bad syntax, bad
-    UTF-8, or nesting so deep that Python's parser would raise ``RecursionError``.
+    """Parse JSON, or raise ``ValueError`` naming ``where`` it came from: bad syntax, bytes
+    that are not UTF-8, or nesting so deep that Python's parser would raise ``RecursionError``.
 
     With ``unique_keys``, an object that names a key twice is refused too: Python's parser
     keeps the last silently, so ``{"num_hidden_layers": 2, "num_hidden_layers": 80}`` would
@@ -94,6 +94,8 @@ def parse_json(text: str | bytes, where: object, what: str, *, unique_keys: bool
         ValueError: c.json: key 'a' appears twice (1, then 2); JSON keeps only the last, so bigviz refuses the file: keep one
     """
     try:
+        if isinstance(text, bytes):  # JSON files are UTF-8 (RFC 8259); json.loads would guess UTF-16 too
+            text = text.decode("utf-8-sig")
         return json.loads(text, object_pairs_hook=_unique_object if unique_keys else None)
     except RecursionError:
         raise ValueError(

@@ -136,8 +136,9 @@ def _has_table(module: nn.Module | None, config: Any, tokens: int) -> bool:
     token embeddings."""
     if module is None:
         return False
+    getter = getattr(module, "get_input_embeddings", None)
     try:
-        tokens_table = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
+        tokens_table = getter() if callable(getter) else None
     except (NotImplementedError, AttributeError):
         tokens_table = None
     sizes = [m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding) and m is not tokens_table]
