@@ -35,6 +35,8 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from bigviz.core.errors import short_repr
+
 __all__ = [
     "MAX_LAYERS",
     "MAX_EXPERT_LAYERS",
@@ -270,7 +272,4 @@ def _scientific(n: int) -> str:
 
 
 def _short(value: object) -> str:
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
-        return _scientific(abs(value))  # str() of a 5000-digit int raises
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return short_repr(value) if not (isinstance(value, int) and abs(value) >= 10**30) else _scientific(abs(value))

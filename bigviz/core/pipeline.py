@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from bigviz.core.names import owner
 from bigviz.core.serialize import parse_json, write_json_atomic
-from bigviz.core.errors import PlanError
+from bigviz.core.errors import PlanError, short_repr
 from bigviz.core.sizes import format_size
 
 if TYPE_CHECKING:
@@ -396,17 +396,14 @@ def _field_problems(
             isinstance(value, k) and not (k is int and isinstance(value, bool)) for k in kinds if k is not None
         )
         if not ok:
-            problems.append(f"{where}.{key} is {_short(value)}, not {' or '.join(_json_type(k) for k in kinds)}")
+            problems.append(
+                f"{where}.{key} is {short_repr(value, 40)}, not {' or '.join(_json_type(k) for k in kinds)}"
+            )
     return problems
 
 
 def _json_type(kind: Any) -> str:
     return {int: "a whole number", str: "a string", list: "a list", None: "null"}.get(kind, str(kind))
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _size_or_blank(nbytes: int | None) -> str:

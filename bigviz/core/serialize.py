@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bigviz.core.devicemap import check_keys
-from bigviz.core.errors import DeviceMapError
+from bigviz.core.errors import DeviceMapError, short_repr
 from bigviz.core.devices import Device, normalize_device
 from bigviz.core.sizes import parse_max_memory
 
@@ -114,9 +114,7 @@ class _DuplicateKey(ValueError):
     def __init__(self, key: str, first: object, second: object) -> None:
         super().__init__(key)
         self.key = key
-        self.values = ", then ".join(
-            text if len(text) <= 40 else text[:37] + "..." for text in map(repr, (first, second))
-        )
+        self.values = f"{short_repr(first, 40)}, then {short_repr(second, 40)}"
 
 
 def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

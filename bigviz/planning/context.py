@@ -70,9 +70,9 @@ def max_context(
         >>> max_context(model, {"cpu": "10MiB"}), max_context(model, {"cpu": 160_000})
         (64, 15)
     """
-    check_count("batch_size", batch_size)
+    batch_size = check_count("batch_size", batch_size)
     if limit is not None:
-        check_count("limit", limit)
+        limit = check_count("limit", limit)
     model = resolve_model(model)
     budgets = get_max_memory(max_memory)
     top = limit if limit is not None else position_limit(model) or 2**24

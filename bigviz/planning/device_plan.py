@@ -91,9 +91,9 @@ def plan(
         >>> p.device_map, p.placements[0].reason
         ({'': 'cpu'}, 'fits: 880 B of 1000 B left on CPU')
     """
-    check_count("batch_size", batch_size)
+    batch_size = check_count("batch_size", batch_size)  # NumPy integers become ints; 2.5 and True are refused
     if context_length is not None:
-        check_count("context_length", context_length, minimum=0)
+        context_length = check_count("context_length", context_length, minimum=0)
     model = resolve_model(model)
     model = ModelInventory.of(model) if isinstance(model, nn.Module) else model  # one walk for the call
     note = check_context(position_rule(model), context_length) if context_length else None  # a table's end: refused

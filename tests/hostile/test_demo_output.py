@@ -7,6 +7,7 @@ before step 1."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -219,3 +220,23 @@ def test_a_demo_stopped_midway_can_run_again(tmp_path: Path, quick_demo: list[st
     (out / "report.html").write_text("now edited by hand")  # after a finished run: the user's again
     with pytest.raises(FileExistsError, match="report.html changed"):
         demo.main(out, quick=True)
+
+
+def test_an_older_demos_marker_is_still_read(tmp_path: Path, quick_demo: list[str], capsys):
+    """bigviz 0.1 wrote ``{"written_by": "bigviz demo", "outputs": [...]}`` without stamps: its
+    outputs are taken as the demo's, links and wrong types still refused."""
+    out = tmp_path / "old-demo"
+    out.mkdir()
+    legacy = {"written_by": "bigviz demo", "outputs": list(demo.OUTPUTS)}
+    (out / "bigviz-demo.json").write_text(json.dumps(legacy))
+    (out / "report.html").write_text("an old report")
+    assert demo.main(out, quick=True) == 0
+    assert (out / "report.html").read_text() == "<html></html>"
+    mine = tmp_path / "my-checkpoint"
+    before = _user_checkpoint(mine)
+    other = tmp_path / "old-demo-2"
+    other.mkdir()
+    (other / "bigviz-demo.json").write_text(json.dumps(legacy))
+    (other / "checkpoint").symlink_to(mine)
+    assert main(["demo", "--quick", "--out", str(other)]) == 2
+    assert "checkpoint is a link" in capsys.readouterr().err and snapshot(mine) == before
