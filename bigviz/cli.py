@@ -78,7 +78,9 @@ DEMO_DESCRIPTION = (
 PLAN_DESCRIPTION = (
     "Plans a device map (module -> GPU, cpu or disk) with a reason per placement, prints the "
     "summary and writes the map as JSON, which bigviz and transformers' from_pretrained(device_map=...) "
-    "read. With --context it also plans the run: the KV cache and prefill activations per device."
+    "read. With --context it also plans the run: the KV cache and prefill activations per device. "
+    "Outputs are checked before planning: an existing file is replaced only with --overwrite, and "
+    "the model's own files never."
 )
 
 
@@ -120,7 +122,9 @@ def _build_parser() -> argparse.ArgumentParser:
         help="class name or module-name glob kept whole (repeatable), e.g. 'transformer.h.*'",
     )
     plan.add_argument("--dtype", default=None, help="plan for this dtype, e.g. float16")
-    plan.add_argument("--out", default="device_map.json", help="where to write the device map JSON")
+    plan.add_argument(
+        "--out", default="device_map.json", help="where to write the device map JSON (a new file unless --overwrite)"
+    )
     plan.add_argument("--html", default=None, help="also write a standalone HTML report here")
     plan.add_argument(
         "--overwrite", action="store_true", help="replace --out and --html if they exist (never the model's own files)"
