@@ -43,21 +43,37 @@ __all__ = ["OutputError", "check_outputs", "output_problems", "write_output", "i
 
 PathLike = str | os.PathLike[str]
 
-_READ_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json")
+_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")
 
 
 def input_files(source: PathLike) -> list[Path]:
-    """The files a command reads from ``source``: the file itself, or a folder's config,
-    index and weight files (what a checkpoint or a config folder is made of).
+    """The files a command reads from ``source``: a checkpoint's weights, index and
+    ``config.json`` (a folder, or one of its files: the rest of the folder is read with it), or a
+    lone file such as a ``config.json``.
 
     Example:
-        >>> input_files("no/such/file")
-        []
+        >>> import os, tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> for name in ("model.safetensors", "config.json", "device_map.json"):
+        ...     _ = open(os.path.join(folder, name), "w").write("{}")
+        >>> [p.name for p in input_files(folder)]
+        ['config.json', 'model.safetensors']
+        >>> [p.name for p in input_files(os.path.join(folder, "device_map.json"))]
+        ['device_map.json']
     """
     path = Path(source)
     if path.is_dir():
-        return sorted(p for p in path.iterdir() if p.name.endswith(_READ_SUFFIXES) and p.is_file())
-    return [path] if path.is_file() else []
+        return sorted(p for p in path.iterdir() if _checkpoint_file(p.name) and p.is_file())
+    if not path.is_file():
+        return []
+    if path.name != "config.json" and _checkpoint_file(path.name):
+        return sorted({path, *input_files(path.parent)})
+    return [path]
+
+
+def _checkpoint_file(name: str) -> bool:
+    """Weights, an index (``model.safetensors.index.json``, ``...index.fp16.json``), a config."""
+    return name.endswith(_WEIGHTS) or name == "config.json" or (".index" in name and name.endswith(".json"))
 
 
 class OutputError(BigvizError, ValueError):

@@ -69,11 +69,18 @@ def test_the_input_config_is_never_written(tmp_path: Path, cfg: Path, capsys):
 
 def test_a_checkpoints_files_are_never_written(tmp_path: Path, capsys):
     folder = tmp_path / "ckpt"
-    bigviz.save_sharded(GPT(GPTConfig.preset("gpt-tiny")), folder, max_shard_size="60KB", progress=False)
+    model = GPT(GPTConfig.preset("gpt-tiny"))
+    bigviz.save_sharded(model, folder, max_shard_size="60KB", config=model.config, progress=False)
     shard = sorted(folder.glob("*.safetensors"))[0]
-    for target in (shard, folder / "model.safetensors.index.json"):
+    for target in (shard, folder / "model.safetensors.index.json", folder / "config.json"):
         _refused(capsys, tmp_path, "a file this command reads", "--out", str(target), "--overwrite", model=folder)
-    assert _plan("--out", str(folder / "device_map.json"), model=folder) == 0  # a new file beside them is fine
+        # named by one of its files, the checkpoint is still the whole folder
+        _refused(capsys, tmp_path, "a file this command reads", "--out", str(target), "--overwrite", model=shard)
+    mine = folder / "device_map.json"  # a file of yours beside them: the usual rule
+    assert _plan("--out", str(mine), model=folder) == 0
+    capsys.readouterr()
+    _refused(capsys, tmp_path, "exists", "--out", str(mine), model=folder)
+    assert _plan("--out", str(mine), "--overwrite", model=folder) == 0
 
 
 def test_existing_files_need_overwrite(tmp_path: Path, cfg: Path, capsys):
