@@ -114,9 +114,9 @@ def model_from_config(source: Any) -> nn.Module:
     """Build a transformers model on ``meta`` (no memory) from its config alone.
 
     ``source`` is a ``config.json`` path, a folder holding one, a dict of its contents, a
-    ``PretrainedConfig`` or a bigviz ``GPTConfig`` / ``LlamaConfig``. The architecture named in the config is built (a causal LM when the
-    config names one, else the base model), in the config's dtype, with its ties made. A
-    config of one of bigviz's reference models (``bigviz.save_sharded(model, folder,
+    ``PretrainedConfig`` or a bigviz ``GPTConfig`` / ``LlamaConfig``. The architecture named in
+    the config is built (a causal LM when the config names one, else the base model), in the
+    config's dtype, with its ties made. A config of one of bigviz's reference models (``bigviz.save_sharded(model, folder,
     config=model.config)`` writes one) builds that model, without transformers. The config is
     checked first (:func:`checked_config`); no code is ever run from the checkpoint.
 
@@ -169,7 +169,12 @@ def read_config(source: Any) -> tuple[dict[str, Any], str]:
     if not isinstance(source, (str, os.PathLike)):
         raise ConfigError(f"a model config is a config.json path, a dict or a transformers config, got {source!r}")
     path = Path(source) / "config.json" if Path(source).is_dir() else Path(source)
-    data = parse_json(_config_bytes(path), path, "model config", unique_keys=True)
+    try:
+        data = parse_json(_config_bytes(path), path, "model config", unique_keys=True)
+    except ConfigError:
+        raise
+    except ValueError as err:  # the one JSON parser's message names the file
+        raise ConfigError(str(err), fix=_FIX) from None
     if not isinstance(data, dict):
         raise ConfigError(
             f"{path}: a model config is a JSON object {{key: value}}, got a {type(data).__name__}", fix=_FIX
