@@ -312,7 +312,7 @@ def test_generation_requests_are_checked(folders, tmp_path, monkeypatch, capsys,
     err = _refused(capsys, [llama, "--stages", "2", "--prompt-ids", "1,2", "--out", out, "--schedule", "1f1b"])
     assert "give --max-new-tokens N" in err and "--schedule is for --input-ids" in err
     err = _refused(capsys, [gpt, "--stages", "2", "--prompt-ids", "1", "--max-new-tokens", "1", "--out", "/nope/t.pt"])
-    assert "--out /nope/t.pt: the folder /nope does not exist; create it first" in err
+    assert "--out /nope/t.pt: the folder '/nope' does not exist: create it first" in err
     err = _refused(capsys, [gpt, "--stages", "5", "--prompt-ids", "1", "--max-new-tokens", "1", "--out", out])
     assert "5 stages but only 4 no-split units to cut between" in err
 

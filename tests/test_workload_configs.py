@@ -193,6 +193,7 @@ def test_cli_plans_a_config_with_a_workload(tmp_path, capsys):
                 "0=80GiB,1=80GiB",
                 "--out",
                 str(out),
+                "--overwrite",  # the map of the run above
             ]
         )
         == 0

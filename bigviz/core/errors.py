@@ -27,6 +27,7 @@ __all__ = [
     "DeviceMapError",
     "format_problems",
     "raise_problems",
+    "short_repr",
 ]
 
 MAX_LINES = 40
@@ -117,3 +118,22 @@ def raise_problems(
           - key 0 is not a module name
     """
     error.check(problems, headline, fix=fix)
+
+
+def short_repr(value: object, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for a message that quotes what was wrong.
+
+    Values from hostile files can be anything: nested deeper than ``repr`` recurses (``RecursionError``),
+    or integers too long for ``str`` (Python refuses more than 4300 digits): both are described instead.
+
+    Example:
+        >>> short_repr("x" * 100, 10), short_repr(10**5000)
+        ("'xxxxxx...", 'an integer of about 10**5000')
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 100:
+        return f"an integer of about 10**{int(abs(value).bit_length() * 0.30103)}"
+    try:
+        text = repr(value)
+    except RecursionError:  # JSON nested just below the parser's limit
+        return "(a deeply nested value)"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

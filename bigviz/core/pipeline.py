@@ -18,15 +18,14 @@ Example:
 from __future__ import annotations
 
 import html
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from bigviz.core.names import owner
-from bigviz.core.serialize import write_json_atomic
-from bigviz.core.errors import PlanError
+from bigviz.core.serialize import parse_json, write_json_atomic
+from bigviz.core.errors import PlanError, short_repr
 from bigviz.core.sizes import format_size
 from bigviz.core.workload import Workload
 
@@ -472,11 +471,12 @@ class PipelinePlan:
             >>> PipelinePlan.load_json(path) == plan
             True
         """
+        with open(path, "rb") as f:
+            raw = f.read()
         try:
-            with open(path) as f:
-                data = json.load(f)
-        except json.JSONDecodeError as err:
-            raise PipelineError(f"{path}: not valid JSON ({err}); is this a pipeline plan file?") from err
+            data = parse_json(raw, path, "pipeline plan")  # deep nesting, bad UTF-8: named
+        except ValueError as err:
+            raise PipelineError(str(err)) from None
         return cls.from_dict(data, where=str(path), tree=tree)
 
     @classmethod
@@ -536,25 +536,64 @@ def _shape_problems(data: object) -> list[str]:
             problems.append(f"{key!r} is missing or not a {kind.__name__}")
     if problems:
         return problems
+    optional = {"no_split": list, "notes": list, "dtype": (str, None), "shared": list}
+    problems += _field_problems("the plan", data, {}, optional)
     n = len(data["stages"])
+    for i, stage in enumerate(data["stages"]):
+        problems += _field_problems(
+            f"stages[{i}]",
+            stage,
+            {"bytes": int},
+            {"flops": int, "budget": (int, None), "kv_cache": int, "activations": int},
+        )
     for i, unit in enumerate(data["units"]):
-        if not isinstance(unit, Mapping) or not {"name", "stage", "role", "bytes", "flops"} <= set(unit):
-            problems.append(f"units[{i}] needs name, stage, role, bytes and flops")
-        elif not (isinstance(unit["stage"], int) and 0 <= unit["stage"] < n) or unit["role"] not in ROLES:
+        unit_fields = {"name": str, "stage": int, "role": str, "bytes": int, "flops": int}
+        found = _field_problems(f"units[{i}]", unit, unit_fields, {"class": str, "reason": str})
+        problems += found
+        if not found and not (0 <= unit["stage"] < n and unit["role"] in ROLES):
             problems.append(
                 f"units[{i}] ({unit['name']!r}): stage {unit['stage']!r} or role {unit['role']!r} "
                 f"is out of range ({n} stages; roles {', '.join(ROLES)})"
             )
     run = data.get("run")
     if run is not None and (not isinstance(run, Mapping) or not set(run) <= _RUN_FIELDS):
-        problems.append(f"'run' must be an object with some of {', '.join(sorted(_RUN_FIELDS))}, got {run!r}")
+        problems.append(
+            f"'run' must be an object with some of {', '.join(sorted(_RUN_FIELDS))}, got {short_repr(run, 80)}"
+        )
     elif run is not None:
         try:
             PipelineRun(**run)
         except PipelineError as err:
             problems += [f"run: {p}" for p in err.problems]
+    for i, cut in enumerate(data["cuts"]):
+        problems += _field_problems(f"cuts[{i}]", cut, {"stage": int, "before": str}, {"reason": str})
+    shared_list = data.get("shared")
+    for i, shared in enumerate(shared_list if isinstance(shared_list, list) else []):
+        problems += _field_problems(f"shared[{i}]", shared, {"name": str, "leader": str, "stages": list, "bytes": int})
     if len(data["cuts"]) != max(n - 1, 0):
         problems.append(f"{len(data['cuts'])} cuts for {n} stages: expected {max(n - 1, 0)}")
+    return problems[:50]
+
+
+def _field_problems(
+    where: str, item: object, required: Mapping[str, Any], optional: Mapping[str, Any] | None = None
+) -> list[str]:
+    """Each field of ``item`` of the wrong JSON type (an int is not a bool nor ``"12"``), or missing."""
+    if not isinstance(item, Mapping):
+        return [f"{where} is not a JSON object"]
+    problems = [f"{where} has no {key!r}" for key in required if key not in item]
+    for key, kind in {**required, **(optional or {})}.items():
+        if key not in item:
+            continue
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        value = item[key]
+        ok = (value is None and None in kinds) or any(
+            isinstance(value, k) and not (k is int and isinstance(value, bool)) for k in kinds if k is not None
+        )
+        if not ok:
+            problems.append(
+                f"{where}.{key} is {short_repr(value, 40)}, not {' or '.join(_json_type(k) for k in kinds)}"
+            )
     return problems
 
 
@@ -568,6 +607,10 @@ def _run_text(run: PipelineRun) -> str:
         batch += f" ({run.microbatches} micro-batches of up to {run.microbatch_size})"
     kv = f", KV cache in {run.kv_dtype}" if run.kv_dtype else ""
     return f"{batch}, {run.context_length} tokens of context{kv}, activations for {run.device_type}"
+
+
+def _json_type(kind: Any) -> str:
+    return {int: "a whole number", str: "a string", list: "a list", None: "null"}.get(kind, str(kind))
 
 
 def _size_or_blank(nbytes: int | None) -> str:

@@ -29,16 +29,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bigviz.core.outputs import input_files, output_problems, write_output
+
 __all__ = ["main", "parse_stages", "parse_ids"]
 
 SCHEDULES = ("gpipe", "1f1b")
 DEFAULT_TIMEOUT_S = 1800  # torch's own default for gloo; loading a large stage can take minutes
+MAX_TOKENS = 2**24  # the batch is built in memory: micro-batches x ids tokens
 
 
 def parse_stages(text: str) -> int | list[str]:
@@ -192,6 +194,10 @@ def _argument_problems(args: argparse.Namespace, env: _Env) -> list[str]:
         problems.append("--split trace keeps no KV cache: generation runs the stage's own modules (wrap)")
     if args.timeout <= 0:
         problems.append(f"--timeout {args.timeout}: give seconds > 0")
+    ids = args.prompt_ids if args.prompt_ids is not None else args.input_ids
+    tokens = (args.batch_size or max(args.microbatches, 1)) * (len(ids or ()) + (args.max_new_tokens or 0))
+    if tokens > MAX_TOKENS:
+        problems.append(f"batch x (ids + new tokens) = {tokens:,} tokens: more than {MAX_TOKENS:,} in one run")
     if not Path(args.checkpoint).exists():
         problems.append(f"checkpoint {args.checkpoint} does not exist")
     if env.world is None:
@@ -205,16 +211,10 @@ def _argument_problems(args: argparse.Namespace, env: _Env) -> list[str]:
 
 
 def _output_problems(args: argparse.Namespace) -> list[str]:
-    """Rank 0 writes: each output path must be free (or ``--overwrite``) in a folder that exists."""
-    problems = []
-    for flag, path in (("--out", args.out), ("--report", args.report)):
-        if path is None:
-            continue
-        if Path(path).exists() and not args.overwrite:
-            problems.append(f"{flag} {path} exists: bigviz does not overwrite it unless you pass --overwrite")
-        elif not Path(path).parent.is_dir():
-            problems.append(f"{flag} {path}: the folder {Path(path).parent} does not exist; create it first")
-    return problems
+    """Rank 0 writes: the command line's one rule for written files (:mod:`bigviz.core.outputs`):
+    never an input, never an existing file without ``--overwrite``, in a folder that exists."""
+    inputs = [*input_files(args.checkpoint), *([Path(args.plan)] if args.plan else [])]
+    return output_problems({"--out": args.out, "--report": args.report}, overwrite=args.overwrite, inputs=inputs)
 
 
 def _prepare(args: argparse.Namespace, env: _Env) -> tuple[_Job | None, list[str]]:
@@ -274,7 +274,7 @@ def _job(args: argparse.Namespace, env: _Env) -> _Job:
 
 def _request_problems(job: _Job, env: _Env) -> list[str]:
     """The request against the model and the plan: processes, ids, positions, schedule."""
-    from bigviz.planning.context import position_limit
+    from bigviz.planning.positions import position_rule
 
     args, plan, problems = job.args, job.plan, []
     if env.world is not None and env.world != plan.n_stages:
@@ -287,7 +287,8 @@ def _request_problems(job: _Job, env: _Env) -> list[str]:
     outside = [i for i in job.ids if vocab is not None and i >= vocab]
     if outside:
         problems.append(f"{flag} {outside} are outside the vocabulary (0 .. {vocab - 1})")  # type: ignore[operator]
-    limit = position_limit(job.model)
+    rule = position_rule(job.model)
+    limit = rule.tokens if rule is not None and rule.table else None  # past a trained length: planned, noted
     if limit is not None and job.context > limit:
         what = f"{len(job.ids)} prompt tokens + {args.max_new_tokens} new" if job.generating else f"{len(job.ids)} ids"
         problems.append(
@@ -429,28 +430,9 @@ def _generate(job: _Job, built: Any, batch: Any) -> dict[str, Any]:
 
 
 # ---- writing ------------------------------------------------------------------------------
-def _save_atomic(path: str, save: Any) -> None:
-    """``save(tmp)`` next to ``path``, then renamed over it: a crash never leaves half a file."""
-    out = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
-    os.close(fd)
-    try:
-        save(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, out)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def _write(job: _Job, result: dict[str, Any]) -> None:
-    """Rank 0: the tokens (or logits) with torch.save, the report as JSON; each atomically."""
+    """Rank 0: the tokens (or logits) with torch.save and the report as JSON, each written atomically with
+    the usual permissions, replacing a file only with --overwrite (:mod:`bigviz.core.outputs`)."""
     import torch
 
     from bigviz.core.serialize import write_json_atomic
@@ -458,7 +440,7 @@ def _write(job: _Job, result: dict[str, Any]) -> None:
     ranks = sorted(result["ranks"], key=lambda r: r["rank"])
     out = next(r.pop("result") for r in ranks if "result" in r)
     args = job.args
-    _save_atomic(args.out, lambda tmp: torch.save(out, tmp))
+    write_output(args.out, lambda tmp: torch.save(out, tmp), overwrite=args.overwrite)
     what = "token ids (prompt and new tokens)" if job.generating else "logits of the last position"
     print(f"wrote {args.out}: {what}, shape {tuple(out.shape)}, {out.dtype}")
     if args.report:
@@ -476,7 +458,7 @@ def _write(job: _Job, result: dict[str, Any]) -> None:
             "predicted_bubble": job.plan.bubble(passes=args.max_new_tokens or 1),
             "ranks": ranks,
         }
-        write_json_atomic(report, args.report)
+        write_output(args.report, lambda tmp: write_json_atomic(report, tmp), overwrite=args.overwrite)
         print(f"wrote {args.report}")
 
 
@@ -512,7 +494,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = _run(job)
         if result is not None:
             _say(job, result)
-            _write(job, result)
+            try:
+                _write(job, result)
+            except OSError as err:  # a file that appeared meanwhile, a full disk: said, not a traceback
+                print(f"bigviz.distributed: the run finished but its output was not written: {err}", file=sys.stderr)
+                return 1
     finally:
         _leave(joined)
     return 0

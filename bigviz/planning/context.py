@@ -16,6 +16,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from bigviz.core.counts import check_count
 from bigviz.core.errors import PlanError
 from bigviz.core.pipeline import PipelinePlan
 from bigviz.core.plan import DevicePlan
@@ -25,6 +26,7 @@ from bigviz.modeling.inventory import ModelInventory
 from bigviz.planning.device_plan import plan
 from bigviz.planning.models import ModelLike, resolve_model
 from bigviz.planning.pipeline import plan_pipeline
+from bigviz.planning.positions import position_limit
 
 __all__ = ["max_context", "position_limit"]
 
@@ -83,6 +85,9 @@ def max_context(
     """
     if isinstance(max_memory, PipelinePlan):  # max_context(model, pipeline_plan): that plan's stages
         max_memory, stages = None, max_memory
+    batch_size = check_count("batch_size", batch_size)
+    if limit is not None:
+        limit = check_count("limit", limit)
     model = resolve_model(model)
     top = limit if limit is not None else position_limit(model) or 2**24
     model = ModelInventory.of(model) if isinstance(model, nn.Module) else model  # walked once, planned often
@@ -139,13 +144,3 @@ def _pipeline_context(
         return True
 
     return longest_fit(fits, top)
-
-
-def position_limit(model: ModelLike) -> int | None:
-    """The longest context a model's positions allow, when it says."""
-    config = getattr(model, "config", None)
-    for key in ("max_position_embeddings", "n_positions", "block_size", "max_seq_len"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None

@@ -21,6 +21,7 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 
+from bigviz.core.counts import check_count
 from bigviz.core.devicemap import device_of, validate_device_map
 from bigviz.core.devices import Device, device_label, streamed_devices
 from bigviz.core.names import is_prefix
@@ -31,6 +32,7 @@ from bigviz.core.workload import Workload
 from bigviz.modeling.budgets import get_max_memory
 from bigviz.modeling.inventory import ModelInventory
 from bigviz.planning.models import ModelLike, as_tree, default_no_split, inventory_or_none, resolve_model
+from bigviz.planning.positions import check_context, position_rule
 from bigviz.planning.workload import device_type, workload_bytes
 
 __all__ = ["plan", "infer_auto_device_map", "check_device_map", "keep_direct_reads_resident", "unit_knobs"]
@@ -89,8 +91,12 @@ def plan(
         >>> p.device_map, p.placements[0].reason
         ({'': 'cpu'}, 'fits: 880 B of 1000 B left on CPU')
     """
+    batch_size = check_count("batch_size", batch_size)  # NumPy integers become ints; 2.5 and True are refused
+    if context_length is not None:
+        context_length = check_count("context_length", context_length, minimum=0)
     model = resolve_model(model)
     model = ModelInventory.of(model) if isinstance(model, nn.Module) else model  # one walk for the call
+    note = check_context(position_rule(model), context_length) if context_length else None  # a table's end: refused
     tree = as_tree(model, dtype, special_dtypes)
     if no_split_module_classes is not None:  # yours: a typo would split every block silently
         no_split_module_classes = _as_names(no_split_module_classes)
@@ -119,7 +125,8 @@ def plan(
         **unit_knobs(inventory, tree, preload_module_classes, offload_buffers),
     )
     result = make_plan(tree, budgets, options)
-    return keep_direct_reads_resident(result, inventory, tree, budgets, options)
+    result = keep_direct_reads_resident(result, inventory, tree, budgets, options)
+    return replace(result, notes=(*result.notes, note), _cache={}) if note else result
 
 
 class UnitKnobs(TypedDict):

@@ -43,6 +43,7 @@ from bigviz.core.dtypes import canonical_dtype
 from bigviz.core.devices import Device
 from bigviz.core.sizes import format_size
 from bigviz.core.workload import Workload
+from bigviz.core.counts import check_count
 from bigviz.ui import controls as ctl
 from bigviz.ui.figure import FigureView
 from bigviz.ui.palette import chip, legend_html
@@ -195,6 +196,8 @@ class Planner:
     def show_stages(self, stages: int | None = None, *, balance: str | None = None) -> None:
         """Colour the treemap by pipeline stage: ``stages`` stages (default: the control's),
         cut between no-split blocks as ``bigviz.plan_pipeline`` cuts them."""
+        if stages is not None:
+            check_count("stages", stages)
         with self._quietly():
             if stages is not None:
                 self.stage_controls.count.value = stages

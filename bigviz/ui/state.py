@@ -18,7 +18,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bigviz.core.plan import STRATEGIES, DevicePlan, PlanOptions
 from bigviz.core.planner import PlanError, check_no_split, make_plan
@@ -28,6 +28,10 @@ from bigviz.core.errors import DeviceMapError
 from bigviz.core.devices import Device, device_label, normalize_device
 from bigviz.core.sizes import UNLIMITED, parse_max_memory, parse_size
 from bigviz.core.workload import RunSpec, Workload, longest_fit
+from bigviz.core.counts import check_count
+
+if TYPE_CHECKING:
+    from bigviz.planning.positions import PositionLimit
 
 __all__ = ["PlannerState"]
 
@@ -48,6 +52,7 @@ class PlannerState:
         run_specs: makes the model's :class:`RunSpec` for a device type (``"cuda"``, ``"cpu"``);
             ``None`` when the model's layout is unknown (a bare size tree).
         position_limit: the longest context the model's positions allow, if it says.
+        positions: that limit, with the key that says it and whether it is a hard end.
     """
 
     base_tree: SizeTree
@@ -60,6 +65,7 @@ class PlannerState:
     workload: Workload = field(default_factory=Workload)
     run_specs: Callable[[str], RunSpec] | None = field(default=None, repr=False)
     position_limit: int | None = None
+    positions: PositionLimit | None = None
     _trees: dict[str | None, SizeTree] = field(default_factory=dict, repr=False)
     _specs: dict[str, RunSpec] = field(default_factory=dict, repr=False)
 
@@ -78,13 +84,13 @@ class PlannerState:
         ``max_memory=None`` means this machine's free memory (``get_max_memory()``).
         """
         from bigviz.planning import (
-            position_limit as _position_limit,
             as_tree,
             default_no_split,
             model_run_spec,
             resolve_model,
         )
         from bigviz.modeling.budgets import get_max_memory
+        from bigviz.planning.positions import position_rule
 
         model = resolve_model(model)
         tree = as_tree(model)
@@ -94,7 +100,8 @@ class PlannerState:
         state = cls(tree, dict(get_max_memory(max_memory)), strategy=strategy, no_split=tuple(no_split))
         if not isinstance(model, SizeTree):  # a module, or a checkpoint whose config.json tells its layout
             state.run_specs = lambda device_type: model_run_spec(model, tree, device_type=device_type)
-            state.position_limit = _position_limit(model)
+            state.positions = position_rule(model)
+            state.position_limit = state.positions.tokens if state.positions else None
         state.set_dtype(None if dtype is None else str(dtype))
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
@@ -150,14 +157,23 @@ class PlannerState:
     def set_workload(
         self, *, batch_size: int | None = None, context_length: int | None = None, kv_dtype: str | None | bool = False
     ) -> None:
-        """Change the run planned beside the weights (``kv_dtype=None``: the compute dtype)."""
+        """Change the run planned beside the weights (``kv_dtype=None``: the compute dtype).
+
+        Raises:
+            PlanError: a count that is not a whole number (``2.5`` is not taken as 2), or too small.
+        """
         new = Workload(
-            self.workload.batch_size if batch_size is None else int(batch_size),
-            self.workload.context_length if context_length is None else int(context_length),
+            self.workload.batch_size if batch_size is None else check_count("batch_size", batch_size),
+            self.workload.context_length
+            if context_length is None
+            else check_count("context_length", context_length, minimum=0),
             self.workload.kv_dtype if kv_dtype is False else kv_dtype,
         )  # type: ignore[arg-type]
         if new.active:
             self.run_spec()  # refuse a run the planner cannot describe, before it is set
+            from bigviz.planning.positions import check_context
+
+            check_context(self.positions, new.context_length)  # past a table of positions: refused
         self.workload = new
 
     def fits(self, workload: Workload, *, allow_offload: bool = False) -> DevicePlan | None:
@@ -245,7 +261,12 @@ class PlannerState:
         """
         problems = []
         tree = self.base_tree
-        if module not in tree.nodes and module not in tree.tensors:
+        if not isinstance(module, str):
+            problems.append(
+                f"module {module!r} is not a name: give the module's name as a string, e.g. "
+                f"{next((n for n in tree.nodes if n), '')!r}"
+            )
+        elif module not in tree.nodes and module not in tree.tensors:
             close = difflib.get_close_matches(module, list(tree.nodes) + list(tree.tensors), n=1)
             problems.append(
                 f"{module!r} names no module or tensor of the model"
@@ -266,7 +287,7 @@ class PlannerState:
 
     def unassign(self, module: str) -> None:
         """Let the planner place ``module`` again."""
-        if module not in self.overrides:
+        if not isinstance(module, str) or module not in self.overrides:
             have = ", ".join(self.overrides) or "none"
             raise ValueError(f"{module!r} has no override (overrides: {have})")
         del self.overrides[module]
