@@ -36,40 +36,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from bigviz.core.plan import DevicePlan
-    from bigviz.core.tree import SizeTree
-
-__all__ = [
-    "UnitCost",
-    "ForwardEstimate",
-    "predict_forward",
-    "estimate_forward",
-    "compute_seconds",
-    "DEFAULT_DEPTH",
-    "RING_AHEAD",
-    "ring_bytes",
-    "resident_budget",
-    "default_cpu_budget",
-    "plan_forward",
-    "forward_estimate",
-]
-
-DEFAULT_DEPTH = 2  # units the engine reads ahead of the running one (GPU staging, page-cache streaming)
-RING_AHEAD = 0.5  # CPU streaming: the ring holds the largest unit and this share of one more (bigviz.engine.ring)
-
-
-def ring_bytes(largest_unit: int, ahead: float = RING_AHEAD) -> int:
-    """Bytes of the ring the CPU streams disk units through: the running unit and ``ahead``
-    of the next (``bigviz.engine.ring.ring_capacity`` adds the alignment of its reads).
-
-    Example:
-        >>> ring_bytes(2 * 10**9)
-        3000000000
-    """
-    return int(largest_unit * (1 + ahead))
+__all__ = ["UnitCost", "ForwardEstimate", "predict_forward", "estimate_forward", "compute_seconds", "plan_forward"]
 
 
 @dataclass(frozen=True)
@@ -123,6 +91,10 @@ class ForwardEstimate:
         stall_seconds: Time compute waits for weights.
         load_seconds: Reading the resident bytes once, before the first forward.
         bottleneck: The busiest stage: ``"disk"``, ``"link"`` or ``"compute"``.
+        read_bytes: Bytes read from disk per forward.
+        copy_bytes: Bytes copied to the execution device per forward.
+        disk_bandwidth: The disk's bytes/s it was predicted with.
+        link_bandwidth: The link's bytes/s (``None``: nothing crosses one).
     """
 
     seconds: float
@@ -132,6 +104,15 @@ class ForwardEstimate:
     stall_seconds: float
     load_seconds: float
     bottleneck: str
+    read_bytes: int = 0
+    copy_bytes: int = 0
+    disk_bandwidth: float = 0.0
+    link_bandwidth: float | None = None
+
+    @property
+    def streamed(self) -> bool:
+        """True when weights are read or copied in every forward."""
+        return bool(self.read_bytes or self.copy_bytes)
 
     @property
     def first_seconds(self) -> float:
@@ -192,7 +173,7 @@ def predict_forward(
         depth: Streamed units read ahead of the one computing (0: no read-ahead).
         resident_bytes: Bytes read once before the first forward (the resident part).
         ring: Bytes of the buffer streamed units are read into (CPU streaming: the engine's
-            ring, :func:`ring_bytes`). When given, it bounds the read-ahead instead of
+            ring, :func:`~bigviz.core.stream_plan.ring_bytes`). When given, it bounds the read-ahead instead of
             ``depth``: the reads run on while the bytes read and not yet freed (a unit's are
             freed when it has computed) fit in the ring, byte by byte.
 
@@ -238,6 +219,10 @@ def predict_forward(
         stall_seconds=stall,
         load_seconds=resident_bytes / disk_bandwidth,
         bottleneck=max(("disk", "link", "compute"), key=lambda k: busy[k]),
+        read_bytes=sum(u.read_bytes for u in units),
+        copy_bytes=sum(u.copy_bytes for u in units),
+        disk_bandwidth=disk_bandwidth,
+        link_bandwidth=link_bandwidth,
     )
 
 
@@ -315,40 +300,6 @@ def compute_seconds(parameters: int, tokens: int, *, flops_per_second: float) ->
     return 2 * parameters * tokens / flops_per_second
 
 
-def resident_budget(cpu_budget: int, *, model_bytes: int, largest_unit: int, ahead: float = RING_AHEAD) -> int:
-    """The default "cpu" budget (resident bytes) of a model that may not fit: all of
-    ``cpu_budget`` when the whole model fits, else ``cpu_budget`` less the ring the streamed
-    units pass through (:func:`ring_bytes`: the running one and ``ahead`` of the next).
-
-    Example:
-        >>> resident_budget(100, model_bytes=90, largest_unit=10), resident_budget(100, model_bytes=150, largest_unit=10)
-        (100, 85)
-    """
-    if model_bytes <= cpu_budget:
-        return cpu_budget
-    return max(0, cpu_budget - ring_bytes(largest_unit, ahead))
-
-
-def default_cpu_budget(
-    tree: SizeTree, cpu_budget: int, no_split: frozenset[str] = frozenset(), *, ahead: float = RING_AHEAD
-) -> int:
-    """:func:`resident_budget` for a model's size tree: the largest unit the engine streams is
-    its largest module placed whole (a no-split block, a leaf module).
-
-    Example:
-        >>> from bigviz.core.tree import SizeTree, TensorSpec
-        >>> tree = SizeTree.build([TensorSpec(f"h.{i}.weight", 100, "float32") for i in range(10)])
-        >>> default_cpu_budget(tree, 5000), default_cpu_budget(tree, 3000)
-        (5000, 2400)
-    """
-    from bigviz.core.nosplit import is_no_split
-
-    units = [n.total_bytes for name, n in tree.nodes.items() if not n.children or is_no_split(tree, name, no_split)]
-    return resident_budget(
-        cpu_budget, model_bytes=tree.nodes[""].total_bytes, largest_unit=max(units, default=0), ahead=ahead
-    )
-
-
 def plan_forward(
     placements: Sequence[tuple[str, str, int]],
     *,
@@ -356,18 +307,20 @@ def plan_forward(
     compute_seconds: float = 0.0,
     link_bandwidth: float | None = None,
     main_device: str = "cpu",
-    depth: int | None = None,
+    depth: int = 2,
+    ring: int | None = None,
+    rereads: bool = True,
 ) -> ForwardEstimate:
     """:func:`predict_forward` for a plan's placements ``(name, device, bytes)`` in execution
-    order: disk units are read per forward, "cpu" ones are resident (read once, before the
-    first forward) unless a GPU executes (then they cross the link), compute is spread over
-    the units in proportion to their bytes. Read-ahead as the engine does it: ``depth`` units
-    when given or when a GPU executes (``DEFAULT_DEPTH``), else the CPU's ring
-    (:func:`ring_bytes` of the largest disk unit).
+    order: disk units are read per forward (``rereads``; else the page cache keeps them: read
+    once, before the first forward), "cpu" ones are resident (read once, before the first
+    forward) unless a GPU executes (then they cross the link), compute is spread over the units
+    in proportion to their bytes. Read-ahead as the stream plan says
+    (:class:`~bigviz.core.stream_plan.StreamPlan`): ``depth`` units, or the bytes of a ``ring``.
 
     Example:
         >>> rows = [("h.0", "cpu", 4 * 10**9), ("h.1", "disk", 2 * 10**9), ("h.2", "disk", 2 * 10**9)]
-        >>> e = plan_forward(rows, disk_bandwidth=2e9, compute_seconds=0.8)
+        >>> e = plan_forward(rows, disk_bandwidth=2e9, compute_seconds=0.8, ring=3 * 10**9)
         >>> round(e.seconds, 2), e.bottleneck, e.load_seconds
         (2.2, 'disk', 2.0)
     """
@@ -375,52 +328,21 @@ def plan_forward(
     gpu = main_device != "cpu"
     units = []
     for name, device, nbytes in placements:
-        read = nbytes if device == "disk" else 0
+        read = nbytes if device == "disk" and rereads else 0
         copy = nbytes if gpu and device in ("cpu", "disk") else 0
         compute = compute_seconds * nbytes / total
         if read or copy or compute != 0:  # one that reads, copies and computes nothing moves no stage on
             units.append(UnitCost(name, read_bytes=read, copy_bytes=copy, compute_seconds=compute))
-    resident = sum(n for _, d, n in placements if d == "cpu")
-    largest = max((u.read_bytes for u in units), default=0)
-    ring = ring_bytes(largest) if depth is None and not gpu and largest else None
+    once = ("cpu",) if rereads else ("cpu", "disk")
+    resident = sum(n for _, d, n in placements if d in once)
+    streams = any(u.read_bytes for u in units)
     return predict_forward(
         units or [UnitCost("model")],
         disk_bandwidth=disk_bandwidth,
         link_bandwidth=link_bandwidth,
-        depth=DEFAULT_DEPTH if depth is None else depth,
-        resident_bytes=resident,
-        ring=ring,
-    )
-
-
-def forward_estimate(
-    plan: DevicePlan,
-    *,
-    disk_bandwidth: float,
-    compute_seconds: float = 0.0,
-    link_bandwidth: float | None = None,
-    depth: int | None = None,
-) -> ForwardEstimate:
-    """:func:`plan_forward` for a :class:`~bigviz.core.plan.DevicePlan` (its placements in
-    definition order, the usual execution order; GPU-resident units cost compute only).
-
-    Example:
-        >>> from bigviz.core.tree import SizeTree, TensorSpec
-        >>> from bigviz.core.planner import make_plan
-        >>> tree = SizeTree.build([TensorSpec(f"h.{i}.weight", 250 * 10**6, "float32") for i in range(4)])
-        >>> p = make_plan(tree, {"cpu": 2 * 10**9, "disk": 10**10})
-        >>> print(forward_estimate(p, disk_bandwidth=1e9).explain())
-        2.00 s per forward: disk 2.00 s, compute 0.00 s, overlapped (the disk is the bottleneck); 2.00 s more before the first, to read the resident weights
-    """
-    main = "cpu" if plan.main_device == "cpu" else "gpu"
-    rows = [(p.name, str(p.device) if p.device in ("cpu", "disk") else "gpu", p.nbytes) for p in plan.placements]
-    return plan_forward(
-        rows,
-        disk_bandwidth=disk_bandwidth,
-        compute_seconds=compute_seconds,
-        link_bandwidth=link_bandwidth,
-        main_device=main,
         depth=depth,
+        resident_bytes=resident,
+        ring=ring if streams else None,
     )
 
 

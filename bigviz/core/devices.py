@@ -15,7 +15,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 __all__ = [
     "Device",
@@ -26,6 +26,7 @@ __all__ = [
     "device_sort_key",
     "torch_name",
     "execution_device",
+    "tie_home",
     "streamed_devices",
     "computes",
     "missing_device_problems",
@@ -116,6 +117,20 @@ def computes(device: Device) -> bool:
         (True, False)
     """
     return device != "disk"
+
+
+def tie_home(devices: Sequence[object]) -> Device:
+    """The one rule for where a tensor tied across devices lives (one object under every name,
+    so the tie survives): with the user that computes fastest, a GPU (the first one named),
+    then mps, then the CPU; on disk only when every user is. The loader puts it there and the
+    dispatch keeps it resident there, lending it to the other users.
+
+    Example:
+        >>> tie_home(["cpu", 1, "cuda:0"]), tie_home(["disk", "mps"]), tie_home(["disk", "disk"])
+        (1, 'mps', 'disk')
+    """
+    canonical = [d if isinstance(d, int) or d in NAMED_DEVICES else normalize_device(d) for d in devices]
+    return min(canonical, key=lambda d: 0 if isinstance(d, int) else 1 + NAMED_DEVICES.index(d))  # type: ignore[arg-type]
 
 
 def execution_device(devices: Iterable[object]) -> Device:

@@ -25,6 +25,7 @@ __all__ = [
     "BigvizError",
     "PlanError",
     "DeviceMapError",
+    "FetchError",
     "format_problems",
     "raise_problems",
 ]
@@ -98,6 +99,11 @@ class PlanError(BigvizError, ValueError):
 
 class DeviceMapError(BigvizError, ValueError):
     """A device map that does not fit the model or this machine (every problem listed)."""
+
+
+class FetchError(BigvizError, RuntimeError):
+    """Reading an offloaded unit's weights failed at run time (the cause is chained); raised
+    in the caller, naming the unit, even when the read ran in the background."""
 
 
 def raise_problems(

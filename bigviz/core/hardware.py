@@ -1,6 +1,6 @@
-"""What hardware you plan for, and what a plan costs per forward pass: memory presets of
-common machines, link and disk bandwidths, and the streaming cost model (pure: bytes and
-bandwidths in, seconds out; the Planner widget, notebooks and reports show it).
+"""What hardware you plan for: memory presets of common machines, link and disk bandwidths
+(pure data; what a plan costs at them is :mod:`bigviz.core.cost`'s, through
+``DevicePlan.cost()``).
 
 GPU budgets are the card's memory as ``nvidia-smi`` reports it; the 1 to 2 GB a CUDA context
 takes is not subtracted (use the planner's per-device reserve for it and for activations).
@@ -11,9 +11,8 @@ Example:
     >>> budgets = preset_budgets("2x A100 80 GB")
     >>> sorted(budgets, key=str), budgets[1] // 2**30
     ([0, 1, 'cpu'], 80)
-    >>> cost = plan_cost({"cpu": 2 * 10**9, "disk": 0}, main_device=0, link="PCIe 4 x16")
-    >>> round(cost["seconds_per_forward"], 3)
-    0.08
+    >>> find_bandwidth("PCIe 4", LINK_BANDWIDTH, "link") / 1e9
+    25.0
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from typing import Any
 
 from bigviz.core.devices import Device
 
-__all__ = ["HARDWARE_PRESETS", "LINK_BANDWIDTH", "DISK_BANDWIDTH", "preset_budgets", "plan_cost", "find_bandwidth"]
+__all__ = ["HARDWARE_PRESETS", "LINK_BANDWIDTH", "DISK_BANDWIDTH", "preset_budgets", "find_bandwidth"]
 
 GiB = 2**30
 GB = 10**9
@@ -107,41 +106,3 @@ def preset_budgets(name: str) -> dict[Device, int]:
         15
     """
     return dict(_find(name, HARDWARE_PRESETS, "hardware preset"))
-
-
-def plan_cost(
-    offloaded: Mapping[str, int], *, main_device: Device, link: str = "PCIe 4 x16", disk: str = "NVMe ("
-) -> dict[str, Any]:
-    """Bytes streamed per forward pass and the time they take at the given bandwidths.
-
-    A cpu-offloaded weight crosses the host-to-device link once per forward; a
-    disk-offloaded weight is read from disk and then, for a GPU, crosses the link too. The
-    time is a floor: it ignores compute overlap (prefetch hides some of it) and latency.
-
-    Args:
-        offloaded: ``{"cpu": bytes, "disk": bytes}``, as ``DevicePlan.offloaded_bytes()``.
-        main_device: where the model executes (a GPU index, ``"mps"`` or ``"cpu"``).
-        link: a :data:`LINK_BANDWIDTH` name (or unique start of one).
-        disk: a :data:`DISK_BANDWIDTH` name (or unique start of one).
-
-    Example:
-        >>> plan_cost({"cpu": 0, "disk": 3 * 10**9}, main_device="cpu")["seconds_per_forward"]
-        1.0
-    """
-    link_bw, disk_bw = _find(link, LINK_BANDWIDTH, "link"), _find(disk, DISK_BANDWIDTH, "disk")
-    cpu_bytes, disk_bytes = int(offloaded.get("cpu", 0)), int(offloaded.get("disk", 0))
-    on_gpu = main_device != "cpu"
-    link_s = (cpu_bytes + disk_bytes) / link_bw if on_gpu else 0.0
-    disk_s = disk_bytes / disk_bw
-    return {
-        "cpu_bytes": cpu_bytes,
-        "disk_bytes": disk_bytes,
-        "streamed_bytes": cpu_bytes + disk_bytes,
-        "link": link,
-        "link_bandwidth": link_bw,
-        "disk": disk,
-        "disk_bandwidth": disk_bw,
-        "link_seconds": link_s,
-        "disk_seconds": disk_s,
-        "seconds_per_forward": link_s + disk_s,
-    }

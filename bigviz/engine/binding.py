@@ -12,10 +12,10 @@ Nothing is moved or written here: :mod:`bigviz.engine.dispatch` carries the bind
 Example:
     >>> import torch
     >>> from bigviz.modeling.inventory import ModelInventory
-    >>> from bigviz.planning.chain import dispatch_plan_for
+    >>> from bigviz.planning.chain import plan_chain
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     >>> inventory = ModelInventory.of(model)
-    >>> binding = bind(dispatch_plan_for(inventory, {"0": "cpu", "1": "disk"}), inventory)
+    >>> binding = bind(plan_chain(inventory, None, {"0": "cpu", "1": "disk"}).dispatch, inventory)
     >>> [(u.name, u.storage, sorted(u.slots)) for u in binding.units], sorted(binding.to_write)
     ([('1', 'disk', ['1.bias', '1.weight'])], ['1.bias', '1.weight'])
 """
@@ -164,10 +164,12 @@ def bound_units(
         >>> [u.name for u in bound_units(model, {"0": "disk", "1": "disk"}, main_device="cpu")]
         ['0', '1']
     """
-    from bigviz.planning.chain import dispatch_plan_for
+    from bigviz.planning.chain import plan_chain
 
     inventory = ModelInventory.of(model)
-    return bind(dispatch_plan_for(inventory, device_map, main_device=main_device), inventory, stores).units
+    plan = plan_chain(inventory, None, dict(device_map), main_device=main_device, resident="map").dispatch
+    assert plan is not None
+    return bind(plan, inventory, stores).units
 
 
 def _stream_source(

@@ -184,7 +184,7 @@ class OffloadHook(ModelHook):
     Example:
         >>> import torch
         >>> from bigviz.engine.binding import bound_units
-        >>> from bigviz.engine.prefetch import CpuFetcher
+        >>> from bigviz.engine.fetchers.cpu import CpuFetcher
         >>> layer = torch.nn.Linear(2, 2)
         >>> unit = bound_units(layer, {"": "disk"}, main_device="cpu")[0]
         >>> unit.sources = {k: {"weight": torch.eye(2), "bias": torch.zeros(2)} for k in unit.slots}

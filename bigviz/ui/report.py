@@ -19,7 +19,6 @@ from __future__ import annotations
 import html
 import json
 import os
-from collections.abc import Mapping
 from typing import Any
 
 from bigviz.core.plan import DevicePlan, DeviceUsage
@@ -27,7 +26,7 @@ from bigviz.core.serialize import write_text_atomic
 from bigviz.core.devices import device_label
 from bigviz.core.sizes import UNLIMITED, format_size
 from bigviz.ui.palette import chip, device_color, legend_html
-from bigviz.core.cost import plan_cost
+from bigviz.core.cost import ForwardEstimate
 from bigviz.ui.presets import cost_html
 from bigviz.ui.svg import figure_svg, svg_img
 from bigviz.ui.treemap import OVERRIDE_MARK, plan_of, treemap
@@ -221,7 +220,7 @@ def report_fragment(
     *,
     include_plotlyjs: bool | str | None = None,
     max_rows: int | None = None,
-    cost: Mapping[str, Any] | None = None,
+    cost: ForwardEstimate | None = None,
     depth: int | None = None,
     figure: Any = None,
 ) -> str:
@@ -233,7 +232,8 @@ def report_fragment(
             ``data:`` URI, which HTML sanitizers keep), with no script at all; otherwise plotly's interactive figure, with plotly.js inlined
             (``True``) or loaded from its CDN (``"cdn"``).
         max_rows: rows of the placements table (``None``: all).
-        cost: a ``plan_cost`` result (default: the planner's, or PCIe 4 and NVMe).
+        cost: the plan's predicted cost per forward (``DevicePlan.cost()``; default: the
+            planner's, or PCIe 4 and NVMe).
         depth: module levels drawn in the treemap.
         figure: the ``bigviz.treemap`` figure of this plan, when already made.
 
@@ -246,8 +246,8 @@ def report_fragment(
     plan = plan_of(plan_or_planner)
     if cost is None and plan_or_planner is not plan:  # a Planner: its chosen link and disk
         cost = plan_or_planner.cost()
-    if cost is None:  # a DevicePlan (whose .cost() is the time per forward, not this table)
-        cost = plan_cost(plan.offloaded_bytes(), main_device=plan.main_device)
+    if cost is None:  # a DevicePlan: at the presets' bandwidths
+        cost = plan.cost()
     fig = figure if figure is not None else treemap(plan_or_planner, depth=depth)
     if include_plotlyjs is None:
         alt = f"treemap: {fig.layout.title.text or 'the plan'}"

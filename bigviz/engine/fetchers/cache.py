@@ -18,28 +18,18 @@ in one page at a time by the compute thread. :class:`StreamingFetcher` therefore
 How many units are read ahead is the scheduler's ``depth``; as a release frees a unit's pages,
 the scheduler starts the next read then (``reads_on_release``), not when the next streamed unit
 starts: reads go on while resident units compute. Where a tensor is in a file is
-found from ``/proc/self/maps`` (:func:`file_span`), so any memory-mapped tensor works (a
-converted copy is anonymous memory: nothing to read or drop).
+found from ``/proc/self/maps`` (:func:`~bigviz.engine.fetchers.spans.file_span`), so any
+memory-mapped tensor works (a converted copy is anonymous memory: nothing to read or drop).
 
 Example:
-    >>> import os, tempfile, torch
-    >>> from bigviz.checkpoint.lazy import map_file
-    >>> path = os.path.join(tempfile.mkdtemp(), "w.bin"); _ = open(path, "wb").write(bytes(3 * 4096))
-    >>> view = map_file(path)[4096:]
-    >>> span = file_span(view)
-    >>> (os.path.samefile(span.path, path), span.offset, span.length) if span else "not Linux"
-    (True, 4096, 8192)
+    >>> fetcher = StreamingFetcher(readers=2)
+    >>> fetcher.reads_on_release, fetcher.stats.units_read
+    (True, 0)
+    >>> fetcher.close()
 """
 
 from __future__ import annotations
 
-import bisect
-import contextlib
-import ctypes
-import errno
-import mmap
-import os
-import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,200 +37,21 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from bigviz.engine.prefetch import Handle, _cast, _read
 from bigviz.engine.binding import BoundUnit as Unit
-from bigviz.engine.weights import nbytes
+from bigviz.engine.fetchers.protocol import FetchError, Handle
+from bigviz.engine.fetchers.spans import (
+    FileMaps,
+    FileSpan,
+    Where,
+    drop_pages,
+    file_span,
+    mapped_where,
+    merge_spans,
+    unit_tensors,
+)
+from bigviz.osio.pages import PAGE, populate
 
-__all__ = [
-    "FileSpan",
-    "FileMaps",
-    "file_span",
-    "StreamingFetcher",
-    "StreamStats",
-    "populate",
-    "prefault",
-    "drop_pages",
-    "merge_spans",
-]
-
-PAGE = mmap.PAGESIZE
-MADV_DONTNEED = 4
-MADV_POPULATE_READ = 22  # Linux 5.14+
-MADV_POPULATE_WRITE = 23  # Linux 5.14+
-
-
-@dataclass(frozen=True)
-class FileSpan:
-    """Where a memory-mapped tensor's bytes are: ``path[offset:offset + length]``, mapped at
-    ``address``."""
-
-    path: str
-    offset: int
-    length: int
-    address: int
-
-
-class FileMaps:
-    """The file-backed mappings of this process, read from ``/proc/self/maps`` when made.
-
-    A snapshot: mappings come and go (an address may be mapped to another file later), so
-    take a new one for each batch of lookups.
-
-    Example:
-        >>> FileMaps().find(0) is None
-        True
-    """
-
-    def __init__(self) -> None:
-        rows = []
-        try:
-            with open("/proc/self/maps") as f:
-                for line in f:
-                    parts = line.split(maxsplit=5)
-                    if len(parts) == 6 and parts[5].startswith("/"):
-                        start, end = (int(x, 16) for x in parts[0].split("-"))
-                        rows.append((start, end, int(parts[2], 16), parts[5].rstrip("\n")))
-        except OSError:
-            pass  # not Linux: nothing is file-backed as far as we can tell
-        rows.sort()
-        self._rows, self._starts = rows, [r[0] for r in rows]
-
-    def find(self, address: int) -> tuple[int, int, int, str] | None:
-        """``(start, end, file offset, path)`` of the mapping holding ``address``, or None."""
-        i = bisect.bisect_right(self._starts, address) - 1
-        if i >= 0 and address < self._rows[i][1]:
-            return self._rows[i]
-        return None
-
-
-def file_span(tensor: Tensor, maps: FileMaps | None = None) -> FileSpan | None:
-    """Where ``tensor``'s bytes lie in a file it is memory-mapped from; None when it is not
-    (anonymous memory, another device, empty, not contiguous, or not Linux).
-
-    Args:
-        tensor: A tensor.
-        maps: A snapshot of the mappings (default: a new one; pass one for many lookups).
-    """
-    if tensor.device.type != "cpu" or tensor.numel() == 0 or not tensor.is_contiguous():
-        return None
-    address = tensor.data_ptr()
-    row = (maps if maps is not None else FileMaps()).find(address)
-    if row is None or row[3].endswith(" (deleted)") or address + nbytes(tensor) > row[1]:
-        return None
-    start, _end, offset, path = row
-    return FileSpan(path, offset + address - start, nbytes(tensor), address)
-
-
-class _Libc:
-    def __init__(self) -> None:
-        self.fn = None
-        if sys.platform.startswith("linux"):
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            self.fn = libc.madvise
-        self.ok = {MADV_POPULATE_READ: self.fn is not None, MADV_POPULATE_WRITE: self.fn is not None}
-
-    def madvise(self, address: int, length: int, advice: int) -> bool:
-        return self.fn is not None and self.fn(address, length, advice) == 0
-
-    def populate(self, address: int, length: int, advice: int) -> bool:
-        """``madvise(advice)`` over the pages of ``[address, address + length)``; False when it
-        fails, and never tried again where the kernel does not know it (EINVAL: before 5.14)."""
-        if not self.ok[advice] or length <= 0:
-            return False
-        begin = address - address % PAGE
-        if self.madvise(begin, address + length - begin, advice):
-            return True
-        if ctypes.get_errno() == errno.EINVAL:  # an older kernel; other errors may pass (EINTR, EAGAIN)
-            self.ok[advice] = False
-        return False
-
-
-_LIBC = _Libc()
-
-
-def populate(address: int, length: int) -> bool:
-    """Read ``[address, address + length)`` of a mapping in now (at disk speed, mapped).
-    False where the kernel cannot (before 5.14): the compute thread then faults pages in."""
-    return _LIBC.populate(address, length, MADV_POPULATE_READ)
-
-
-def prefault(address: int, length: int) -> bool:
-    """Fault ``[address, address + length)`` of this process's anonymous memory in now, in one
-    call (``madvise(MADV_POPULATE_WRITE)``). A read into fresh memory otherwise takes one page
-    fault per 4 KiB page, which on a virtual machine costs more than the read: measured here,
-    7.2 GB read into fresh memory by 4 threads ran at 0.45-0.55 GB/s, and at 1.05-1.31 GB/s
-    with each piece prefaulted first. False where the kernel cannot (before 5.14): the read
-    then faults the pages in itself."""
-    return _LIBC.populate(address, length, MADV_POPULATE_WRITE)
-
-
-def _pages_of(span: FileSpan) -> tuple[int, int, int]:
-    """``(address, file offset, length)`` of every page a span touches."""
-    first = span.address // PAGE * PAGE
-    last = -(-(span.address + span.length) // PAGE) * PAGE
-    return first, span.offset + first - span.address, last - first
-
-
-def drop_pages(span: FileSpan) -> int:
-    """Unmap and evict every page ``span`` touches, from this process and the page cache.
-
-    Returns the bytes dropped. The mapping must be private and clean (checkpoint weights are
-    never written): a later read faults the bytes in again from the file, so a page shared
-    with a neighbouring unit costs that unit one page read, never a wrong value.
-    """
-    address, offset, length = _pages_of(span)
-    if length == 0 or not _LIBC.madvise(address, length, MADV_DONTNEED):
-        return 0
-    if hasattr(os, "posix_fadvise"):
-        with contextlib.suppress(OSError):
-            fd = os.open(span.path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-    return length
-
-
-Where = tuple[tuple[str, int, int], ...]
-
-
-def mapped_where(tensors: Mapping[str, Tensor], kept: frozenset[str]) -> Where:
-    """``(key, address, bytes)`` of the tensors not in ``kept`` (those found in no file: a
-    converted copy is new memory at each fetch), to tell whether what a unit maps moved."""
-    return tuple((key, t.data_ptr(), nbytes(t)) for key, t in tensors.items() if key not in kept)
-
-
-def unit_tensors(unit: Unit) -> dict[str, Tensor]:
-    """Key -> the tensor a unit reads, as its store gives it (a mapped view of the checkpoint,
-    or a converted copy where the model declares another dtype)."""
-    out: dict[str, Tensor] = {}
-    for store, keys in unit.keys_by_source():
-        out.update({key: _cast(unit, key, _read(store, key)) for key in keys})
-    return out
-
-
-def merge_spans(spans: Sequence[FileSpan], *, gap: int = PAGE) -> list[FileSpan]:
-    """Spans of one mapping that follow each other (less than ``gap`` bytes apart) joined into
-    one: a unit's tensors lie side by side in its file, and the page cache keeps pages in
-    folios of several pages, which are only dropped whole (small tensors between large ones
-    would otherwise keep the folios they share with them).
-
-    Example:
-        >>> a, b = FileSpan("f", 0, 100, 1000), FileSpan("f", 120, 50, 1120)
-        >>> merge_spans([b, a])
-        [FileSpan(path='f', offset=0, length=170, address=1000)]
-    """
-    out: list[FileSpan] = []
-    for span in sorted(spans, key=lambda s: (s.path, s.address)):
-        last = out[-1] if out else None
-        same = last is not None and last.path == span.path and span.address - last.address == span.offset - last.offset
-        if last is not None and same and span.address <= last.address + last.length + gap:
-            end = max(last.address + last.length, span.address + span.length)
-            out[-1] = FileSpan(last.path, last.offset, end - last.address, last.address)
-        else:
-            out.append(span)
-    return out
+__all__ = ["StreamingFetcher", "StreamStats"]
 
 
 @dataclass
@@ -372,7 +183,7 @@ def _when_all(parts: Sequence[Future], done: Future, result: Mapping[str, Tensor
     lock = threading.Lock()
 
     def one(part: Future) -> None:
-        error = part.exception() if not part.cancelled() else RuntimeError("read cancelled")
+        error = part.exception() if not part.cancelled() else FetchError("read cancelled")
         with lock:
             left[0] -= 1
             last = left[0] == 0

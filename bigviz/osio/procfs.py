@@ -1,0 +1,122 @@
+"""What ``/proc`` says about this process: memory fields, file mappings, mounted devices.
+
+One parser each, for everyone: the memory reports (``RssAnon``, ``VmRSS``: what the UI, the
+benches and the tests measure with), the fetchers that find where a memory-mapped tensor lies
+in its file (:class:`FileMaps`), the disk probe that names the device it measured
+(:func:`mount_of`). Where there is no ``/proc`` (not Linux) each answers "unknown": ``None``,
+an empty map, 0.
+
+Example:
+    >>> fields = status_fields("VmRSS", "RssAnon")
+    >>> fields is None or fields["VmRSS"] >= fields["RssAnon"] > 0
+    True
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["status_fields", "FileMaps", "mapped_file_bytes", "mount_of", "fd_path"]
+
+MapRow = tuple[int, int, int, str]  # (start, end, file offset, path)
+
+
+def status_fields(*fields: str) -> dict[str, int] | None:
+    """Fields of ``/proc/self/status`` in bytes (``VmRSS``, ``RssAnon``, ``RssFile``, ...);
+    None where there is no such file or one of the fields is missing."""
+    return _status(fields)
+
+
+def _status(fields: Sequence[str]) -> dict[str, int] | None:
+    try:
+        with open("/proc/self/status") as f:
+            values = {k: v for k, _, v in (line.partition(":") for line in f)}
+        return {name: int(values[name].split()[0]) * 1024 for name in fields}
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _map_rows() -> list[MapRow]:
+    """The file-backed mappings of this process (``/proc/self/maps`` rows naming a path)."""
+    rows = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].startswith("/"):
+                    start, end = (int(x, 16) for x in parts[0].split("-"))
+                    rows.append((start, end, int(parts[2], 16), parts[5].rstrip("\n")))
+    except OSError:
+        pass  # not Linux: nothing is file-backed as far as we can tell
+    return rows
+
+
+class FileMaps:
+    """The file-backed mappings of this process, read from ``/proc/self/maps`` when made.
+
+    A snapshot: mappings come and go (an address may be mapped to another file later), so
+    take a new one for each batch of lookups.
+
+    Example:
+        >>> FileMaps().find(0) is None
+        True
+    """
+
+    def __init__(self) -> None:
+        rows = sorted(_map_rows())
+        self._rows, self._starts = rows, [r[0] for r in rows]
+
+    @property
+    def rows(self) -> list[MapRow]:
+        """``(start, end, file offset, path)`` of every file mapping, by address."""
+        return list(self._rows)
+
+    def find(self, address: int) -> MapRow | None:
+        """``(start, end, file offset, path)`` of the mapping holding ``address``, or None."""
+        i = bisect.bisect_right(self._starts, address) - 1
+        if i >= 0 and address < self._rows[i][1]:
+            return self._rows[i]
+        return None
+
+
+def mapped_file_bytes() -> int:
+    """Bytes of regular files mapped into this process (0 where ``/proc`` is missing)."""
+    return sum(end - start for start, end, _, path in _map_rows() if not path.startswith(("/dev", "/proc")))
+
+
+def fd_path(fd: int) -> str | None:
+    """A path that opens the very file descriptor ``fd`` holds (``/proc/self/fd/N``), even if
+    its name was replaced since; None where there is no ``/proc`` (then open by name).
+
+    Example:
+        >>> import os
+        >>> r, w = os.pipe()
+        >>> fd_path(r) in (f"/proc/self/fd/{r}", None)
+        True
+        >>> os.close(r); os.close(w)
+    """
+    return f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else None
+
+
+def mount_of(major: int, minor: int) -> str:
+    """``"fstype source mountpoint"`` of the device ``major:minor`` (from
+    ``/proc/self/mountinfo``; ``""`` where unknown).
+
+    Example:
+        >>> isinstance(mount_of(0, 0), str)
+        True
+    """
+    device = f"{major}:{minor}"
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if len(fields) >= 5 and fields[2] == device and len(tail) >= 2:
+            return f"{tail[0]} {tail[1]} {fields[4]}"
+    return ""
