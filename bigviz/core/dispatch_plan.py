@@ -238,7 +238,8 @@ def make_dispatch_plan(
     kept: dict[str, int] = {}
     devices: dict[str, Device] = {}
     for r in layout.resident:
-        entry = owner(r.names[0], mapping) or r.names[0]
+        found = owner(r.names[0], mapping)
+        entry = r.names[0] if found is None else found
         kept[entry] = kept.get(entry, 0) + r.nbytes
         devices[entry] = r.device
     units = [(u.name, u.storage, u.nbytes) for u in layout.units]
@@ -258,11 +259,14 @@ def _residency_lines(stream: StreamPlan) -> list[str]:
         sizes[key] = sizes.get(key, 0) + u.nbytes
     for (residency, how), names in groups.items():
         shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-        what = {
-            "streamed": f"streamed by the {how} fetcher",
-            "mapped": "in RAM as loaded (zero copy: memory-mapped where read in place)",
-            "resident copy": "copied into RAM once",
-        }.get(residency, f"resident on {device_label(normalize_device(how))}")
+        if residency == "on device":
+            what = f"resident on {device_label(normalize_device(how))}"
+        else:
+            what = {
+                "streamed": f"streamed by the {how} fetcher",
+                "mapped": "in RAM as loaded (zero copy: memory-mapped where read in place)",
+                "resident copy": "copied into RAM once",
+            }[residency]
         count = _count(len(names), "unit" if residency == "streamed" else "entry").replace("entrys", "entries")
         lines.append(f"    {what}: {count}, {format_size(sizes[(residency, how)])} ({shown})")
     lines.append(f"    why: {stream.reason}")

@@ -26,6 +26,7 @@ from bigviz.core.cost import ForwardEstimate, plan_forward
 from bigviz.core.devicemap import clean_device_map, device_of
 from bigviz.core.devices import Device, device_label, streamed_devices
 from bigviz.core.hardware import DISK_BANDWIDTH, LINK_BANDWIDTH, find_bandwidth
+from bigviz.core.names import owner
 from bigviz.core.offload_units import UnitRule, unit_table
 from bigviz.core.sizes import format_size
 from bigviz.core.stream_plan import MachineFacts, StreamOptions, StreamPlan, make_stream_plan
@@ -210,15 +211,16 @@ class DevicePlan:
             units = [(name, storage, nbytes) for name, (storage, nbytes) in table.items()]
         else:  # read from JSON: each streamed placement stands for a unit
             units = [(p.name, str(p.device), p.nbytes) for p in self.placements if p.device in streamed]
-        kept = [p for p in self.placements if p.device not in streamed and p.device != "disk"]
-        return make_stream_plan(
-            units,
-            {p.name: p.nbytes for p in kept},
-            self.main_device,
-            machine,
-            options,
-            resident_devices={p.name: p.device for p in kept},
-        )
+        mapping = self.device_map
+        kept: dict[str, int] = {}
+        devices: dict[str, Device] = {}
+        for p in self.placements:  # by device-map entry, as the dispatch plan groups them
+            if p.device not in streamed and p.device != "disk":
+                found = owner(p.name, mapping)
+                entry = p.name if found is None else found
+                kept[entry] = kept.get(entry, 0) + p.nbytes
+                devices[entry] = p.device
+        return make_stream_plan(units, kept, self.main_device, machine, options, resident_devices=devices)
 
     def cost(
         self,
