@@ -296,3 +296,17 @@ def test_kernel_calls_live_in_osio_only():
                 if node.value.startswith("/proc/"):
                     problems.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
     assert not problems, f"OS-level calls outside bigviz/osio: {problems}"
+
+
+def test_the_engine_and_the_widget_raise_through_the_error_family():
+    """Errors raised on purpose are BigvizErrors (with the builtin base users catch), not bare
+    ValueError / TypeError / RuntimeError: one format, every problem listed, the fix."""
+    bare = []
+    for path in FILES:
+        if _layer_of(path) not in ("engine", "ui"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and isinstance(node.exc.func, ast.Name):
+                if node.exc.func.id in ("ValueError", "TypeError", "RuntimeError"):
+                    bare.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.exc.func.id}")
+    assert not bare, f"raise one of bigviz.core.errors instead: {bare}"

@@ -48,6 +48,7 @@ from pathlib import Path
 from bigviz.osio.direct import ALIGN, open_file
 from bigviz.osio.pages import PAGE, available, cached_pages, drop_file_pages
 from bigviz.osio.procfs import mount_of
+from bigviz.core.errors import UsageError
 
 __all__ = ["DiskProbe", "ReadTiming", "measure_read_bandwidth", "timed_read", "split_ranges", "cache_file"]
 
@@ -257,7 +258,7 @@ def _sample_files(path: Path) -> list[Path]:
         files = [path]
     files = [p.resolve() for p in files if p.is_file() and p.stat().st_size > 0]
     if not files:
-        raise ValueError(
+        raise UsageError(
             f"measure_read_bandwidth: {path} holds no non-empty file to read; give a "
             "checkpoint file, its index, or the folder holding it"
         )
@@ -272,7 +273,7 @@ def _index_files(index: Path) -> list[Path]:
     try:
         weight_map = json.loads(index.read_text()).get("weight_map", {})
     except (ValueError, AttributeError) as exc:
-        raise ValueError(
+        raise UsageError(
             f"measure_read_bandwidth: {index} is not a checkpoint index "
             f"({type(exc).__name__}: {exc}); give the folder or a weights file"
         ) from None
@@ -454,7 +455,7 @@ def _check_knobs(*, parallel: int, sample_bytes: int, chunk_bytes: int, method: 
     if method not in ("auto", "direct", "dropped", "buffered"):
         problems.append(f"method={method!r} must be 'auto', 'direct', 'dropped' or 'buffered'")
     if problems:
-        raise ValueError("measure_read_bandwidth: " + "; ".join(problems))
+        raise UsageError("measure_read_bandwidth: " + "; ".join(problems))
 
 
 def _measure(

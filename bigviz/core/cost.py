@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from bigviz.core.errors import UsageError
 
 __all__ = ["UnitCost", "ForwardEstimate", "predict_forward", "estimate_forward", "compute_seconds", "plan_forward"]
 
@@ -70,7 +71,7 @@ class UnitCost:
             for field in ("read_bytes", "copy_bytes", "compute_seconds")
             if getattr(self, field) < 0
         ]
-        raise ValueError(f"UnitCost {self.name!r}: " + "; ".join(problems))
+        raise UsageError(f"UnitCost {self.name!r}: " + "; ".join(problems))
 
     @property
     def streamed(self) -> bool:
@@ -188,7 +189,7 @@ def predict_forward(
     """
     _check(units, disk_bandwidth=disk_bandwidth, link_bandwidth=link_bandwidth, depth=depth)
     if ring is not None and ring <= 0:
-        raise ValueError(f"ring={ring!r} must be > 0 bytes")
+        raise UsageError(f"ring={ring!r} must be > 0 bytes")
     read_free = copy_free = compute_end = stall = 0.0
     streamed_ends: list[float] = []  # when each streamed unit finished computing
     streamed_bytes: list[int] = []
@@ -296,7 +297,7 @@ def compute_seconds(parameters: int, tokens: int, *, flops_per_second: float) ->
         2.24
     """
     if flops_per_second <= 0:
-        raise ValueError(f"flops_per_second={flops_per_second!r} must be > 0 (measure it: one block's forward)")
+        raise UsageError(f"flops_per_second={flops_per_second!r} must be > 0 (measure it: one block's forward)")
     return 2 * parameters * tokens / flops_per_second
 
 
@@ -400,4 +401,4 @@ def _check(units: Sequence[UnitCost], *, disk_bandwidth: float, link_bandwidth: 
     if not isinstance(depth, int) or depth < 0:
         problems.append(f"depth={depth!r} must be an int >= 0 (streamed units read ahead)")
     if problems:
-        raise ValueError("predict_forward: " + "; ".join(problems))
+        raise UsageError("predict_forward: " + "; ".join(problems))

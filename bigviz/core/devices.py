@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from bigviz.core.errors import UsageError
 
 __all__ = [
     "Device",
@@ -56,10 +57,10 @@ def normalize_device(device: object) -> Device:
         (1, 0, 'disk')
     """
     if isinstance(device, bool):
-        raise ValueError(f"unknown device {device!r}")
+        raise UsageError(f"unknown device {device!r}")
     if isinstance(device, int):
         if device < 0:
-            raise ValueError(f"unknown device {device!r}: GPU indices are >= 0")
+            raise UsageError(f"unknown device {device!r}: GPU indices are >= 0")
         return device
     text = str(device).strip()
     if text.isdigit():
@@ -70,7 +71,7 @@ def normalize_device(device: object) -> Device:
         return int(text[5:])
     if text in NAMED_DEVICES:
         return text
-    raise ValueError(f"unknown device {device!r}: use a GPU index (0, 1, ...), 'cuda:N', 'cpu', 'disk' or 'mps'")
+    raise UsageError(f"unknown device {device!r}: use a GPU index (0, 1, ...), 'cuda:N', 'cpu', 'disk' or 'mps'")
 
 
 def device_label(device: Device) -> str:

@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from bigviz.core.errors import UsageError
 
 __all__ = [
     "DType",
@@ -104,7 +105,7 @@ def canonical_dtype(dtype: object) -> str:
     text = str(dtype).removeprefix("torch.")
     text = _ALIASES.get(text, text)
     if text not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(sorted(DTYPES))}")
+        raise UsageError(f"unknown dtype {dtype!r}: use one of {', '.join(sorted(DTYPES))}")
     return text
 
 
@@ -161,7 +162,7 @@ def from_safetensors(code: str) -> str:
     """
     found = SAFETENSORS_CODES.get(code)
     if found is None:
-        raise ValueError(f"unknown safetensors dtype {code!r}: one of {', '.join(SAFETENSORS_CODES)}")
+        raise UsageError(f"unknown safetensors dtype {code!r}: one of {', '.join(SAFETENSORS_CODES)}")
     return found.name
 
 

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from bigviz.core.devices import Device
+from bigviz.core.errors import UsageError
 
 __all__ = ["HARDWARE_PRESETS", "LINK_BANDWIDTH", "DISK_BANDWIDTH", "preset_budgets", "find_bandwidth"]
 
@@ -81,7 +82,7 @@ def _find(name: str, table: Mapping[str, Any], what: str) -> Any:
     hits = [k for k in table if k.lower().startswith(name.lower())]
     if len(hits) == 1:
         return table[hits[0]]
-    raise ValueError(f"unknown {what} {name!r}: use one of {', '.join(repr(k) for k in table)}")
+    raise UsageError(f"unknown {what} {name!r}: use one of {', '.join(repr(k) for k in table)}")
 
 
 def find_bandwidth(value: float | str, table: Mapping[str, float], what: str) -> float:
@@ -94,7 +95,7 @@ def find_bandwidth(value: float | str, table: Mapping[str, float], what: str) ->
     if isinstance(value, str):
         return float(_find(value, table, what))
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{what} bandwidth {value!r} must be a number of bytes/s > 0 or one of {sorted(table)}")
+        raise UsageError(f"{what} bandwidth {value!r} must be a number of bytes/s > 0 or one of {sorted(table)}")
     return float(value)
 
 

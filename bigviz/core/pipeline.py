@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from bigviz.core.names import owner
 from bigviz.core.serialize import write_json_atomic
-from bigviz.core.errors import PlanError
+from bigviz.core.errors import PlanError, UsageError
 from bigviz.core.sizes import format_size
 
 if TYPE_CHECKING:
@@ -173,7 +173,7 @@ class PipelinePlan:
         """
         tree = tree if tree is not None else self.tree
         if tree is None:
-            raise ValueError("this PipelinePlan carries no size tree: pass the model's tree")
+            raise UsageError("this PipelinePlan carries no size tree: pass the model's tree")
         out = [t for u in self.units if u.stage == stage for t in tree.subtree_tensors(u.name)]
         out += [s.leader for s in self.shared if stage in s.stages and s.leader not in out]
         return out

@@ -30,6 +30,7 @@ from bigviz.core.names import owner
 from bigviz.core.offload_units import UnitRule, unit_table
 from bigviz.core.sizes import format_size
 from bigviz.core.stream_plan import MachineFacts, StreamOptions, StreamPlan, make_stream_plan
+from bigviz.core.errors import UsageError
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -178,7 +179,7 @@ class DevicePlan:
         from bigviz.core.dispatch_plan import make_dispatch_plan
 
         if self.tree is None:
-            raise ValueError("this DevicePlan carries no size tree (read from JSON?): plan again to see its dispatch")
+            raise UsageError("this DevicePlan carries no size tree (read from JSON?): plan again to see its dispatch")
         return make_dispatch_plan(
             self.tree,
             self.device_map,

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from bigviz.checkpoint.offload_folder import offload_problems
 from bigviz.core.dispatch_plan import DispatchPlan
-from bigviz.core.errors import DeviceMapError
+from bigviz.core.errors import DeviceMapError, StateError, UsageError
 from bigviz.engine.binding import Binding, BoundUnit, bind, called_modules
 from bigviz.engine.devices import torch_device
 from bigviz.engine.hooks import GUARDED_METHODS, add_hook_to_module, remove_hook_from_module
@@ -256,7 +256,7 @@ def dispatch_inventory(
     """`dispatch_model` on a model's inventory: plan (one validation pass: names, devices,
     coverage, all problems at once, before anything moves), then execute."""
     if getattr(inventory.model, "_bigviz_dispatch", None) is not None:
-        raise ValueError("dispatch_model: this model is already dispatched; call bigviz.remove_hooks(model) first")
+        raise UsageError("dispatch_model: this model is already dispatched; call bigviz.remove_hooks(model) first")
     _, _, plan = plan_chain(
         inventory,
         None,
@@ -458,7 +458,7 @@ def _refuse_move(model: nn.Module, method: str, *args: Any, **kwargs: Any) -> An
     where = f"modules offloaded ({', '.join(offloaded)}{', ...' if len(state.units) > 3 else ''})"
     if not state.units:
         where = f"modules spread over {sorted({str(d) for d in state.device_map.values()})}"
-    raise RuntimeError(
+    raise StateError(
         f"model.{method}() refused: this model is dispatched with {where}; moving or casting it "
         "would leave its hooks and offloaded weights behind. Call bigviz.remove_hooks(model) "
         "first (offloaded weights return where they were before dispatch), or dispatch again "

@@ -52,6 +52,7 @@ from bigviz.ui.stages import StageControls
 from bigviz.ui.state import PlannerState
 from bigviz.ui.svg import figure_svg
 from bigviz.ui.treemap import treemap
+from bigviz.core.errors import UsageError
 
 __all__ = ["Planner"]
 
@@ -331,7 +332,7 @@ class Planner:
         """Remove the last GPU (and the overrides that named it) and re-plan."""
         gpus = self.state.gpus()
         if not gpus:
-            raise ValueError("there is no GPU to remove")
+            raise UsageError("there is no GPU to remove")
         self._devices_changed(self.state.remove_device(gpus[-1]), ctl.CUSTOM)
 
     def apply_preset(self, name: str) -> None:
@@ -349,7 +350,7 @@ class Planner:
         """
         model = kwargs.pop("model", None) or self.model
         if model is None:
-            raise ValueError(
+            raise UsageError(
                 "this planner was made from a checkpoint or a size tree: pass the model "
                 "to run, e.g. planner.load_and_dispatch(path, model=model)"
             )

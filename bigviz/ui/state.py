@@ -28,7 +28,7 @@ from bigviz.core.plan import STRATEGIES, DevicePlan, PlanOptions
 from bigviz.core.planner import PlanError
 from bigviz.core.dtypes import canonical_dtype, itemsize
 from bigviz.core.tree import SizeTree
-from bigviz.core.errors import DeviceMapError
+from bigviz.core.errors import DeviceMapError, UsageError
 from bigviz.core.devices import Device, device_label, normalize_device
 from bigviz.core.sizes import UNLIMITED, parse_max_memory, parse_size
 from bigviz.core.workload import RunSpec, Workload, longest_fit
@@ -90,7 +90,7 @@ class PlannerState:
         from bigviz.planning.inputs import no_split_names, planner_inputs
 
         if strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
+            raise UsageError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
         model = resolve_model(model)
         inputs = planner_inputs(
             model, max_memory, strategy=strategy, no_split_module_classes=no_split_module_classes, dtype=dtype
@@ -142,7 +142,7 @@ class PlannerState:
     def run_spec(self) -> RunSpec:
         """The model's run spec for the planned hardware, at the chosen dtype (cached)."""
         if self.run_specs is None:
-            raise ValueError(
+            raise UsageError(
                 "this planner was made from a size tree: it cannot plan a run (context length); "
                 "make it from the model, a config.json, or a checkpoint with its config.json"
             )
@@ -203,7 +203,7 @@ class PlannerState:
     def set_budget(self, device: object, size: int | str) -> None:
         device = normalize_device(device)
         if device not in self.budgets:
-            raise ValueError(f"{device_label(device)} has no budget: add it first (add_gpu or max_memory)")
+            raise UsageError(f"{device_label(device)} has no budget: add it first (add_gpu or max_memory)")
         self.budgets[device] = parse_size(size)
 
     def set_reserve(self, device: object, size: int | str) -> None:
@@ -225,7 +225,7 @@ class PlannerState:
         """Drop a device; returns the overrides that named it (dropped too)."""
         device = normalize_device(device)
         if device not in self.budgets:
-            raise ValueError(f"{device_label(device)} is not in the budgets")
+            raise UsageError(f"{device_label(device)} is not in the budgets")
         del self.budgets[device]
         self.reserve.pop(device, None)
         dropped = [m for m, d in self.overrides.items() if d == device]
@@ -278,5 +278,5 @@ class PlannerState:
         """Let the planner place ``module`` again."""
         if module not in self.overrides:
             have = ", ".join(self.overrides) or "none"
-            raise ValueError(f"{module!r} has no override (overrides: {have})")
+            raise UsageError(f"{module!r} has no override (overrides: {have})")
         del self.overrides[module]

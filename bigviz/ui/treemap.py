@@ -34,6 +34,7 @@ from bigviz.core.sizes import format_size
 from bigviz.ui.palette import device_color
 from bigviz.ui.stages import stage_style_of, stage_title
 from bigviz.ui.tiles import TreemapLayout, TreemapStyle
+from bigviz.core.errors import ArgumentTypeError, UsageError
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -155,9 +156,9 @@ def plan_of(plan_or_planner: Any) -> DevicePlan:
     """The plan of a :class:`DevicePlan` or of anything with a ``.plan`` (a Planner)."""
     plan = plan_or_planner if isinstance(plan_or_planner, DevicePlan) else getattr(plan_or_planner, "plan", None)
     if not isinstance(plan, DevicePlan):
-        raise TypeError(f"expected a DevicePlan or a Planner, got {type(plan_or_planner).__name__}")
+        raise ArgumentTypeError(f"expected a DevicePlan or a Planner, got {type(plan_or_planner).__name__}")
     if plan.tree is None:
-        raise ValueError(
+        raise UsageError(
             "this DevicePlan carries no size tree (plan.tree is None): make it with "
             "bigviz.plan(...) or make_plan(tree, ...), which keep the tree"
         )
@@ -190,7 +191,7 @@ def treemap(
     """
     if isinstance(plan_or_planner, PipelinePlan):
         if plan_or_planner.tree is None:
-            raise ValueError(
+            raise UsageError(
                 "this PipelinePlan carries no size tree: make it with bigviz.plan_pipeline(...) "
                 "or PipelinePlan.load_json(path, tree=...)"
             )

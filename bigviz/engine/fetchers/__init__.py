@@ -27,6 +27,7 @@ import torch
 
 from bigviz.engine.binding import BoundUnit
 from bigviz.engine.fetchers.protocol import Fetcher
+from bigviz.core.errors import UsageError
 
 __all__ = ["make_fetcher"]
 
@@ -59,4 +60,4 @@ def make_fetcher(
         from bigviz.engine.fetchers.cpu import CpuFetcher
 
         return CpuFetcher(device)
-    raise ValueError(f"unknown fetcher kind {kind!r}: expected 'cpu', 'cuda', 'ring' or 'cache'")
+    raise UsageError(f"unknown fetcher kind {kind!r}: expected 'cpu', 'cuda', 'ring' or 'cache'")

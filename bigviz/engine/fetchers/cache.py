@@ -50,6 +50,7 @@ from bigviz.engine.fetchers.spans import (
     unit_tensors,
 )
 from bigviz.osio.pages import PAGE, populate
+from bigviz.core.errors import UsageError
 
 __all__ = ["StreamingFetcher", "StreamStats"]
 
@@ -83,7 +84,7 @@ class StreamingFetcher:
 
     def __init__(self, *, readers: int = 4, chunk_bytes: int = 16 * 2**20, drop: bool = True) -> None:
         if readers < 1 or chunk_bytes < PAGE:
-            raise ValueError(
+            raise UsageError(
                 f"StreamingFetcher: readers={readers!r} must be >= 1 and chunk_bytes={chunk_bytes!r} >= {PAGE}"
             )
         self.readers, self.chunk_bytes, self.drop = readers, chunk_bytes, drop

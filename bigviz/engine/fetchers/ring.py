@@ -67,6 +67,7 @@ from bigviz.engine.fetchers.cache import StreamStats
 from bigviz.engine.fetchers.protocol import Handle, run_now
 from bigviz.engine.fetchers.spans import FileMaps, Where, file_span, mapped_where, unit_tensors
 from bigviz.osio.direct import ALIGN, block_room, pieces_of, read_piece
+from bigviz.core.errors import UsageError
 
 __all__ = ["RingFetcher", "ring_capacity"]
 
@@ -84,7 +85,7 @@ def ring_capacity(largest: int, ahead: float = RING_AHEAD) -> int:
         (True, True)
     """
     if largest < 0 or ahead < 0:
-        raise ValueError(f"ring_capacity: largest={largest!r} and ahead={ahead!r} must be >= 0")
+        raise UsageError(f"ring_capacity: largest={largest!r} and ahead={ahead!r} must be >= 0")
     blocks = -(-largest // ALIGN)
     return (blocks + max(1, -(-int(blocks * ahead * ALIGN) // ALIGN))) * ALIGN
 
@@ -170,7 +171,7 @@ class RingFetcher:
 
     def __init__(self, *, capacity: int | None = None, readers: int = 4, direct: bool = True) -> None:
         if (capacity is not None and capacity < ALIGN) or readers < 1:
-            raise ValueError(
+            raise UsageError(
                 f"RingFetcher: capacity={capacity!r} must be >= {ALIGN} bytes and readers={readers!r} >= 1"
             )
         self.capacity = None if capacity is None else capacity // ALIGN * ALIGN
