@@ -528,5 +528,5 @@ def _place(loads: list[TensorLoad], options: LoadOptions) -> tuple[list[TensorLo
         if None in devices:
             problems.append(f"{NO_DEVICE}{load.name}: add a key for it or ''")
         else:
-            placed.append(replace(load, device=torch_name(tie_home(devices))))  # type: ignore[arg-type]
+            placed.append(replace(load, device=torch_name(tie_home(devices))))
     return placed, problems

@@ -131,7 +131,7 @@ def tie_home(devices: Sequence[object]) -> Device:
         (1, 'mps', 'disk')
     """
     canonical = [d if isinstance(d, int) or d in NAMED_DEVICES else normalize_device(d) for d in devices]
-    return min(canonical, key=lambda d: 0 if isinstance(d, int) else 1 + NAMED_DEVICES.index(d))  # type: ignore[arg-type]
+    return min(canonical, key=lambda d: 0 if isinstance(d, int) else 1 + NAMED_DEVICES.index(d))
 
 
 def execution_device(devices: Iterable[object]) -> Device:
