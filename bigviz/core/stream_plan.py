@@ -321,32 +321,75 @@ def make_stream_plan(
             its ring does not fit in the available RAM (named, with the bytes).
     """
     check_stream_options(options)
-    main = normalize_device(main_device)
     devices = dict(resident_devices or {})
     in_ram = sum(b for entry, b in resident.items() if devices.get(entry, "cpu") == "cpu")
-    disk = [u for u in units if u[1] == "disk"]
+    how = _decide(units, in_ram, normalize_device(main_device), facts, options)
+    rows = [_resident_row(entry, nbytes, devices.get(entry, "cpu"), how.mode) for entry, nbytes in resident.items()]
+    rows += [
+        UnitStream(name, storage, "streamed", how.fetcher, nbytes, how.fetcher in STREAMS or _staged(storage, how))
+        for name, storage, nbytes in units
+    ]
+    return StreamPlan(
+        how.mode,
+        how.fetcher if units else "",
+        how.depth if units else 0,
+        how.ring,
+        options.readers,
+        in_ram,
+        sum(n for _, _, n in units),
+        facts.available_ram if facts is not None else 0,
+        how.reason,
+        tuple(rows),
+    )
+
+
+@dataclass(frozen=True)
+class _How:
+    """What :func:`_decide` decided for the whole dispatch."""
+
+    mode: str
+    fetcher: str
+    depth: int
+    ring: int
+    reason: str
+
+
+def _decide(
+    units: Sequence[Unit], in_ram: int, main: Device, facts: MachineFacts | None, options: StreamOptions
+) -> _How:
+    """The rule of the module docstring: the mode of the weights kept in RAM, the fetcher of
+    the streamed units, how far ahead it reads, the ring."""
     depth = MAPPED_DEPTH if options.prefetch else 0
     if main != "cpu":  # a GPU (or mps) executes: cpu and disk units cross the link
-        fetcher = "cuda" if isinstance(main, int) else "cpu"
         reason = (
             f"{device_label(main)} executes: cpu units stream from pinned RAM, disk units through "
             "pinned staging (the page cache keeps them as RAM allows)"
         )
-        return _plan(units, resident, devices, "map", fetcher if units else "", depth, 0, options, facts, reason)
-    total = in_ram + sum(n for _, _, n in disk)
-    largest = max((n for _, _, n in disk), default=0)
+        return _How("map", "cuda" if isinstance(main, int) else "cpu", depth, 0, reason)
+    disk = [n for _, storage, n in units if storage == "disk"]
+    largest = max(disk, default=0)
     ring = ring_bytes(largest) if disk and options.stream == "ring" else 0
-    mode, reason = _residency(options.resident, in_ram, total, ring, facts)
+    mode, reason = _residency(options.resident, in_ram, in_ram + sum(disk), ring, facts)
     if mode == "map" or not disk:
-        return _plan(units, resident, devices, mode, "cpu" if units else "", depth, 0, options, facts, reason)
+        return _How(mode, "cpu", depth, 0, reason)
     if options.stream == "ring":
         depth = DEFAULT_DEPTH if options.prefetch else 0  # the ring bounds what is read ahead
-        reason += f"; disk units read ahead into a ring of {format_size(ring)}"
-    elif options.prefetch:
+        return _How("copy", "ring", depth, ring, f"{reason}; disk units read ahead into a ring of {format_size(ring)}")
+    if options.prefetch:  # through the page cache: as many units as the RAM left holds
         left = (facts.available_ram - in_ram) if facts is not None else 0
         depth = max(1, min(DEFAULT_DEPTH, (left - STREAM_MARGIN) // max(1, largest) - 1))
-        reason += f"; {depth} unit(s) read ahead"
-    return _plan(units, resident, devices, "copy", options.stream, depth, ring, options, facts, reason)
+    return _How("copy", "cache", depth, 0, f"{reason}; {depth} unit(s) read ahead")
+
+
+def _resident_row(entry: str, nbytes: int, device: Device, mode: str) -> UnitStream:
+    kept = "on device" if device != "cpu" else ("resident copy" if mode == "copy" else "mapped")
+    return UnitStream(entry, str(device), kept, "", nbytes)
+
+
+def _staged(storage: str, how: _How) -> bool:
+    """A disk unit staged to a GPU is read again in every forward (as RAM allows, the page
+    cache keeps it; the cost model does not count on that)."""
+    return storage == "disk" and how.fetcher == "cuda"
 
 
 def _residency(requested: str, in_ram: int, total: int, ring: int, facts: MachineFacts | None) -> tuple[str, str]:
@@ -389,41 +432,4 @@ def _residency(requested: str, in_ram: int, total: int, ring: int, facts: Machin
         f"the model ({format_size(total)}) does not fit in {RAM_SHARE:.0%} of the available RAM "
         f"({format_size(room)}): the resident part is copied into process memory, disk units are "
         "streamed, never kept"
-    )
-
-
-def _plan(
-    units: Sequence[Unit],
-    resident: Mapping[str, int],
-    devices: Mapping[str, Device],
-    mode: str,
-    fetcher: str,
-    depth: int,
-    ring: int,
-    options: StreamOptions,
-    facts: MachineFacts | None,
-    reason: str,
-) -> StreamPlan:
-    rows = []
-    for entry, nbytes in resident.items():
-        device = devices.get(entry, "cpu")
-        kept = "on device" if device != "cpu" else ("resident copy" if mode == "copy" else "mapped")
-        rows.append(UnitStream(entry, str(device), kept, "", nbytes))
-    rereads = fetcher in STREAMS  # the page cache keeps mapped units; pinned cpu units are RAM
-    rows += [
-        UnitStream(name, storage, "streamed", fetcher, nbytes, rereads or (storage == "disk" and fetcher == "cuda"))
-        for name, storage, nbytes in units
-    ]
-    in_ram = sum(b for e, b in resident.items() if devices.get(e, "cpu") == "cpu")
-    return StreamPlan(
-        mode,
-        fetcher,
-        depth if units else 0,
-        ring,
-        options.readers,
-        in_ram,
-        sum(n for _, _, n in units),
-        facts.available_ram if facts is not None else 0,
-        reason,
-        tuple(rows),
     )

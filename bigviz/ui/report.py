@@ -145,7 +145,7 @@ def table_html(plan: DevicePlan, *, max_rows: int | None = None) -> str:
     more = len(plan.placements) - len(shown)
     if more > 0:
         rows.append(
-            f"<tr><td colspan='6'>... and {more} more units (the full table: planner.table "
+            f"<tr><td colspan='7'>... and {more} more units (the full table: planner.table "
             f"or plan.to_frame())</td></tr>"
         )
     head = "<tr><th>module</th><th>class</th><th>device</th><th>size</th><th>share</th><th>reason</th></tr>"
@@ -154,8 +154,9 @@ def table_html(plan: DevicePlan, *, max_rows: int | None = None) -> str:
 
 def dispatch_html(plan: DevicePlan, *, max_rows: int = 200) -> str:
     """What a dispatch of ``plan`` does, as HTML: the dispatch plan's summary (resident bytes,
-    room held for streamed units), then one row per offload unit in fetch order (the module
-    its hook sits on, where its weights are stored, its tensors, bytes and names).
+    room held for streamed units, how each unit lives at run time), then one row per offload
+    unit in fetch order (the module its hook sits on, where its weights are stored, the fetcher
+    its stream plan names, its tensors, bytes and names).
 
     Example:
         >>> import torch.nn as nn, bigviz
@@ -173,17 +174,17 @@ def dispatch_html(plan: DevicePlan, *, max_rows: int = 200) -> str:
         note = ""
     rows = [
         f"<tr><td {_NUM}>{r['order']}</td><td><code>{html.escape(r['unit'])}</code></td><td>{chip(r['storage'])}</td>"
-        f"<td {_NUM}>{r['tensors']}</td><td {_NUM}>{r['size']}</td>"
+        f"<td>{html.escape(r['fetcher'])}</td><td {_NUM}>{r['tensors']}</td><td {_NUM}>{r['size']}</td>"
         f"<td style='font-size:11px'>{html.escape(_shorten(r['fetches']))}</td></tr>"
         for r in dispatch.rows()[:max_rows]
     ]
     more = len(dispatch.units) - max_rows
     if more > 0:
         rows.append(
-            f"<tr><td colspan='6'>... and {more} more units (all of them: planner.dispatch_plan.to_frame())</td></tr>"
+            f"<tr><td colspan='7'>... and {more} more units (all of them: planner.dispatch_plan.to_frame())</td></tr>"
         )
     head = (
-        "<tr><th>fetch order</th><th>unit (hooked module)</th><th>stored on</th><th>tensors</th>"
+        "<tr><th>fetch order</th><th>unit (hooked module)</th><th>stored on</th><th>fetcher</th><th>tensors</th>"
         "<th>size</th><th>fetches</th></tr>"
     )
     summary = html.escape(dispatch.summary()).replace("\n", "<br>")
