@@ -178,7 +178,9 @@ def offload_units(tree: SizeTree, device_map: Mapping[str, object], rule: UnitRu
     return UnitLayout(tuple(sorted(built, key=lambda u: u.order)), tuple(resident), tuple(problems))
 
 
-def unit_sizes(tree: SizeTree, device_map: Mapping[str, object], rule: UnitRule) -> list[tuple[str, int]]:
+def unit_sizes(
+    tree: SizeTree, device_map: Mapping[str, object], rule: UnitRule, *, cleaned: bool = False
+) -> list[tuple[str, int]]:
     """``(storage, bytes)`` of each unit :func:`offload_units` makes, without building them
     (what the planner needs, once per pass; see :func:`unit_table`).
 
@@ -188,17 +190,20 @@ def unit_sizes(tree: SizeTree, device_map: Mapping[str, object], rule: UnitRule)
         >>> unit_sizes(tree, {"a": "cpu", "b": "disk"}, UnitRule(0))
         [('cpu', 16), ('disk', 8)]
     """
-    return list(unit_table(tree, device_map, rule).values())
+    return list(unit_table(tree, device_map, rule, cleaned=cleaned).values())
 
 
-def unit_table(tree: SizeTree, device_map: Mapping[str, object], rule: UnitRule) -> dict[str, tuple[str, int]]:
+def unit_table(
+    tree: SizeTree, device_map: Mapping[str, object], rule: UnitRule, *, cleaned: bool = False
+) -> dict[str, tuple[str, int]]:
     """Unit (the module its fetch is hooked on) -> ``(storage, bytes)``: the units
     :func:`offload_units` makes, in the order the map's entries bring them.
 
     A map whose keys do not nest (a planner's, cleaned) is read entry by entry: only the
     entries on streamed storage are looked at, and what each one fetches and where is worked
     out once per tree and rule (cached on the tree), so a planner pass costs O(streamed
-    entries + their tied tensors) instead of a walk over every tensor.
+    entries + their tied tensors) instead of a walk over every tensor. ``cleaned``: the caller
+    knows the keys do not nest (``clean_device_map`` made it), so that is not checked.
 
     Example:
         >>> from bigviz.core.tree import SizeTree, TensorSpec
@@ -207,7 +212,7 @@ def unit_table(tree: SizeTree, device_map: Mapping[str, object], rule: UnitRule)
         {'h.1': ('cpu', 32), 'h.2': ('disk', 32)}
     """
     mapping = _normalized(device_map)
-    if any(under_any(k, mapping) for k in mapping):  # keys nest (not a cleaned map): the full rule
+    if not cleaned and any(under_any(k, mapping) for k in mapping):  # keys nest: the full rule
         return {u.name: (u.storage, u.nbytes) for u in offload_units(tree, mapping, rule).units}
     return _streamed_units(tree, mapping, rule)
 

@@ -206,9 +206,17 @@ class DevicePlan:
             ('copy', 'ring', 1500)
         """
         options = stream if stream is not None else StreamOptions(prefetch=self.prefetch)
+        key = ("stream plan", machine, options)
+        if key in self._cache:  # a plan is frozen: its stream plan too (the Planner asks twice a move)
+            found: StreamPlan = self._cache[key]
+            return found
+        self._cache[key] = made = self._make_stream_plan(machine, options)
+        return made
+
+    def _make_stream_plan(self, machine: MachineFacts | None, options: StreamOptions) -> StreamPlan:
         streamed = streamed_devices(self.main_device)
         if self.tree is not None:
-            table = unit_table(self.tree, self.device_map, self._rule())
+            table = unit_table(self.tree, self.device_map, self._rule(), cleaned=True)
             units = [(name, storage, nbytes) for name, (storage, nbytes) in table.items()]
         else:  # read from JSON: each streamed placement stands for a unit
             units = [(p.name, str(p.device), p.nbytes) for p in self.placements if p.device in streamed]

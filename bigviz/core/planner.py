@@ -571,7 +571,7 @@ def _offload_needs(tree: SizeTree, state: _Pass, main: Device, options: PlanOpti
     if not options.offload_reserve or main == "cpu" or not any(p[1] in streamed for p in state.placed):
         return needs
     placed = clean_device_map({p[0]: p[1] for p in state.placed}, tree)
-    units = unit_sizes(tree, placed, unit_rule(options, main))
+    units = unit_sizes(tree, placed, unit_rule(options, main), cleaned=True)
     for device, nbytes in streamed_needs(units, main, prefetch=options.prefetch).items():
         if device in needs:
             needs[device] = nbytes
