@@ -815,7 +815,9 @@ def parse_args() -> argparse.Namespace:
         choices=["disk", "auto", "accelerate"],
         help="run only these scenarios (repeatable)",
     )
-    parser.add_argument("--no-results", action="store_true", help="do not record the results (bench/results/, bench/RESULTS.md)")
+    parser.add_argument(
+        "--no-results", action="store_true", help="do not record the results (bench/results/, bench/RESULTS.md)"
+    )
     parser.add_argument("--report", type=Path, help="print the report of a saved run (its -results.json)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     return parser.parse_args()

@@ -74,7 +74,9 @@ def main() -> None:
     parser.add_argument("--files", nargs="*", type=Path)
     parser.add_argument("--rounds", type=int, default=3, help="cache/slot pairs (each on new files)")
     args = parser.parse_args()
-    files = args.files or sorted((Path(__file__).resolve().parents[1] / "_work" / "beyond-ram").glob("*.safetensors"))[1:]
+    files = (
+        args.files or sorted((Path(__file__).resolve().parents[1] / "_work" / "beyond-ram").glob("*.safetensors"))[1:]
+    )
     if len(files) < 2:
         sys.exit("stream_touch: no large files: run bench/beyond_ram.py --build-only first, or pass --files")
     if os.geteuid() != 0:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import html
 import json
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -145,7 +145,7 @@ class DevicePlan:
     main_device: Device
     notes: tuple[str, ...] = ()
     tree: SizeTree | None = field(default=None, compare=False, repr=False)
-    _cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    _cache: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)
     workload: Workload | None = None
     rule: UnitRule | None = field(default=None, compare=False, repr=False)
     """The unit rule the offload reserve was computed with (the dispatch fetches these units)."""

@@ -28,7 +28,9 @@ MB = 10**6
 def _tree(n: int, layer: int) -> SizeTree:
     """``n`` blocks of ``layer`` bytes (class ``Block``: each one unit when streamed)."""
     specs = [TensorSpec(f"h.{i}.{p}.weight", layer // 8, "float32") for i in range(n) for p in "ab"]
-    return SizeTree.build(specs, {"": "Net", "h": "ModuleList", **{f"h.{i}": "Block" for i in range(n)}}, containers=["h"])
+    return SizeTree.build(
+        specs, {"": "Net", "h": "ModuleList", **{f"h.{i}": "Block" for i in range(n)}}, containers=["h"]
+    )
 
 
 BLOCKS = PlanOptions(rule=UnitRule(blocks=frozenset({"Block"})))
