@@ -42,6 +42,7 @@ from bigviz.checkpoint.load_plan import module_matches
 from bigviz.checkpoint.safetensors_io import file_stamp
 from bigviz.osio.pages import willneed
 from bigviz.osio.procfs import fd_path
+from bigviz.core.errors import UsageError
 
 __all__ = ["LazyWeights", "WeightStores", "map_file"]
 
@@ -126,7 +127,7 @@ class LazyWeights(Mapping[str, torch.Tensor]):
     # Mapping protocol -------------------------------------------------------------------
     def __getitem__(self, name: str) -> torch.Tensor:
         if self._closed:
-            raise ValueError("LazyWeights is closed: open a new one to read more tensors")
+            raise UsageError("LazyWeights is closed: open a new one to read more tensors")
         info = self.index.entries[self._names[name]]
         self._check(info.file)
         tensor = self._raw(info)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bigviz.core.devicemap import check_keys
-from bigviz.core.errors import DeviceMapError
+from bigviz.core.errors import DeviceMapError, UsageError
 from bigviz.core.devices import Device, normalize_device
 from bigviz.core.sizes import parse_max_memory
 
@@ -76,23 +76,23 @@ def write_json_atomic(data: Any, path: str | os.PathLike[str]) -> None:
 
 
 def parse_json(text: str | bytes, where: object, what: str) -> Any:
-    """Parse JSON, or raise ``ValueError`` naming ``where`` it came from: bad syntax, bad
+    """Parse JSON, or raise a `UsageError` (a ``ValueError``) naming ``where`` it came from: bad syntax, bad
     UTF-8, or nesting so deep that Python's parser would raise ``RecursionError``.
 
     Example:
         >>> parse_json("[" * 100_000, "x.json", "device map")
         Traceback (most recent call last):
         ...
-        ValueError: x.json: JSON nested too deeply (Python's parser gives up); this is not a device map file
+        bigviz.core.errors.UsageError: x.json: JSON nested too deeply (Python's parser gives up); this is not a device map file
     """
     try:
         return json.loads(text)
     except RecursionError:
-        raise ValueError(
+        raise UsageError(
             f"{where}: JSON nested too deeply (Python's parser gives up); this is not a {what} file"
         ) from None
     except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ValueError(f"{where}: not valid JSON ({err}); is this a {what} file?") from err
+        raise UsageError(f"{where}: not valid JSON ({err}); is this a {what} file?") from err
 
 
 def _read_json(path: str | os.PathLike[str], what: str) -> Any:
@@ -123,7 +123,7 @@ def load_device_map(path: str | os.PathLike[str]) -> dict[str, Device]:
     if isinstance(data, dict) and isinstance(data.get("device_map"), dict):
         data = data["device_map"]
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: a device map is a JSON object {{module: device}}, got {type(data).__name__}")
+        raise UsageError(f"{path}: a device map is a JSON object {{module: device}}, got {type(data).__name__}")
     out: dict[str, Device] = {}
     problems = []
     for key, value in data.items():
@@ -153,9 +153,9 @@ def load_max_memory(path: str | os.PathLike[str]) -> dict[Device, object]:
     """
     data = _read_json(path, "max_memory")
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: max_memory is a JSON object {{device: size}}")
+        raise UsageError(f"{path}: max_memory is a JSON object {{device: size}}")
     try:
         parse_max_memory(data)  # validates keys and values, naming each problem
     except ValueError as err:
-        raise ValueError(f"{path}: {err}") from None
+        raise UsageError(f"{path}: {err}") from None
     return {normalize_device(k): v for k, v in data.items()}

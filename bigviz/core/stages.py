@@ -313,16 +313,13 @@ def _smallest(chain: _Chain, caps: _Caps, upper: int) -> int:
     return lo
 
 
-def _balance(chain: _Chain, request: _Request) -> tuple[list[int], int]:
-    """The boundaries with the smallest bottleneck, and that bottleneck.
-
-    Raises:
-        ValueError: when even the budgets themselves cannot hold the chain.
-    """
+def _balance(chain: _Chain, request: _Request) -> tuple[list[int], int] | None:
+    """The boundaries with the smallest bottleneck, and that bottleneck; ``None`` when even
+    the budgets themselves cannot hold the chain (the caller says which stage, by how much)."""
     caps = _Caps.of(request)
     upper = max(caps.shares) if caps.shares != (1,) * request.k else max(chain.pm[-1], 1)
     if _reachable(chain, caps(upper)) is None:
-        raise ValueError("does not fit")
+        return None
     best = _smallest(chain, caps, upper)
     reach = _reachable(chain, caps(best))
     assert reach is not None  # feasible at `upper`, and feasibility grows with T
@@ -355,10 +352,10 @@ def make_pipeline_plan(
     request = _parse_request(stages, balance, len(items.names), units)
     metric = items.flops if balance == "compute" else items.nbytes
     chain = _Chain(metric, items.nbytes)
-    try:
-        bounds, best = _balance(chain, request)
-    except ValueError:
-        raise _does_not_fit(tree, items, request) from None
+    balanced = _balance(chain, request)
+    if balanced is None:
+        raise _does_not_fit(tree, items, request)
+    bounds, best = balanced
     return _assemble(tree, items, bounds, request, no_split, dtype, best)
 
 

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from bigviz.core.names import is_prefix, parent
 from bigviz.core.pipeline import PipelineError
+from bigviz.core.errors import ArgumentTypeError, StateError
 
 __all__ = ["DecoderLayout", "DecoderStage", "HFStage", "decoder_layout"]
 
@@ -96,7 +97,9 @@ class DecoderLayout:
         """Token ids -> the first block's input (first stage). Each family whose stages are
         :class:`DecoderStage` overrides it; a layout that runs its own stage module (transformers)
         never calls it."""
-        raise TypeError(f"the {self.family!r} stage layout has no embed(): give it one, or a stage() of its own")
+        raise ArgumentTypeError(
+            f"the {self.family!r} stage layout has no embed(): give it one, or a stage() of its own"
+        )
 
     def context_of(self, stage: DecoderStage, hidden: Tensor) -> dict[str, Any]:
         return {}
@@ -104,7 +107,9 @@ class DecoderLayout:
     def run_block(self, block: nn.Module, hidden: Tensor, context: Mapping[str, Any]) -> Tensor:
         """One block's forward with what :meth:`context_of` computed (overridden per family,
         like :meth:`embed`)."""
-        raise TypeError(f"the {self.family!r} stage layout has no run_block(): give it one, or a stage() of its own")
+        raise ArgumentTypeError(
+            f"the {self.family!r} stage layout has no run_block(): give it one, or a stage() of its own"
+        )
 
     def finish(self, stage: DecoderStage, hidden: Tensor) -> Tensor:
         for name in self.last:  # final norm, then head
@@ -201,7 +206,7 @@ class _NotHere(nn.Module):
         self.name = name
 
     def forward(self, *args: Any, **kwargs: Any) -> Tensor:
-        raise RuntimeError(f"{self.name} runs in another pipeline stage")
+        raise StateError(f"{self.name} runs in another pipeline stage")
 
 
 class _NoPositions(nn.Module):

@@ -42,6 +42,7 @@ from bigviz.core.dtypes import FLOATING_DTYPES, canonical_dtype
 from bigviz.core.workload import CacheSpec, RunSpec, StepSpec, Term, Workload
 from bigviz.models.gpt import GPT
 from bigviz.models.llama import Llama
+from bigviz.core.errors import UsageError
 
 __all__ = [
     "run_spec",
@@ -84,7 +85,7 @@ def config_path(name: str) -> Path:
     """
     path = CONFIG_DIR / f"{name.removesuffix('.json')}.json"
     if not path.is_file():
-        raise ValueError(f"bigviz ships no config named {name!r}; it has: {', '.join(shipped_configs())}")
+        raise UsageError(f"bigviz ships no config named {name!r}; it has: {', '.join(shipped_configs())}")
     return path
 
 
@@ -132,7 +133,7 @@ def model_from_config(source: Any) -> nn.Module:
     try:
         from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
     except ImportError as err:  # an optional dependency: planning from checkpoints needs none
-        raise ValueError(
+        raise UsageError(
             "planning from a config.json builds the model with transformers: pip install transformers"
         ) from err
     config = _read_config(source, AutoConfig, PretrainedConfig)
@@ -178,16 +179,16 @@ def _read_config(source: Any, auto_config: Any, base: type) -> Any:
         try:
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as err:
-            raise ValueError(f"cannot read {where} as a model config: {err}") from err
+            raise UsageError(f"cannot read {where} as a model config: {err}") from err
     model_type = data.pop("model_type", None)
     if not model_type:
-        raise ValueError(
+        raise UsageError(
             f'{where} has no \'model_type\' key: it must be a transformers config.json (e.g. "model_type": "llama")'
         )
     try:
         return auto_config.for_model(model_type, **data)
     except (ValueError, KeyError) as err:
-        raise ValueError(
+        raise UsageError(
             f"{where}: model_type {model_type!r} is not one transformers knows ({err}); "
             f"upgrade transformers or check the file"
         ) from err
@@ -268,7 +269,7 @@ def run_spec(model: nn.Module, *, dtype: torch.dtype | str | None = None, device
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
         if getattr(config, "is_encoder_decoder", False):
-            raise ValueError(
+            raise UsageError(
                 f"bigviz plans the run of decoder-only models; {type(model).__name__} is an "
                 f"encoder-decoder: give kv_cache={{module: bytes}} and activations={{module: bytes}}"
             )
@@ -282,7 +283,7 @@ def run_spec(model: nn.Module, *, dtype: torch.dtype | str | None = None, device
                 (*spec.notes, "no KV cache: the model does not generate"),
             )
         return spec
-    raise ValueError(
+    raise UsageError(
         f"bigviz does not know the attention layout of {type(model).__name__}: it reads bigviz's "
         f"GPT and Llama and transformers models. Give the bytes per module yourself: "
         f"bigviz.plan(model, ..., kv_cache={{module: bytes}}, activations={{module: bytes}})"
@@ -303,7 +304,7 @@ def _layer_list(model: nn.Module, n_layers: int) -> str:
     for name, module in model.named_modules():  # layers without a layer_idx anywhere
         if isinstance(module, nn.ModuleList) and len(module) == n_layers:
             return name
-    raise ValueError(
+    raise UsageError(
         f"cannot find the {n_layers} decoder layers of {type(model).__name__} (an nn.ModuleList of {n_layers} modules)"
     )
 
@@ -433,7 +434,7 @@ def _hf_caches(config: Any, dims: _Dims, names: Sequence[str]) -> dict[str, tupl
             specs.append(CacheSpec("none"))
         out[name] = tuple(specs)
     if problems:
-        raise ValueError(
+        raise UsageError(
             "bigviz does not know the recurrent state of: "
             + "; ".join(problems)
             + ". Give the bytes per module with kv_cache={module: bytes}"
