@@ -15,10 +15,11 @@ from bigviz.checkpoint.probe import (
     DiskProbe,
     cache_file,
     measure_read_bandwidth,
-    resident_pages,
     split_ranges,
     timed_read,
 )
+from bigviz.osio.pages import cached_pages as resident_pages
+from bigviz.osio.pages import drop_file_pages
 
 MiB = 2**20
 SMALL = dict(parallel=2, sample_bytes=MiB // 2, chunk_bytes=128 * 1024)
@@ -171,7 +172,7 @@ def test_bad_inputs_are_named(tmp_path: Path) -> None:
 def _evictable(f: Path) -> bool:
     """True when dropping a file's pages works here (not tmpfs, mincore available)."""
     f.read_bytes()
-    probe_module.drop_file_pages(f)
+    drop_file_pages(f)
     pages = resident_pages(f)
     return pages is not None and not any(pages)
 

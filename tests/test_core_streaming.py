@@ -1,4 +1,4 @@
-"""The forward-time prediction of bigviz.core.streaming: exact small cases and invariants (no I/O)."""
+"""The forward-time prediction of bigviz.core.cost: exact small cases and invariants (no I/O)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bigviz.core.streaming import (
+from bigviz.core.cost import (
     ForwardEstimate,
     UnitCost,
     compute_seconds,

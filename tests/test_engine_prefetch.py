@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from bigviz.engine.dispatch import dispatch_model
-from bigviz.engine.prefetch import CpuFetcher, FetchError
+from bigviz.core.errors import FetchError
+from bigviz.engine.fetchers.cpu import CpuFetcher
 from bigviz.engine.scheduler import Scheduler
 from bigviz.engine.binding import bound_units
 
@@ -95,14 +96,14 @@ def test_execution_order_is_recorded_and_next_units_are_read_in_the_background()
 
 
 def test_cold_tensors_are_hinted_and_paged_in(monkeypatch: pytest.MonkeyPatch):
-    from bigviz.engine import prefetch
+    from bigviz.engine.fetchers import cpu
 
     weights = RecordingWeights({"w": torch.ones(3), "b": torch.zeros(3)})
     populated: list[int] = []
-    monkeypatch.setattr(prefetch._pages, "resident", lambda t: bool(t.sum() == 0))  # "w" is cold
-    monkeypatch.setattr(prefetch._pages, "populate", lambda t: populated.append(t.numel()))
-    prefetch._page_in(weights, {"w": weights.tensors["w"], "b": weights.tensors["b"]})
-    assert weights.hints == [("w",)] and populated == [3]
+    monkeypatch.setattr(cpu, "paged_in", lambda t: bool(t.sum() == 0))  # "w" is cold
+    monkeypatch.setattr(cpu, "populate", lambda address, length: populated.append(length))
+    cpu.page_in(weights, {"w": weights.tensors["w"], "b": weights.tensors["b"]})
+    assert weights.hints == [("w",)] and populated == [3 * 4]
 
 
 def test_prefetch_off_reads_on_the_calling_thread_only():
@@ -172,13 +173,13 @@ def test_page_residency_on_a_real_memory_mapped_file(tmp_path):
     from bigviz.checkpoint.index import CheckpointIndex
     from bigviz.checkpoint.lazy import LazyWeights
     from bigviz.checkpoint.save import save_sharded
-    from bigviz.engine import prefetch
+    from bigviz.engine.fetchers import cpu
 
     folder = save_sharded({"w": torch.arange(50_000.0)}, tmp_path / "c", progress=False)
     with LazyWeights(CheckpointIndex.open(folder)) as weights:
         tensor = weights["w"]
-        prefetch._pages.populate(tensor)
-        assert prefetch._pages.resident(tensor)
+        cpu.page_in(weights, {"w": tensor})
+        assert cpu.paged_in(tensor)
         assert float(tensor[-1]) == 49_999.0
 
 
@@ -223,16 +224,20 @@ def test_a_release_starts_the_next_read_when_the_fetcher_frees_memory_there(on_r
 def test_populate_gives_up_only_where_the_kernel_lacks_it(
     monkeypatch: pytest.MonkeyPatch, error: int, stops: bool
 ) -> None:
-    from bigviz.engine import readahead
+    import types
 
-    libc = readahead._Libc()
+    from bigviz.osio import pages
+
+    libc = pages._Libc()
+    if libc.libc is None:
+        pytest.skip("no libc madvise here")
 
     def refuse(address: int, length: int, advice: int) -> int:
         ctypes.set_errno(error)
         return -1
 
-    monkeypatch.setattr(libc, "fn", refuse)
-    monkeypatch.setattr(readahead, "_LIBC", libc)
-    assert readahead.populate(4096, 4096) is False and readahead.prefault(4096, 4096) is False
-    assert libc.ok[readahead.MADV_POPULATE_READ] is (not stops)
-    assert libc.ok[readahead.MADV_POPULATE_WRITE] is (not stops)
+    monkeypatch.setattr(libc, "libc", types.SimpleNamespace(madvise=refuse))
+    monkeypatch.setattr(pages, "_LIBC", libc)
+    assert pages.populate(4096, 4096) is False and pages.prefault(4096, 4096) is False
+    assert libc.works[pages.MADV_POPULATE_READ] is (not stops)
+    assert libc.works[pages.MADV_POPULATE_WRITE] is (not stops)

@@ -1,7 +1,8 @@
 """Issue 12, larger than RAM, in small: a resident/streamed split checked page by page.
 
 A small GPT is saved with one shard per block; part of it is mapped to "cpu", the rest to
-"disk", and the model is treated as larger than RAM (``resident="copy"``). Checked with
+"disk", and the model is treated as larger than RAM (``resident="copy"``, or machine facts
+saying so: the stream plan decides before anything moves, the engine carries it out). Checked with
 ``mincore``: the resident weights live in process memory (every page present, none of them
 file-backed), the disk units' file pages are dropped from the page cache once used (except
 the units read ahead for the next forward), and outputs are bit-exact against the model in RAM.
@@ -20,13 +21,16 @@ import torch
 
 import bigviz
 from bigviz.checkpoint.index import CheckpointIndex
-from bigviz.checkpoint.probe import drop_file_pages, resident_pages
 from bigviz.checkpoint.save import save_sharded
-from bigviz.engine.prefetch import CpuFetcher, _pages
-from bigviz.engine.readahead import StreamingFetcher, file_span
-from bigviz.engine.resident import decide, mapped_bytes, settle_residency
-from bigviz.engine.ring import RingFetcher
+from bigviz.core.stream_plan import MachineFacts, ring_bytes
+from bigviz.engine.fetchers.cache import StreamingFetcher
+from bigviz.engine.fetchers.cpu import CpuFetcher, paged_in
+from bigviz.engine.fetchers.ring import RingFetcher
+from bigviz.engine.fetchers.spans import file_span
+from bigviz.engine.resident import mapped_bytes
 from bigviz.models import GPT, GPTConfig
+from bigviz.osio.pages import cached_pages as resident_pages
+from bigviz.osio.pages import drop_file_pages
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "posix_fadvise") or not os.path.exists("/proc/self/maps"), reason="page-cache control needs Linux"
@@ -71,10 +75,10 @@ def _split_map(n_cpu: int) -> dict[str, str]:
     return device_map
 
 
-def _dispatch(folder: Path, device_map: dict[str, str], resident: str) -> GPT:
+def _dispatch(folder: Path, device_map: dict[str, str], resident: str, **kwargs: object) -> GPT:
     with bigviz.init_empty_weights():
         model = GPT(CONFIG)
-    return bigviz.load_checkpoint_and_dispatch(model, folder, device_map, resident=resident)
+    return bigviz.load_checkpoint_and_dispatch(model, folder, device_map, resident=resident, **kwargs)
 
 
 def test_resident_weights_stay_in_memory_and_streamed_pages_are_dropped(checkpoint: tuple[Path, GPT]) -> None:
@@ -86,13 +90,12 @@ def test_resident_weights_stay_in_memory_and_streamed_pages_are_dropped(checkpoi
     # five disk units: with 2 read ahead, a release starts the read 3 units on, whose kernel
     # read-ahead (up to read_ahead_kb past it) reaches the head of the unit after it in a shard;
     # with only 4 units that would be the unit just released, whose pages are checked below
-    model = _dispatch(folder, _split_map(1), "map")
-    settle_residency(model, resident="copy", stream="cache", progress=False)  # through the page cache
-    state, residency = model._bigviz_dispatch, model._bigviz_residency
+    model = _dispatch(folder, _split_map(1), "copy", stream="cache")  # through the page cache
+    state, residency = model._bigviz_dispatch, bigviz.residency(model)
     assert residency.mode == "copy" and isinstance(state.scheduler.fetcher, StreamingFetcher)
-    assert residency.copied is not None and residency.copied.nbytes == residency.resident_bytes > 0
-    resident = [p for p in model.parameters() if not p.is_meta]
-    assert resident and all(file_span(p) is None and _pages.resident(p) for p in resident)
+    assert residency.copied is not None and 0 < residency.copied.nbytes <= residency.resident_bytes
+    resident = [p for p in model.parameters() if not p.is_meta]  # offloaded placeholders report "cpu" too
+    assert resident and all(file_span(p) is None and paged_in(p) for p in resident)
     ranges = _tensor_ranges(folder)
     disk = [u for u in state.units if u.storage == "disk"]
     left_after_use: dict[str, tuple[int, int]] = {}
@@ -122,7 +125,7 @@ def test_resident_weights_stay_in_memory_and_streamed_pages_are_dropped(checkpoi
             cached, whole = pages_of(unit)
             assert cached == whole, f"{unit.name}: read ahead for the next forward, {cached} of {whole} pages"
         # the resident part never went back to the file: still every page present
-        assert all(file_span(p) is None and _pages.resident(p) for p in resident)
+        assert all(file_span(p) is None and paged_in(p) for p in resident)
     state.scheduler.fetcher.wait_dropped()
     stats = state.scheduler.fetcher.stats
     assert stats.units_dropped == 2 * len(disk) and stats.bytes_dropped > 0
@@ -182,9 +185,9 @@ def test_a_model_that_fits_keeps_zero_copy_maps(checkpoint: tuple[Path, GPT]) ->
     folder, reference = checkpoint
     idx = torch.randint(0, CONFIG.vocab_size, (1, 5), generator=torch.Generator().manual_seed(4))
     model = _dispatch(folder, _split_map(3), "auto")  # a few hundred KB: fits in any RAM
-    assert model._bigviz_residency.mode == "map" and model._bigviz_residency.copied is None
+    assert bigviz.residency(model).mode == "map" and bigviz.residency(model).copied is None
     assert isinstance(model._bigviz_dispatch.scheduler.fetcher, CpuFetcher)
-    assert mapped_bytes(model) == model._bigviz_residency.resident_bytes > 0
+    assert 0 < mapped_bytes(model) <= bigviz.residency(model).resident_bytes
     with torch.no_grad():
         assert torch.equal(model(idx)[0], reference(idx)[0])
     bigviz.remove_hooks(model)
@@ -194,10 +197,14 @@ def test_auto_copies_when_the_model_does_not_fit(checkpoint: tuple[Path, GPT]) -
     folder, reference = checkpoint
     with bigviz.init_empty_weights():
         model = GPT(CONFIG)
-    model = bigviz.load_checkpoint_and_dispatch(model, folder, _split_map(4), resident="map")
-    total = model._bigviz_residency.resident_bytes + model._bigviz_residency.streamed_bytes
-    residency = settle_residency(model, available=total // 2, progress=False)  # pretend: RAM is half the model
-    assert residency.mode == "copy" and mapped_bytes(model) == 0
+    # pretend: RAM holds the resident part and the ring, not the whole model
+    plan = bigviz.dispatch_plan(model, folder, _split_map(4), machine=MachineFacts(10**12)).stream
+    block = max(u.nbytes for u in plan.units if u.residency == "streamed")
+    small = MachineFacts(int((plan.resident_bytes + ring_bytes(block) + block // 8) / 0.9))
+    assert plan.resident_bytes + plan.streamed_bytes > small.room
+    model = bigviz.load_checkpoint_and_dispatch(model, folder, _split_map(4), machine=small)
+    residency = bigviz.residency(model)
+    assert residency.mode == "copy" and mapped_bytes(model) == 0 and residency.fetcher == "RingFetcher"
     idx = torch.arange(7).view(1, 7)
     with torch.no_grad():
         assert torch.equal(model(idx)[0], reference(idx)[0])
@@ -213,8 +220,10 @@ def test_tied_weights_are_copied_once_and_stay_tied(checkpoint: tuple[Path, GPT]
 
 
 def test_unknown_modes_are_refused_before_anything_is_read(checkpoint: tuple[Path, GPT]) -> None:
+    with bigviz.init_empty_weights():
+        model = GPT(CONFIG)
     with pytest.raises(ValueError, match="resident='always'"):
-        decide(1, 1, available=10, requested="always")
+        bigviz.dispatch_plan(model, checkpoint[0], _split_map(2), resident="always")
     with bigviz.init_empty_weights():
         model = GPT(CONFIG)
     with pytest.raises(ValueError, match="resident='pinned'.*'auto', 'copy', 'map'"):
@@ -266,15 +275,16 @@ def test_a_filesystem_refusing_o_direct_gets_buffered_reads(tmp_path: Path, monk
     import errno
 
     from bigviz.engine import resident
+    from bigviz.osio import direct
 
-    real = resident._read_into
+    real = direct.read_into
 
     def refuse(piece: object, flags: int) -> None:
         if flags:
             raise OSError(errno.EINVAL, "Invalid argument")
         real(piece, flags)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(resident, "_read_into", refuse)
+    monkeypatch.setattr(direct, "read_into", refuse)
     data = torch.arange(20_000, dtype=torch.int32)
     path = tmp_path / "w.bin"
     path.write_bytes(data.numpy().tobytes())
@@ -316,21 +326,22 @@ def _o_direct_works(folder: Path) -> bool:
 def test_where_a_unit_lies_in_its_files_is_found_once(
     checkpoint: tuple[Path, GPT], monkeypatch: pytest.MonkeyPatch, stream: str, dtype: torch.dtype | None
 ) -> None:
-    from bigviz.engine import readahead
+    from bigviz.osio import procfs
 
     parsed = []
-    real = readahead.FileMaps.__init__
+    real = procfs.FileMaps.__init__
 
-    def counting(self: readahead.FileMaps) -> None:
+    def counting(self: procfs.FileMaps) -> None:
         parsed.append(1)
         real(self)
 
-    monkeypatch.setattr(readahead.FileMaps, "__init__", counting)
+    monkeypatch.setattr(procfs.FileMaps, "__init__", counting)
     folder, reference = checkpoint
     with bigviz.init_empty_weights():
         model = GPT(CONFIG)
-    model = bigviz.load_checkpoint_and_dispatch(model, folder, _split_map(2), resident="map", dtype=dtype)
-    settle_residency(model, resident="copy", stream=stream, progress=False)
+    model = bigviz.load_checkpoint_and_dispatch(
+        model, folder, _split_map(2), resident="copy", stream=stream, dtype=dtype
+    )
     idx = torch.arange(6).view(1, 6)
     with torch.no_grad():
         first = model(idx)[0]
@@ -353,8 +364,7 @@ def test_a_tied_weight_streamed_by_two_units_is_read_once_and_never_dropped_unde
     # would undo the embedding's read-ahead for the next forward
     folder, reference = checkpoint
     _evict(folder)
-    model = _dispatch(folder, {"": "disk"}, "map")
-    settle_residency(model, resident="copy", stream="cache", progress=False)
+    model = _dispatch(folder, {"": "disk"}, "copy", stream="cache")
     assert model.lm_head.weight is model.transformer.wte.weight
     state = model._bigviz_dispatch
     tied = _tensor_ranges(folder)["transformer.wte.weight"]

@@ -18,10 +18,11 @@ import pytest
 import torch
 
 from bigviz.checkpoint.lazy import map_file
-from bigviz.engine import ring
-from bigviz.engine.prefetch import FetchError
-from bigviz.engine.resident import ALIGN, settle_residency
-from bigviz.engine.ring import RingFetcher, ring_capacity
+import bigviz
+from bigviz.core.errors import FetchError
+from bigviz.engine.fetchers import ring
+from bigviz.engine.fetchers.ring import RingFetcher, ring_capacity
+from bigviz.osio.direct import ALIGN
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="file spans need Linux")
 
@@ -163,7 +164,7 @@ def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="readers=0"):
         RingFetcher(readers=0)
     with pytest.raises(ValueError, match="stream='fast'.*'ring'.*'cache'"):
-        settle_residency(torch.nn.Linear(2, 2), stream="fast")
+        bigviz.dispatch_plan(torch.nn.Linear(2, 2), device_map={"": "disk"}, stream="fast")
 
 
 def test_a_converted_tensor_is_handed_out_and_the_layout_is_found_once(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from bigviz.core.offload_units import UnitRule
 from bigviz.core.plan import PlanOptions
 from bigviz.core import planner
 from bigviz.core.planner import PlanError, make_plan
@@ -58,7 +59,7 @@ def test_no_split_module_moves_whole_with_a_reason():
     tree = SizeTree.build(specs, {"": "M", "block": "Block", "block.a": "Linear", "block.b": "Linear"})
     split = make_plan(tree, {0: 50 * KB, "cpu": 10**6}, PlanOptions(offload_reserve=False))
     assert split.device_map == {"block.a": 0, "block.b": "cpu"}
-    whole = make_plan(tree, {0: 50 * KB, "cpu": 10**6}, PlanOptions(no_split=frozenset({"Block"})))
+    whole = make_plan(tree, {0: 50 * KB, "cpu": 10**6}, PlanOptions(rule=UnitRule(blocks=frozenset({"Block"}))))
     assert whole.device_map == {"": "cpu"}
     reason = whole.placements[0].reason
     assert "Block is no-split and did not fit GPU 0" in reason and "CPU" in reason
@@ -67,7 +68,9 @@ def test_no_split_module_moves_whole_with_a_reason():
 def test_no_split_glob_patterns():
     tree = _layers_and_head(n=3, head=4 * KB)
     plan = make_plan(
-        tree, {0: 50 * KB, "cpu": 10**6}, PlanOptions(no_split=frozenset({"layers.*"}), offload_reserve=False)
+        tree,
+        {0: 50 * KB, "cpu": 10**6},
+        PlanOptions(rule=UnitRule(blocks=frozenset({"layers.*"})), offload_reserve=False),
     )
     # Each 40 KB layer is whole: one fits GPU 0's 50 KB. The 4 KB head still fits the 10 KB
     # left there: streamed-off layers do not push later small modules off the GPU.

@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bigviz.core.names import is_prefix
+from bigviz.core.offload_units import UnitRule
 from bigviz.core.plan import STRATEGIES, PlanOptions
 from bigviz.core.planner import PlanError, make_plan
 from bigviz.core.tree import SizeTree, TensorSpec
@@ -59,7 +60,9 @@ def budgets(draw):
 )
 def test_every_tensor_placed_once_and_budgets_hold(tree, limits, strategy, no_split, prefetch):
     try:
-        plan = make_plan(tree, limits, PlanOptions(strategy=strategy, no_split=no_split, prefetch=prefetch))
+        plan = make_plan(
+            tree, limits, PlanOptions(strategy=strategy, rule=UnitRule(blocks=no_split), prefetch=prefetch)
+        )
     except PlanError as err:
         assert "does not fit" in str(err)
         assert "disk" in limits  # only a bounded disk can make a model not fit

@@ -11,7 +11,7 @@ from torch import nn
 
 import bigviz.planning
 import bigviz.planning.device_plan
-from bigviz.core.streaming import forward_estimate, ring_bytes
+from bigviz.core.stream_plan import ring_bytes
 from bigviz.ui.planner import Planner
 
 LAYER = 16_640  # bytes of nn.Linear(64, 64) in float32
@@ -26,7 +26,12 @@ def test_the_default_cpu_budget_leaves_room_for_streamed_units(
     monkeypatch: pytest.MonkeyPatch, ram_layers: int, budget: int
 ) -> None:
     # a model that does not fit keeps the CPU's streaming ring (1.5 layers) out of the budget
-    monkeypatch.setattr(bigviz.planning.device_plan, "get_max_memory", lambda max_memory: {"cpu": ram_layers * LAYER})
+    from bigviz.core.stream_plan import MachineFacts
+    from bigviz.planning import inputs
+
+    room = ram_layers * LAYER  # what the machine's RAM holds (90% of its available RAM)
+    monkeypatch.setattr(inputs, "get_max_memory", lambda max_memory: {"cpu": room})
+    monkeypatch.setattr(inputs, "machine_facts", lambda: MachineFacts(-(-room * 10 // 9)))
     plan = bigviz.planning.plan(_model(), None)
     assert plan.max_memory["cpu"] == budget
     assert sum(p.nbytes for p in plan.placements if p.device == "cpu") == min(8, budget // LAYER) * LAYER
@@ -43,24 +48,24 @@ def test_the_planner_predicts_a_forward_at_the_measured_bandwidth(tmp_path: os.P
     disk_bytes = planner.plan.offloaded_bytes()["disk"]
     assert disk_bytes == 5 * LAYER
     preset = planner.cost()
-    assert preset["forward_seconds"] == pytest.approx(disk_bytes / preset["disk_bandwidth"])
-    assert "preset" in preset["forward"] and "per forward" in preset["forward"]
+    assert preset.seconds == pytest.approx(disk_bytes / preset.disk_bandwidth)
+    assert "preset" in planner.controls.cost.value and "per forward" in planner.controls.cost.value
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(os.urandom(2**20))
     probe = planner.measure_disk(weights, parallel=2, sample_bytes=2**18, cache=False)
     measured = planner.cost()
-    assert "measured" in measured["forward"]
-    assert measured["forward_seconds"] == pytest.approx(disk_bytes / probe.bandwidth)
-    assert measured["forward_first_seconds"] == pytest.approx((disk_bytes + 3 * LAYER) / probe.bandwidth)
+    assert "measured" in planner.controls.cost.value
+    assert measured.seconds == pytest.approx(disk_bytes / probe.bandwidth)
+    assert measured.first_seconds == pytest.approx((disk_bytes + 3 * LAYER) / probe.bandwidth)
     assert "Predicted" in planner.controls.cost.value
 
 
 def test_compute_overlaps_reads_in_the_estimate() -> None:
     plan = bigviz.planning.plan(_model(), {"cpu": 4 * LAYER, "disk": 10**9}, strategy="sequential")
     read = 4 * LAYER / 1e6
-    overlapped = forward_estimate(plan, disk_bandwidth=1e6, compute_seconds=read)
+    overlapped = plan.cost(disk_bandwidth=1e6, compute_seconds=read)
     assert read < overlapped.seconds < 2 * read  # neither serial nor free
-    assert forward_estimate(plan, disk_bandwidth=1e6, compute_seconds=read, depth=0).seconds > overlapped.seconds
+    assert plan.cost(disk_bandwidth=1e6, compute_seconds=read, depth=0).seconds > overlapped.seconds
 
 
 def _gpt(n_layer: int) -> nn.Module:

@@ -192,13 +192,13 @@ def test_mime_bundle_has_widget_html_and_text():
 def test_cost_follows_plan_and_bandwidth_dropdowns():
     planner = _planner()
     cost = planner.cost()
-    assert cost["cpu_bytes"] == planner.plan.offloaded_bytes()["cpu"] > 0
-    assert cost["seconds_per_forward"] == pytest.approx(cost["cpu_bytes"] / 25e9)
+    assert cost.copy_bytes == planner.plan.offloaded_bytes()["cpu"] > 0 and cost.read_bytes == 0
+    assert cost.seconds == pytest.approx(cost.copy_bytes / 25e9)
     planner.controls.link.value = "PCIe 5 x16 (~50 GB/s pinned)"
-    assert planner.cost()["seconds_per_forward"] == pytest.approx(cost["cpu_bytes"] / 50e9)
+    assert planner.cost().seconds == pytest.approx(cost.copy_bytes / 50e9)
     assert "Cost per forward pass" in planner.controls.cost.value
     planner.budget_sliders[0].value = 10 * LAYER / GiB
-    assert planner.cost()["streamed_bytes"] == 0
+    assert not planner.cost().streamed
 
 
 def test_depth_control_and_treemap_of_a_planner(tiny_gpt):

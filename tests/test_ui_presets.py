@@ -7,7 +7,9 @@ from torch import nn
 
 import bigviz
 from bigviz.core.sizes import UNLIMITED
-from bigviz.ui.presets import DISK_BANDWIDTH, HARDWARE_PRESETS, LINK_BANDWIDTH, cost_html, plan_cost, preset_budgets
+from bigviz.core.planner import make_plan
+from bigviz.core.tree import SizeTree, TensorSpec
+from bigviz.ui.presets import DISK_BANDWIDTH, HARDWARE_PRESETS, LINK_BANDWIDTH, cost_html, preset_budgets
 from bigviz.ui.state import PlannerState
 
 GiB = 2**30
@@ -57,15 +59,22 @@ def test_unknown_or_ambiguous_preset_lists_the_names():
         preset_budgets("A100")  # three presets start with it
 
 
+def _layers(n: int) -> SizeTree:
+    return SizeTree.build([TensorSpec(f"h.{i}.weight", 250 * 10**6, "float32") for i in range(n)])  # 1 GB each
+
+
 def test_cost_counts_link_and_disk_time():
-    cost = plan_cost({"cpu": 5 * 10**9, "disk": 3 * 10**9}, main_device=0, link="PCIe 5", disk="NVMe (")
-    assert cost["streamed_bytes"] == 8 * 10**9
-    assert cost["link_seconds"] == pytest.approx(8e9 / 50e9)
-    assert cost["disk_seconds"] == pytest.approx(1.0)
-    assert cost["seconds_per_forward"] == pytest.approx(1.16)
-    on_cpu = plan_cost({"cpu": 0, "disk": 10**9}, main_device="cpu", disk="SATA")
-    assert on_cpu["link_seconds"] == 0 and on_cpu["seconds_per_forward"] == pytest.approx(2.0)
-    assert "1,160 ms" in cost_html(cost) and "nothing is offloaded" in cost_html(plan_cost({}, main_device=0))
+    # GPU 0 keeps room for two streamed 1 GB layers only; the CPU for 5 and the staging of 2 from disk
+    plan = make_plan(_layers(8), {0: 2 * 10**9, "cpu": 7 * 10**9, "disk": 10**13})
+    cost = plan.cost(link_bandwidth="PCIe 5", disk_bandwidth="NVMe (")
+    assert cost.copy_bytes == 8 * 10**9 and cost.read_bytes == 3 * 10**9
+    assert cost.copy_seconds == pytest.approx(8e9 / 50e9)
+    assert cost.read_seconds == pytest.approx(1.0)
+    assert 1.0 <= cost.seconds < 1.16  # reads and copies overlap: less than their sum
+    on_cpu = make_plan(_layers(1), {"cpu": 0, "disk": 10**13}).cost(disk_bandwidth="SATA")
+    assert on_cpu.copy_seconds == 0 and on_cpu.seconds == pytest.approx(2.0)
+    resident = make_plan(_layers(1), {0: 2 * 10**9}).cost()
+    assert f"{cost.seconds * 1000:,.0f} ms" in cost_html(cost) and "nothing is offloaded" in cost_html(resident)
     assert all(v > 0 for v in [*LINK_BANDWIDTH.values(), *DISK_BANDWIDTH.values()])
 
 

@@ -8,7 +8,6 @@ import torch
 
 import bigviz
 from bigviz.ui.planner import Planner
-from bigviz.ui.presets import plan_cost
 from bigviz.ui.report import ACTIVATION_FILL, KV_FILL, report_fragment
 
 
@@ -59,9 +58,7 @@ def test_time_per_token_uses_the_cost_model(llama):
     planner = Planner(llama, {0: 700_000, "cpu": 10**8}, context_length=64)
     plan = planner.plan
     assert plan.offloaded_bytes()["cpu"] > 0
-    expected = plan_cost(
-        plan.offloaded_bytes(), main_device=0, link=planner.controls.link.value, disk=planner.controls.disk.value
-    )["seconds_per_forward"]
+    expected = plan.cost(link_bandwidth=planner.controls.link.value, disk_bandwidth=planner.controls.disk.value).seconds
     assert planner.time_per_token() == pytest.approx(expected)
     assert f"{expected * 1000:,.0f} ms per token" in planner.controls.fit.value
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from bigviz.core.offload_units import UnitRule
 from bigviz.core.plan import PlanOptions
 from bigviz.core.planner import PlanError, make_plan
 from bigviz.core.tree import SizeTree, TensorSpec
@@ -35,7 +36,7 @@ def _options(n: int = 10, **kwargs: object) -> PlanOptions:
     return PlanOptions(
         **{
             "strategy": "sequential",
-            "no_split": frozenset({"h.*"}),
+            "rule": UnitRule(blocks=frozenset({"h.*"})),
             "kv_cache": kv,
             "activations": act,
             "workload": Workload(1, 100),
@@ -97,7 +98,9 @@ def test_longest_fit_finds_the_edge_in_logarithmic_calls(edge: int):
 
 # ---- the planner -------------------------------------------------------------------------------
 def test_without_a_workload_plans_and_reasons_are_unchanged():
-    plain = make_plan(_tree(), {0: 6000, 1: 10**6}, PlanOptions(strategy="sequential", no_split=frozenset({"h.*"})))
+    plain = make_plan(
+        _tree(), {0: 6000, 1: 10**6}, PlanOptions(strategy="sequential", rule=UnitRule(blocks=frozenset({"h.*"})))
+    )
     assert plain.workload is None and set(plain.kv_cache.values()) == {0}
     assert plain.placements[0].reason == "fits: 1000 B of 5.9 KiB left on GPU 0"
 

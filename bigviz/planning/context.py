@@ -105,9 +105,7 @@ def max_context(
             result = plan(model, budgets, batch_size=batch_size, context_length=tokens, **kwargs)  # type: ignore[arg-type]
         except PlanError:
             return False
-        if any(u.free < 0 for u in result.usage):
-            return False
-        return allow_offload or device_map is not None or not any(result.offloaded_bytes().values())
+        return result.fits(allow_offload=allow_offload or device_map is not None)
 
     return longest_fit(fits, top)
 

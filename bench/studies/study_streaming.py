@@ -1,7 +1,7 @@
 """Study (issue 12, question b): how should disk units be streamed past a resident part?
 
     python bench/beyond_ram.py --build-only     # the checkpoint (kept in bench/_work/beyond-ram)
-    python bench/study_streaming.py             # ~10 minutes; prints a markdown table
+    python bench/studies/study_streaming.py             # ~10 minutes; prints a markdown table
 
 The first shards up to 2/3 of RAM are the resident part, kept as bigviz keeps "cpu" weights
 today: memory-mapped and read in (file pages, evictable). The other shards (one block each)
@@ -52,7 +52,8 @@ from study_common import (
     split_resident,
 )
 
-from bigviz.checkpoint.probe import ALIGN, split_ranges  # noqa: E402
+from bigviz.checkpoint.probe import split_ranges  # noqa: E402
+from bigviz.osio.direct import ALIGN  # noqa: E402
 
 CHUNK = 16 * 2**20
 

@@ -1,7 +1,7 @@
 """Why disk units are streamed into reused O_DIRECT buffers, not through the page cache.
 
-    python bench/stream_touch.py                    # shards of bench/_work/beyond-ram (or --files)
-    python bench/stream_touch.py --files a.safetensors b.safetensors --rounds 2
+    python bench/studies/stream_touch.py                    # shards of bench/_work/beyond-ram (or --files)
+    python bench/studies/stream_touch.py --files a.safetensors b.safetensors --rounds 2
 
 For each large file, alternately, read cold by 4 threads in 16 MiB pieces:
 
@@ -31,10 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bigviz.checkpoint.probe import drop_file_pages  # noqa: E402
-from bigviz.engine.readahead import populate, prefault  # noqa: E402
+from bigviz.osio.pages import drop_file_pages, populate, prefault  # noqa: E402
 
 PIECE = 16 * 2**20
 
@@ -75,7 +74,9 @@ def main() -> None:
     parser.add_argument("--files", nargs="*", type=Path)
     parser.add_argument("--rounds", type=int, default=3, help="cache/slot pairs (each on new files)")
     args = parser.parse_args()
-    files = args.files or sorted(Path("bench/_work/beyond-ram").glob("*.safetensors"))[1:]
+    files = (
+        args.files or sorted((Path(__file__).resolve().parents[1] / "_work" / "beyond-ram").glob("*.safetensors"))[1:]
+    )
     if len(files) < 2:
         sys.exit("stream_touch: no large files: run bench/beyond_ram.py --build-only first, or pass --files")
     if os.geteuid() != 0:

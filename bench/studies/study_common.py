@@ -1,4 +1,4 @@
-"""Shared pieces of the bench/study_*.py scripts (issue 12): mappings, residency, memory figures.
+"""Shared pieces of the bench/studies/study_*.py scripts (issue 12): mappings, residency, memory figures.
 
 The studies run on the checkpoint `bench/beyond_ram.py --keep` leaves in bench/_work/beyond-ram
 (a GPT larger than this machine's RAM, one shard per block). Helpers here wrap what Python
@@ -22,11 +22,13 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+BENCH = HERE.parent
+sys.path.insert(0, str(BENCH))  # beyond_ram.py
+sys.path.insert(0, str(BENCH.parent))  # bigviz from this checkout
 
 import beyond_ram  # noqa: E402  (the checkpoint, page-cache drops, load average)
 
-CHECKPOINT = HERE / "_work" / "beyond-ram"
+CHECKPOINT = BENCH / "_work" / "beyond-ram"
 PAGE = mmap.PAGESIZE
 GiB = 2**30
 MADV_WILLNEED, MADV_DONTNEED, MADV_POPULATE_READ = 3, 4, 22

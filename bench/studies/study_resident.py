@@ -2,7 +2,7 @@
 does not fit in the page cache?
 
     python bench/beyond_ram.py --build-only     # the checkpoint (kept in bench/_work/beyond-ram)
-    python bench/study_resident.py              # ~6 minutes; prints a markdown table
+    python bench/studies/study_resident.py              # ~6 minutes; prints a markdown table
 
 The first shards (execution order) up to ``--resident`` bytes (default: 2/3 of RAM, as
 bench/beyond_ram.py's "auto" budget) are the resident part; the other shards stream. For each
@@ -51,7 +51,8 @@ from study_common import (
     split_resident,
 )
 
-from bigviz.checkpoint.probe import ALIGN, split_ranges, timed_read  # noqa: E402
+from bigviz.checkpoint.probe import split_ranges, timed_read  # noqa: E402
+from bigviz.osio.direct import ALIGN  # noqa: E402
 
 METHODS = ["fault", "willneed", "populate", "map_populate", "mlock", "anon_read", "anon_direct"]
 READERS = 4

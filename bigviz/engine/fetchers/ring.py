@@ -3,7 +3,7 @@
 When the CPU executes a model larger than RAM, its disk units are read in before they run and
 let go after. :class:`RingFetcher` reads them into one *ring*: a buffer of process memory,
 allocated and faulted in once, ``1 + ahead`` times the largest unit
-(:data:`~bigviz.core.streaming.RING_AHEAD`). Each unit's tensors are placed one after the
+(:data:`~bigviz.core.stream_plan.RING_AHEAD`). Each unit's tensors are placed one after the
 other behind the previous unit's (a tensor is never split; one that does not fit before the
 end of the ring starts again at its beginning), so while a unit computes, the next one is
 already read into the part of the ring the running unit does not use, and the rest of it
@@ -18,8 +18,8 @@ by rename while the model runs is still read from the file the model opened, as 
 streaming mode, and a shard truncated or rewritten in place is refused by the store's check.
 
 Why not read into the page cache (``madvise(MADV_POPULATE_READ)`` on the mapped file, then
-drop the pages: :class:`~bigviz.engine.readahead.StreamingFetcher`)? Measured on this
-project's 2-core virtual machine, 1.8 GB shards read cold by 4 threads (``bench/stream_touch.py``,
+drop the pages: :class:`~bigviz.engine.fetchers.cache.StreamingFetcher`)? Measured on this
+project's 2-core virtual machine, 1.8 GB shards read cold by 4 threads (``bench/studies/stream_touch.py``,
 summarised in ``bench/RESULTS.md``): the page cache path's *first* pass of the compute over
 freshly read pages took 0.14-4.8 s more than the second (a guest whose freed pages go back to
 the hypervisor, as with virtio-balloon free page reporting, pays a fault per page the first
@@ -64,20 +64,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from bigviz.core.streaming import RING_AHEAD
+from bigviz.core.stream_plan import RING_AHEAD
 from bigviz.engine.binding import BoundUnit as Unit
-from bigviz.engine.prefetch import Handle, _run_now
-from bigviz.engine.readahead import (
-    FileMaps,
-    FileSpan,
-    StreamStats,
-    Where,
-    file_span,
-    mapped_where,
-    span_identity,
-    unit_tensors,
-)
-from bigviz.engine.resident import ALIGN, _read_piece, block_room, pieces_of
+from bigviz.engine.fetchers.cache import StreamStats
+from bigviz.engine.fetchers.protocol import Handle, run_now
+from bigviz.engine.fetchers.spans import FileMaps, FileSpan, Where, file_span, mapped_where, span_identity, unit_tensors
+from bigviz.osio.direct import ALIGN, block_room, pieces_of, read_piece
+from bigviz.core.errors import UsageError
 
 __all__ = ["RingFetcher", "ring_capacity"]
 
@@ -95,7 +88,7 @@ def ring_capacity(largest: int, ahead: float = RING_AHEAD) -> int:
         (True, True)
     """
     if largest < 0 or ahead < 0:
-        raise ValueError(f"ring_capacity: largest={largest!r} and ahead={ahead!r} must be >= 0")
+        raise UsageError(f"ring_capacity: largest={largest!r} and ahead={ahead!r} must be >= 0")
     blocks = -(-largest // ALIGN)
     return (blocks + max(1, -(-int(blocks * ahead * ALIGN) // ALIGN))) * ALIGN
 
@@ -164,7 +157,7 @@ class _RingHandle(Handle):
     def wait(self) -> dict[str, Tensor]:
         if self._read.gone:
             return self._fetcher.start(self.unit, background=False).wait()
-        self._result = _run_now(self._fetcher._ready, self._read)
+        self._result = run_now(self._fetcher._ready, self._read)
         return super().wait()  # errors name the unit; files checked unchanged
 
 
@@ -182,7 +175,7 @@ class RingFetcher:
 
     def __init__(self, *, capacity: int | None = None, readers: int = 4, direct: bool = True) -> None:
         if (capacity is not None and capacity < ALIGN) or readers < 1:
-            raise ValueError(
+            raise UsageError(
                 f"RingFetcher: capacity={capacity!r} must be >= {ALIGN} bytes and readers={readers!r} >= 1"
             )
         self.capacity = None if capacity is None else capacity // ALIGN * ALIGN
@@ -340,7 +333,7 @@ class RingFetcher:
         for piece in pieces_of(
             extent.path, extent.offset, extent.length, address, direct=True, identity=extent.identity
         ):
-            read.futures.append(self._pool.submit(_read_piece, piece, self.direct))
+            read.futures.append(self._pool.submit(read_piece, piece, self.direct))
 
     def _give_up(self, read: _Read) -> None:
         """``read`` is released, or nothing will use it: its ring bytes may be read over once

@@ -1,9 +1,9 @@
 """Study (issue 12, question c): does compute overlap with reads on 2 cores?
 
     python bench/beyond_ram.py --build-only     # the checkpoint (kept in bench/_work/beyond-ram)
-    python bench/study_overlap.py               # ~10 minutes; prints a markdown table
+    python bench/studies/study_overlap.py               # ~10 minutes; prints a markdown table
 
-Streams ``--units`` block shards (in order) with the reader of bench/study_streaming.py
+Streams ``--units`` block shards (in order) with the reader of bench/studies/study_streaming.py
 (``--reader direct`` or ``buffered_dontneed``, ``k`` readers per unit, ``d`` units ahead) and
 runs each block's real forward (bigviz GPT ``Block``, ``--tokens`` tokens) on its weights as
 zero-copy views into the read buffer, the way an engine with reusable buffers would. For each
