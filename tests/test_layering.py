@@ -329,3 +329,28 @@ def test_the_error_check_finds_a_bare_raise(tmp_path: Path) -> None:
     source = tmp_path / "probe.py"
     source.write_text("def f(x):\n    if x:\n        raise UsageError('no')\n    raise TypeError('kind')\n")
     assert _bare_raises(source) == ["4: TypeError"]
+
+
+CROSS_CUTTING_FOLDERS = {"hostile", "zoo", "browser"}  # attacks, architectures, a real browser: across layers
+TOP_LEVEL_TESTS = {  # about the whole project, not one package
+    "test_bench_records.py",
+    "test_cli.py",
+    "test_docs.py",
+    "test_gpu.py",
+    "test_layering.py",
+    "test_notebooks_meta.py",
+    "test_readme.py",
+}
+
+
+def test_tests_mirror_the_package():
+    """tests/<package>/ for each bigviz sub-package (tests/core runs without torch), beside
+    the cross-cutting folders; at the top only the tests about the whole project."""
+    tests = ROOT.parent / "tests"
+    packages = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders <= packages | CROSS_CUTTING_FOLDERS, f"not a bigviz package: {sorted(folders - packages)}"
+    for folder in folders:
+        assert (tests / folder / "__init__.py").exists(), f"tests/{folder} needs an __init__.py (unique module names)"
+    loose = sorted(p.name for p in tests.glob("test_*.py") if p.name not in TOP_LEVEL_TESTS)
+    assert not loose, f"move these into tests/<package>/: {loose}"

@@ -1,9 +1,9 @@
 """One rank of the pipelined-generate test, launched by torchrun (see
-``tests/test_pipeline_distributed.py``): for each checkpoint, build this rank's stage, generate
+``tests/distributed/test_pipeline_distributed.py``): for each checkpoint, build this rank's stage, generate
 through the pipeline with bigviz's Python API, and gather every rank's cache bytes and what it
 kept on meta. Rank 0 writes the tokens and the numbers to OUT with ``torch.save``.
 
-Usage: torchrun --nproc-per-node 2 tests/pipeline_worker.py OUT NEW MICROBATCHES PROMPT CKPT...
+Usage: torchrun --nproc-per-node 2 tests/distributed/pipeline_worker.py OUT NEW MICROBATCHES PROMPT CKPT...
 """
 
 from __future__ import annotations

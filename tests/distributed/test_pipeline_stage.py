@@ -16,7 +16,7 @@ from bigviz.checkpoint.load import check_checkpoint
 from bigviz.core.pipeline import PipelineError
 from bigviz.distributed import build_stage_module, empty_model
 from bigviz.models import GPT, GPTConfig
-from tests.pipeline_models import BUILDERS, hf_llama
+from tests.distributed.pipeline_models import BUILDERS, hf_llama
 
 IDS = torch.tensor([[5, 3, 17, 2, 9, 11]])
 

@@ -25,7 +25,7 @@ import torch
 import bigviz
 from bigviz.distributed import cli, empty_model
 from bigviz.models import GPT, GPTConfig
-from tests.pipeline_models import build, save, single_process_generate
+from tests.distributed.pipeline_models import build, save, single_process_generate
 
 TIMEOUT_S = 300
 IDS = [7, 3, 11, 2, 9]
@@ -65,7 +65,7 @@ def _torchrun(cwd: Path, *args: str, nproc: int = 2, script: str | None = None, 
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     command += [script] if script is not None else ["-m", "bigviz.distributed"]
     command += list(args)
-    root = str(Path(__file__).resolve().parents[1])  # the workers import this checkout (and tests.*)
+    root = str(Path(__file__).resolve().parents[2])  # the workers import this checkout (and tests.*)
     path = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": path}
     proc = subprocess.Popen(
@@ -146,7 +146,7 @@ def test_two_processes_give_single_process_logits(folders, tmp_path, name, extra
 
 @pytest.mark.slow
 def test_two_processes_generate_the_models_own_tokens(generated, tmp_path):
-    """One torchrun for every model (bigviz's Python API in tests/pipeline_worker.py): two
+    """One torchrun for every model (bigviz's Python API in tests/distributed/pipeline_worker.py): two
     micro-batches in flight, each rank with the KV cache of its own layers."""
     worker = str(Path(__file__).with_name("pipeline_worker.py"))
     folders = [str(generated[name][0]) for name in GENERATED]

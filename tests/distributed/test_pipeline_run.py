@@ -10,7 +10,7 @@ import torch
 import bigviz
 from bigviz.core.pipeline import PipelineError
 from bigviz.models import GPT, GPTConfig
-from tests.pipeline_models import hf_llama
+from tests.distributed.pipeline_models import hf_llama
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import bigviz
 from bigviz.core.pipeline import PipelineError
 from bigviz.distributed import build_stage_module, cache_nbytes, empty_model, generate, generation_ids
 from bigviz.distributed.models import generation_config
-from tests.pipeline_models import BUILDERS, build, save, single_process_generate
+from tests.distributed.pipeline_models import BUILDERS, build, save, single_process_generate
 
 pytestmark = pytest.mark.slow  # seven checkpoints saved and generated from once, then cut into stages
 
