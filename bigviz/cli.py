@@ -124,7 +124,7 @@ def _positive(text: str) -> int:
 def _plan(args: argparse.Namespace) -> int:
     import bigviz
     from bigviz.models import PRESETS, build
-    from bigviz.modeling.workload import config_path, shipped_configs
+    from bigviz.modeling.configs import config_path, shipped_configs
 
     target: object = args.model
     if args.model in PRESETS:

@@ -21,7 +21,7 @@ from bigviz.checkpoint.tree import detect_no_split, tree_from_checkpoint
 from bigviz.core.tree import SizeTree
 from bigviz.modeling.inventory import ModelInventory
 from bigviz.modeling.sizes import module_tree
-from bigviz.modeling.workload import is_config_source, model_from_config
+from bigviz.modeling.configs import is_config_source, model_from_config
 from bigviz.core.errors import ArgumentTypeError
 
 __all__ = ["ModelLike", "resolve_model", "as_tree", "default_no_split", "inventory_or_none"]

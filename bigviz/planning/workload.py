@@ -24,7 +24,8 @@ from bigviz.core.devices import Device
 from bigviz.core.tree import SizeTree
 from bigviz.core.workload import RunSpec, Workload
 from bigviz.modeling.inventory import ModelInventory
-from bigviz.modeling.workload import model_from_config, run_spec
+from bigviz.modeling.configs import model_from_config
+from bigviz.modeling.workload import run_spec
 from bigviz.planning.models import ModelLike
 from bigviz.core.errors import UsageError
 
