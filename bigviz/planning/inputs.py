@@ -39,7 +39,7 @@ from bigviz.modeling.inventory import ModelInventory
 from bigviz.planning.models import ModelLike, as_tree, default_no_split, inventory_or_none, resolve_model
 from bigviz.planning.workload import device_type, workload_bytes
 
-__all__ = ["PlannerInputs", "planner_inputs", "place", "unit_rule_of", "no_split_names"]
+__all__ = ["PlannerInputs", "planner_inputs", "with_workload", "place", "unit_rule_of", "no_split_names"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,8 @@ class PlannerInputs:
         options: The planner's knobs, the unit rule included.
         inventory: The model's inventory (``None`` for a bare size tree or a checkpoint of a
             model bigviz cannot build).
+        dtype: The dtype the model is planned in (``None``: as built), for its run's bytes.
+        given_run: ``(kv_cache, activations)`` bytes per module given by hand, if any.
     """
 
     model: Any
@@ -63,6 +65,8 @@ class PlannerInputs:
     budgets: dict[Device, int]
     options: PlanOptions
     inventory: ModelInventory | None
+    dtype: torch.dtype | str | None = None
+    given_run: tuple[Mapping[str, int] | None, Mapping[str, int] | None] = (None, None)
 
 
 def planner_inputs(
@@ -98,10 +102,6 @@ def planner_inputs(
         budgets["cpu"] = resident_room(
             machine_facts(), model_bytes=tree.total(""), largest_unit=largest_unit(tree, frozenset(no_split))
         )
-    workload = workload or Workload()
-    kv, act = workload_bytes(
-        model, tree, workload, dtype=dtype, device_type=device_type(budgets), kv_cache=kv_cache, activations=activations
-    )
     inventory = inventory_or_none(model)
     options = PlanOptions(
         strategy=strategy,
@@ -109,12 +109,38 @@ def planner_inputs(
         overrides=dict(overrides or {}),
         offload_reserve=offload_reserve,
         prefetch=prefetch,
-        kv_cache=kv,
-        activations=act,
-        workload=workload if (kv or act) else None,
         rule=unit_rule_of(inventory, tree, no_split, preload=preload_module_classes, offload_buffers=offload_buffers),
     )
-    return PlannerInputs(model, tree, budgets, options, inventory)
+    inputs = PlannerInputs(model, tree, budgets, options, inventory, dtype, (kv_cache, activations))
+    return with_workload(inputs, workload or Workload())
+
+
+def with_workload(inputs: PlannerInputs, workload: Workload) -> PlannerInputs:
+    """``inputs`` planning the run ``workload`` beside the weights (its KV cache and activations
+    per module, read from the model unless given by hand): ``max_context`` prepares a model's
+    inputs once and plans each context it tries with this.
+
+    Example:
+        >>> import torch
+        >>> from bigviz.models import build
+        >>> with torch.device("meta"):
+        ...     inputs = planner_inputs(build("gpt-tiny"), {"cpu": "1GB"})
+        >>> run = with_workload(inputs, Workload(1, 16)).options
+        >>> run.workload.context_length, sum(run.kv_cache.values()) > 0, inputs.options.kv_cache
+        (16, True, {})
+    """
+    kv_cache, activations = inputs.given_run
+    kv, act = workload_bytes(
+        inputs.model,
+        inputs.tree,
+        workload,
+        dtype=inputs.dtype,
+        device_type=device_type(inputs.budgets),
+        kv_cache=kv_cache,
+        activations=activations,
+    )
+    options = replace(inputs.options, kv_cache=kv, activations=act, workload=workload if (kv or act) else None)
+    return replace(inputs, options=options)
 
 
 def no_split_names(model: ModelLike, tree: SizeTree, given: Collection[str] | str | None) -> list[str]:
