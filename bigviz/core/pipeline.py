@@ -18,14 +18,13 @@ Example:
 from __future__ import annotations
 
 import html
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from bigviz.core.names import owner
-from bigviz.core.serialize import write_json_atomic
+from bigviz.core.serialize import read_json, write_json_atomic
 from bigviz.core.errors import PlanError, UsageError
 from bigviz.core.sizes import format_size
 
@@ -297,10 +296,9 @@ class PipelinePlan:
             True
         """
         try:
-            with open(path) as f:
-                data = json.load(f)
-        except json.JSONDecodeError as err:
-            raise PipelineError(f"{path}: not valid JSON ({err}); is this a pipeline plan file?") from err
+            data = read_json(path, "pipeline plan")
+        except UsageError as err:  # not JSON, not UTF-8, nested too deeply
+            raise PipelineError(str(err)) from None
         return cls.from_dict(data, where=str(path), tree=tree)
 
     @classmethod

@@ -35,6 +35,7 @@ __all__ = [
     "write_json_atomic",
     "write_text_atomic",
     "parse_json",
+    "read_json",
 ]
 
 
@@ -95,7 +96,9 @@ def parse_json(text: str | bytes, where: object, what: str) -> Any:
         raise UsageError(f"{where}: not valid JSON ({err}); is this a {what} file?") from err
 
 
-def _read_json(path: str | os.PathLike[str], what: str) -> Any:
+def read_json(path: str | os.PathLike[str], what: str) -> Any:
+    """The JSON in the file at ``path``, or a `UsageError` naming the file and saying it is
+    not a ``what`` file (see :func:`parse_json`); core's one reader of files."""
     with open(path, "rb") as f:
         return parse_json(f.read(), path, what)
 
@@ -119,7 +122,7 @@ def load_device_map(path: str | os.PathLike[str]) -> dict[str, Device]:
     Raises:
         DeviceMapError: (a ``ValueError``) naming the file and each bad entry.
     """
-    data = _read_json(path, "device map")
+    data = read_json(path, "device map")
     if isinstance(data, dict) and isinstance(data.get("device_map"), dict):
         data = data["device_map"]
     if not isinstance(data, dict):
@@ -151,7 +154,7 @@ def load_max_memory(path: str | os.PathLike[str]) -> dict[Device, object]:
         >>> load_max_memory(p)
         {0: '10GiB', 'cpu': 1073741824}
     """
-    data = _read_json(path, "max_memory")
+    data = read_json(path, "max_memory")
     if not isinstance(data, dict):
         raise UsageError(f"{path}: max_memory is a JSON object {{device: size}}")
     try:
