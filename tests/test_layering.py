@@ -274,6 +274,46 @@ def test_docs_name_one_home_per_concept():
     assert not problems, "one home per concept:\n" + "\n".join(problems)
 
 
+FILE_CALLS = {"read_text", "write_text", "read_bytes", "write_bytes", "iterdir", "glob", "rglob", "mkdir", "unlink"}
+
+
+def _file_io(path: Path) -> list[str]:
+    """``line: call`` for each call of ``path`` that touches files: ``open``, ``os.*`` (but
+    ``os.path`` and ``os.fspath``), ``shutil.*``, and the file methods of ``pathlib``."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Name) and func.id == "open":
+            out.append(f"{node.lineno}: open")
+        elif isinstance(func, ast.Attribute):
+            owner = func.value.id if isinstance(func.value, ast.Name) else None
+            if (owner == "os" and func.attr != "fspath") or owner == "shutil":
+                out.append(f"{node.lineno}: {owner}.{func.attr}")
+            elif func.attr in FILE_CALLS:
+                out.append(f"{node.lineno}: {func.attr}")
+    return sorted(out)
+
+
+def test_core_reads_and_writes_files_in_one_module():
+    """docs/architecture.md: core's only I/O is the plans' own JSON files, in core/serialize.py;
+    everything else in core is a pure function of its arguments."""
+    found = [
+        f"{path.relative_to(ROOT)}:{call}"
+        for path in sorted((ROOT / "core").rglob("*.py"))
+        if path.name != "serialize.py"
+        for call in _file_io(path)
+    ]
+    assert not found, f"core does I/O outside core/serialize.py (read or write through it): {found}"
+
+
+def test_the_io_check_finds_a_file_read(tmp_path: Path) -> None:
+    source = tmp_path / "probe.py"
+    source.write_text("import os\ndef f(p):\n    os.path.join(p, 'a')\n    return open(p).read(), p.read_text()\n")
+    assert _file_io(source) == ["4: open", "4: read_text"]
+
+
 OS_CALLS = {("ctypes", "CDLL"), ("os", "posix_fadvise"), ("os", "O_DIRECT"), ("os", "POSIX_FADV_DONTNEED")}
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "write_text_atomic",
     "parse_json",
     "DuplicateKeysError",
+    "read_json",
 ]
 
 
@@ -153,7 +154,9 @@ def _duplicate_text(key: str, values: list[Any]) -> str:
     return f"key {key!r} appears {len(values)} times ({', '.join(short_repr(v, 40) for v in values)})"
 
 
-def _read_json(path: str | os.PathLike[str], what: str) -> Any:
+def read_json(path: str | os.PathLike[str], what: str) -> Any:
+    """The JSON in the file at ``path``, or a `UsageError` naming the file and saying it is
+    not a ``what`` file (see :func:`parse_json`); core's one reader of files."""
     with open(path, "rb") as f:
         return parse_json(f.read(), path, what)
 
@@ -177,7 +180,7 @@ def load_device_map(path: str | os.PathLike[str]) -> dict[str, Device]:
     Raises:
         DeviceMapError: (a ``ValueError``) naming the file and each bad entry.
     """
-    data = _read_json(path, "device map")
+    data = read_json(path, "device map")
     if isinstance(data, dict) and isinstance(data.get("device_map"), dict):
         data = data["device_map"]
     if not isinstance(data, dict):
@@ -209,7 +212,7 @@ def load_max_memory(path: str | os.PathLike[str]) -> dict[Device, object]:
         >>> load_max_memory(p)
         {0: '10GiB', 'cpu': 1073741824}
     """
-    data = _read_json(path, "max_memory")
+    data = read_json(path, "max_memory")
     if not isinstance(data, dict):
         raise UsageError(f"{path}: max_memory is a JSON object {{device: size}}")
     try:

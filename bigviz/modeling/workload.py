@@ -37,20 +37,12 @@ import torch.nn as nn
 
 from bigviz.core.dtypes import FLOATING_DTYPES, canonical_dtype
 from bigviz.core.workload import CacheSpec, RunSpec, StepSpec, Term, Workload
-from bigviz.modeling.configs import config_path, is_config_source, model_from_config, shipped_configs
+from bigviz.modeling.configs import model_from_config
 from bigviz.models.gpt import GPT
 from bigviz.models.llama import Llama
 from bigviz.core.errors import UsageError
 
-__all__ = [
-    "run_spec",
-    "kv_cache_bytes",
-    "model_from_config",
-    "is_config_source",
-    "compute_dtype",
-    "shipped_configs",
-    "config_path",
-]
+__all__ = ["run_spec", "kv_cache_bytes", "compute_dtype"]
 
 ModelOrConfig = Any  # nn.Module, transformers PretrainedConfig, GPTConfig/LlamaConfig, config path
 _INT64 = 8.0

@@ -40,7 +40,7 @@ from bigviz.planning.models import ModelLike, as_tree, default_no_split, invento
 from bigviz.planning.positions import check_context, position_rule
 from bigviz.planning.workload import device_type, workload_bytes
 
-__all__ = ["PlannerInputs", "planner_inputs", "place", "unit_rule_of", "no_split_names"]
+__all__ = ["PlannerInputs", "planner_inputs", "with_workload", "place", "unit_rule_of", "no_split_names"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,8 @@ class PlannerInputs:
             model bigviz cannot build).
         notes: What the plan notes about its inputs (a context past the length the model was
             trained for).
+        dtype: The dtype the model is planned in (``None``: as built), for its run's bytes.
+        given_run: ``(kv_cache, activations)`` bytes per module given by hand, if any.
     """
 
     model: Any
@@ -67,6 +69,8 @@ class PlannerInputs:
     options: PlanOptions
     inventory: ModelInventory | None
     notes: tuple[str, ...] = ()
+    dtype: torch.dtype | str | None = None
+    given_run: tuple[Mapping[str, int] | None, Mapping[str, int] | None] = (None, None)
 
 
 def planner_inputs(
@@ -95,8 +99,6 @@ def planner_inputs(
     """
     model = resolve_model(model)
     model = ModelInventory.of(model) if isinstance(model, nn.Module) else model  # one walk for the call
-    context = workload.context_length if workload is not None else 0
-    note = check_context(position_rule(model), context) if context else None  # past a table of positions: refused
     tree = as_tree(model, dtype, special_dtypes)
     no_split = no_split_names(model, tree, no_split_module_classes)
     budgets = get_max_memory(max_memory)
@@ -104,10 +106,6 @@ def planner_inputs(
         budgets["cpu"] = resident_room(
             machine_facts(), model_bytes=tree.total(""), largest_unit=largest_unit(tree, frozenset(no_split))
         )
-    workload = workload or Workload()
-    kv, act = workload_bytes(
-        model, tree, workload, dtype=dtype, device_type=device_type(budgets), kv_cache=kv_cache, activations=activations
-    )
     inventory = inventory_or_none(model)
     options = PlanOptions(
         strategy=strategy,
@@ -115,12 +113,40 @@ def planner_inputs(
         overrides=dict(overrides or {}),
         offload_reserve=offload_reserve,
         prefetch=prefetch,
-        kv_cache=kv,
-        activations=act,
-        workload=workload if (kv or act) else None,
         rule=unit_rule_of(inventory, tree, no_split, preload=preload_module_classes, offload_buffers=offload_buffers),
     )
-    return PlannerInputs(model, tree, budgets, options, inventory, (note,) if note else ())
+    inputs = PlannerInputs(model, tree, budgets, options, inventory, dtype=dtype, given_run=(kv_cache, activations))
+    return with_workload(inputs, workload or Workload())
+
+
+def with_workload(inputs: PlannerInputs, workload: Workload) -> PlannerInputs:
+    """``inputs`` planning the run ``workload`` beside the weights (its KV cache and activations
+    per module, read from the model unless given by hand): ``max_context`` prepares a model's
+    inputs once and plans each context it tries with this.
+
+    Example:
+        >>> import torch
+        >>> from bigviz.models import build
+        >>> with torch.device("meta"):
+        ...     inputs = planner_inputs(build("gpt-tiny"), {"cpu": "1GB"})
+        >>> run = with_workload(inputs, Workload(1, 16)).options
+        >>> run.workload.context_length, sum(run.kv_cache.values()) > 0, inputs.options.kv_cache
+        (16, True, {})
+    """
+    kv_cache, activations = inputs.given_run
+    context = workload.context_length
+    note = check_context(position_rule(inputs.model), context) if context else None  # past a table: refused
+    kv, act = workload_bytes(
+        inputs.model,
+        inputs.tree,
+        workload,
+        dtype=inputs.dtype,
+        device_type=device_type(inputs.budgets),
+        kv_cache=kv_cache,
+        activations=activations,
+    )
+    options = replace(inputs.options, kv_cache=kv, activations=act, workload=workload if (kv or act) else None)
+    return replace(inputs, options=options, notes=(note,) if note else ())
 
 
 def no_split_names(model: ModelLike, tree: SizeTree, given: Collection[str] | str | None) -> list[str]:

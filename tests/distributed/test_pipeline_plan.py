@@ -316,6 +316,12 @@ def test_json_round_trip_and_bad_files(tmp_path):
     path.write_text("{not json")
     with pytest.raises(PipelineError, match="not valid JSON"):
         PipelinePlan.load_json(path)
+    path.write_text("[" * 100_000)  # Python's parser gives up: a PipelineError, not a RecursionError
+    with pytest.raises(PipelineError, match="nested too deeply"):
+        PipelinePlan.load_json(path)
+    path.write_bytes(b'{"stages": "\xff"}')
+    with pytest.raises(PipelineError, match="not valid JSON"):
+        PipelinePlan.load_json(path)
 
 
 def test_cut_pipeline_rederives_and_refuses_foreign_points():

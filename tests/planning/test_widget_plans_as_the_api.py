@@ -113,3 +113,26 @@ def test_one_fits_for_max_context_and_the_widget() -> None:
     widget = Planner(model, budgets, live=False)
     assert widget.longest_context() == bigviz.max_context(model, budgets)
     widget.close()
+
+
+def _fits(model: nn.Module, tokens: int) -> bool:
+    try:
+        return bigviz.plan(model, context_length=tokens).fits(allow_offload=True)
+    except bigviz.PlanError:
+        return False
+
+
+def test_max_context_without_a_budget_plans_as_bigviz_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the old max_context took this machine's memory itself, without the room the stream's ring
+    # needs when the model is larger than RAM: it found a context bigviz.plan refuses (82 > 69)
+    with torch.device("meta"):
+        model = bigviz.models.build("gpt-tiny", n_layer=16, block_size=4096)  # positions past what fits
+    small = MachineFacts(int(as_tree(model).total("") * 0.6 / RAM_SHARE))
+    monkeypatch.setattr(planner_inputs_module, "machine_facts", lambda: small)
+    monkeypatch.setattr(planner_inputs_module, "get_max_memory", lambda _: {"cpu": small.room})
+    found = bigviz.max_context(model, allow_offload=True, limit=2**20)
+    assert 0 < found and _fits(model, found) and not _fits(model, found + 1)
+    widget = Planner(model, live=False)
+    widget.state.position_limit = 2**20
+    assert widget.longest_context(allow_offload=True) == found
+    widget.close()
