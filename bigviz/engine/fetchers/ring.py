@@ -57,6 +57,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -68,6 +69,9 @@ from bigviz.engine.fetchers.protocol import Handle, run_now
 from bigviz.engine.fetchers.spans import FileMaps, Where, file_span, mapped_where, unit_tensors
 from bigviz.osio.direct import ALIGN, block_room, pieces_of, read_piece
 from bigviz.core.errors import UsageError
+
+if TYPE_CHECKING:
+    from bigviz.engine.timeline import Timeline
 
 __all__ = ["RingFetcher", "ring_capacity"]
 
@@ -187,6 +191,7 @@ class RingFetcher:
         self._queue: deque[tuple[_Read, int]] = deque()  # extents waiting for room, in start order
         self._layouts: dict[int, _Layout] = {}
         self._clock = itertools.count(1)
+        self.timeline: Timeline | None = None  # set while bigviz.timeline(model) records: reads timed
 
     def __enter__(self) -> RingFetcher:
         return self
@@ -326,8 +331,13 @@ class RingFetcher:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.readers, thread_name_prefix="bigviz-ring")
         address = buffer.data_ptr() + at
+        timeline = self.timeline
         for piece in pieces_of(extent.path, extent.offset, extent.length, address, direct=True):
-            read.futures.append(self._pool.submit(read_piece, piece, self.direct))
+            if timeline is None:
+                read.futures.append(self._pool.submit(read_piece, piece, self.direct))
+            else:  # when each piece ran, in the reader thread
+                job = (read.unit, read, piece.need, read_piece, piece, self.direct)
+                read.futures.append(self._pool.submit(timeline.timed, *job))
 
     def _give_up(self, read: _Read) -> None:
         """``read`` is released, or nothing will use it: its ring bytes may be read over once
