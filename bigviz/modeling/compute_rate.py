@@ -26,7 +26,7 @@ from bigviz.core.errors import UsageError
 __all__ = ["measure_compute_rate", "forward_seconds"]
 
 
-def forward_seconds(module: nn.Module, *args: Any, repeat: int = 3, **kwargs: Any) -> float:
+def forward_seconds(module: nn.Module, *args: Any, repeat: int = 5, **kwargs: Any) -> float:
     """Best of ``repeat`` timed forwards of ``module`` (after one untimed warm-up), no grad.
 
     Example:
@@ -45,7 +45,7 @@ def forward_seconds(module: nn.Module, *args: Any, repeat: int = 3, **kwargs: An
     return best
 
 
-def measure_compute_rate(module: nn.Module, *args: Any, repeat: int = 3, **kwargs: Any) -> float:
+def measure_compute_rate(module: nn.Module, *args: Any, repeat: int = 5, **kwargs: Any) -> float:
     """Bytes of ``module``'s weights (parameters and buffers) its forward on ``args`` computes
     through per second: ``MachineFacts.compute_rate`` for runs of the same tokens and threads.
 
