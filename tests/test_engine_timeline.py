@@ -141,3 +141,46 @@ def test_one_timeline_at_a_time(checkpoint: tuple[Path, GPT]) -> None:
                     pass
     finally:
         bigviz.remove_hooks(model)
+
+
+class _Stack(torch.nn.Module):
+    """Blocks of eight small layers each: a unit made of many tensors, none of them large."""
+
+    def __init__(self, blocks: int = 5, width: int = 64) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(8)]) for _ in range(blocks)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+
+def test_the_next_unit_is_read_into_the_ring_while_the_one_before_computes(tmp_path: Path) -> None:
+    """Issue 26: a unit's reads are merged into extents small enough for the half unit a ring
+    leaves free while the unit before it computes; one extent per unit (the 64 MiB merge of
+    small units) was queued only after the previous unit's compute, and compute waited for
+    every read."""
+    torch.manual_seed(3)
+    reference = _Stack().eval()
+    block = sum(p.numel() * 4 for p in reference.blocks[0].parameters())
+    save_sharded(reference, tmp_path / "ckpt", max_shard_size=block, progress=False)
+    device_map = {f"blocks.{i}": "disk" for i in range(5)}
+    room = 2 * block  # RAM for a ring of 1.5 blocks, not for the model
+    facts = MachineFacts(int(room / RAM_SHARE))
+    with bigviz.init_empty_weights():
+        model = _Stack()
+    model = bigviz.load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map, machine=facts)
+    x = torch.randn(3, 64)
+    try:
+        assert type(model._bigviz_dispatch.scheduler.fetcher).__name__ == "RingFetcher"
+        with bigviz.timeline(model) as t, torch.no_grad():
+            for _ in range(FORWARDS):
+                assert torch.equal(model(x), reference(x))
+        for forward in t.forwards[1:]:
+            for a, b in zip(forward, forward[1:]):
+                assert b.read_queued is not None and b.read_queued < a.compute_end, (a.name, b.name)
+    finally:
+        bigviz.remove_hooks(model)

@@ -56,6 +56,8 @@ class UnitTimes:
         compute_start: When it had them: its compute began.
         compute_end: When its compute ended (its weights were let go).
         read_bytes: Bytes read for it (ring reads; 0 where the fetcher does not count).
+        read_queued: When its first bytes were given room and queued for the readers (ring
+            reads; ``None`` elsewhere): a read queued late waited for ring room.
     """
 
     name: str
@@ -66,6 +68,7 @@ class UnitTimes:
     compute_start: float
     compute_end: float = float("nan")
     read_bytes: int = 0
+    read_queued: float | None = None
 
     @property
     def wait(self) -> float:
@@ -79,6 +82,7 @@ class _Read:
     start: float | None = None
     end: float | None = None
     nbytes: int = 0
+    queued: float | None = None
 
 
 @dataclass
@@ -118,6 +122,16 @@ class Timeline:
             if read is None or read.tag is not tag:
                 self._reads[id(unit)] = _Read(tag, start=self.now())
 
+    def queued(self, unit: object, tag: object) -> None:
+        """Part of the read ``tag`` of ``unit`` got room and was queued for the readers."""
+        now = self.now()
+        with self._lock:
+            read = self._reads.get(id(unit))
+            if read is None or read.tag is not tag:
+                read = self._reads[id(unit)] = _Read(tag)
+            if read.queued is None:
+                read.queued = now
+
     def read_done(self, unit: object, tag: object) -> None:
         """The fetch ``tag`` of ``unit`` is done (a fetcher that reads in one go)."""
         now = self.now()
@@ -138,6 +152,7 @@ class Timeline:
                 if read is None or read.tag is not tag:
                     read = self._reads[id(unit)] = _Read(tag, start=start)
                 read.start = start if read.start is None else min(read.start, start)
+                read.queued = start if read.queued is None else read.queued
                 read.end = end if read.end is None else max(read.end, end)
                 read.nbytes += nbytes
 
@@ -159,6 +174,7 @@ class Timeline:
                 times.read_start = now if read.start is None else read.start
                 times.read_end = now if read.end is None else min(read.end, now)
                 times.read_bytes = read.nbytes
+                times.read_queued = read.queued
             times.compute_start = now
 
     def computed(self, unit: object) -> None:
