@@ -685,6 +685,39 @@ def report(
     return "\n".join(lines)
 
 
+def timeline_svg(data: dict[str, Any], title: str, *, width: int = 900) -> str:
+    """One forward's timeline (``_timeline_data``) as an SVG picture: a row of reads and a row of
+    computes, a bar per streamed unit (resident blocks compute in the gaps of the lower row),
+    compute waiting on reads in red."""
+    seconds = max(data["seconds"], 1e-9)
+    left, right, row = 70, 10, 26
+    scale = (width - left - right) / seconds
+
+    def bar(t0: float, t1: float, y: int, colour: str, tip: str) -> str:
+        x, w = left + t0 * scale, max(1.0, (t1 - t0) * scale)
+        return (
+            f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row - 6}" fill="{colour}"><title>{tip}</title></rect>'
+        )
+
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{3 * row + 40}" font-family="sans-serif" font-size="12">',
+        f'<text x="{left}" y="14">{title}</text>',
+        f'<text x="4" y="{20 + row - 10}">disk</text><text x="4" y="{20 + 2 * row - 10}">compute</text>',
+    ]
+    for u in data["units"]:
+        if u["read"] is not None:
+            a, b = max(0.0, u["read"][0]), u["read"][1]
+            parts.append(bar(a, b, 20, "#4a7ebb", f"read {u['name']}: {a:.2f}-{b:.2f} s"))
+        if u["compute"][0] - u["wait"] > 1e-3:
+            parts.append(bar(u["wait"], u["compute"][0], 20 + row, "#d9534f", f"{u['name']} waits on its read"))
+        parts.append(bar(*u["compute"], 20 + row, "#5cb85c", f"compute {u['name']}"))
+    for t in range(int(seconds) + 1):
+        x = left + t * scale
+        parts.append(f'<text x="{x:.0f}" y="{20 + 3 * row}" text-anchor="middle">{t} s</text>')
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
 def compute_floor(shape: Shape, compute: dict[str, float]) -> float:
     """Seconds of the whole forward with every weight in RAM: every block and the head."""
     return shape.n_layer * compute["block_s"] + compute["head_s"]
@@ -1067,6 +1100,12 @@ def measure(args: argparse.Namespace, shape: Shape, folder: Path) -> str | None:
     info["load_end"] = load_average()
     compute = compute if "error" not in compute else {}
     raw = {"shape": shape.__dict__, "floor": floor, "results": results, "compute": compute, "info": info}
+    for name, r in results.items():  # a picture of each split's next forward
+        if "timeline" in r:
+            title = f"{gb(shape.model_bytes)}, {name}: next forward {r['next_s']:.1f} s (green: streamed units compute)"
+            label = r["fraction"].replace("/", "of")
+            svg = folder.parent / f"{folder.name}-timeline-{label}.svg"
+            svg.write_text(timeline_svg(r["timeline"], title) + "\n")
     (folder.parent / f"{folder.name}-results.json").write_text(json.dumps(raw, indent=1) + "\n")
     return report(shape, floor, results, compute, info)
 
