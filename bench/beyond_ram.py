@@ -428,6 +428,7 @@ def _timeline_data(line: Any) -> dict[str, Any]:
             "wait": u.wait_start - origin,
             "compute": [u.compute_start - origin, u.compute_end - origin],
             "bytes": u.read_bytes,
+            "pieces": [[a - origin, b - origin] for a, b in u.pieces],
         }
         for u in line.forwards[-1]
     ]
@@ -705,9 +706,9 @@ def timeline_svg(data: dict[str, Any], title: str, *, width: int = 900) -> str:
         f'<text x="4" y="{20 + row - 10}">disk</text><text x="4" y="{20 + 2 * row - 10}">compute</text>',
     ]
     for u in data["units"]:
-        if u["read"] is not None:
-            a, b = max(0.0, u["read"][0]), u["read"][1]
-            parts.append(bar(a, b, 20, "#4a7ebb", f"read {u['name']}: {a:.2f}-{b:.2f} s"))
+        for a, b in u.get("pieces") or ([u["read"]] if u["read"] is not None else []):
+            if b > 0:
+                parts.append(bar(max(0.0, a), b, 20, "#4a7ebb", f"read {u['name']}: {max(0.0, a):.2f}-{b:.2f} s"))
         if u["compute"][0] - u["wait"] > 1e-3:
             parts.append(bar(u["wait"], u["compute"][0], 20 + row, "#d9534f", f"{u['name']} waits on its read"))
         parts.append(bar(*u["compute"], 20 + row, "#5cb85c", f"compute {u['name']}"))

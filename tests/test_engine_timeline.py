@@ -114,7 +114,10 @@ def test_the_timeline_of_each_forward_follows_the_plan(
                 assert len(held) <= plan.stream.depth + 1
         if stream == "ring":
             assert fetcher.overflows == 0  # nothing read outside the ring
-            assert all(u.read_bytes > 0 for u in everything if u.read_start is not None)
+            for u in everything:
+                if u.read_start is not None:  # each piece timed, inside the unit's read
+                    assert u.read_bytes > 0 and u.pieces
+                    assert all(u.read_start <= a <= b <= u.read_end for a, b in u.pieces)  # type: ignore[operator]
         assert "forward 2:" in t.table() and t.summary()["seconds"] > 0
         # off once the block is left: nothing more is recorded
         with torch.no_grad():

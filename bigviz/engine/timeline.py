@@ -58,6 +58,9 @@ class UnitTimes:
         read_bytes: Bytes read for it (ring reads; 0 where the fetcher does not count).
         read_queued: When its first bytes were given room and queued for the readers (ring
             reads; ``None`` elsewhere): a read queued late waited for ring room.
+        pieces: ``(start, end)`` of each piece read for it (ring reads, 16 MiB pieces): the
+            disk is busy in these, not over all of ``read_start``-``read_end`` (a unit's
+            later extents wait for ring room while the unit before it computes).
     """
 
     name: str
@@ -69,6 +72,7 @@ class UnitTimes:
     compute_end: float = float("nan")
     read_bytes: int = 0
     read_queued: float | None = None
+    pieces: tuple[tuple[float, float], ...] = ()
 
     @property
     def wait(self) -> float:
@@ -83,6 +87,7 @@ class _Read:
     end: float | None = None
     nbytes: int = 0
     queued: float | None = None
+    pieces: list[tuple[float, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -155,6 +160,7 @@ class Timeline:
                 read.queued = start if read.queued is None else read.queued
                 read.end = end if read.end is None else max(read.end, end)
                 read.nbytes += nbytes
+                read.pieces.append((start, end))
 
     def waiting(self, unit: Any) -> None:
         """The forward asks for ``unit``'s weights."""
@@ -175,6 +181,7 @@ class Timeline:
                 times.read_end = now if read.end is None else min(read.end, now)
                 times.read_bytes = read.nbytes
                 times.read_queued = read.queued
+                times.pieces = tuple(read.pieces)
             times.compute_start = now
 
     def computed(self, unit: object) -> None:
@@ -198,13 +205,19 @@ class Timeline:
     def summary(self, forward: int = -1) -> dict[str, float]:
         """One forward's totals: ``seconds`` (wall), ``compute`` (streamed units' compute),
         ``wait`` (compute waiting on reads), ``disk`` (time some read was running: the union
-        of the read intervals that ended in it), ``disk_idle`` (wall minus that)."""
+        of its units' pieces read, or of their read intervals where pieces are not timed),
+        ``disk_idle`` (wall minus that)."""
         if not self.bounds:
             return {"seconds": 0.0, "compute": 0.0, "wait": 0.0, "disk": 0.0, "disk_idle": 0.0}
         index = forward % len(self.bounds)
         start, end = self.bounds[index]
         units = self.forwards[index]
-        spans = sorted((max(start, u.read_start), u.read_end) for u in units if u.read_start is not None)
+        spans = sorted(
+            (max(start, a), b)
+            for u in units
+            if u.read_start is not None
+            for a, b in (u.pieces or ((u.read_start, u.read_end),))
+        )
         busy, reach = 0.0, start
         for a, b in spans:  # union of read intervals inside the forward
             a = max(a, reach)
