@@ -39,6 +39,7 @@ The page cache is dropped with ``sync; echo 3 > /proc/sys/vm/drop_caches`` when 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -50,6 +51,7 @@ import time
 import warnings
 import zlib
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -114,8 +116,8 @@ def machine_ram() -> int:
 def choose_shape(args: argparse.Namespace, free: int) -> Shape | str:
     """The model to build, or a sentence saying why the bench must skip (the disk is short)."""
     if args.small:
-        base = dict(n_embd=512, n_head=8, vocab_size=8192, block_size=256)
-        target = _size(args.size or "300MB")
+        base = dict(n_embd=args.small_n_embd, n_head=max(1, args.small_n_embd // 64), vocab_size=8192, block_size=256)
+        target = _size(args.size) if args.size else int(_size(args.small_ram) * args.ram_multiple)
     else:
         base = dict(n_embd=args.n_embd, n_head=args.n_embd // 128, vocab_size=50257, block_size=1024)
         target = _size(args.size) if args.size else int(args.ram_multiple * machine_ram())
@@ -391,20 +393,46 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                 copied = bigviz.residency(model).copied
                 if copied is not None:
                     out["copy"] = {"bytes": copied.nbytes, "seconds": copied.seconds, "direct": copied.direct_bytes}
+            out["threads"] = torch.get_num_threads()
             for key in ("first_s", "next_s", "third_s"):
                 out["phase"] = key
                 if key != "first_s" and spec.get("paired"):
                     out[key[:-2] + "_floor_s"] = _paired_floor(spec, out["map"])
-                start = time.perf_counter()
-                with torch.no_grad():
+                timed = key == "next_s" and getattr(state, "scheduler", None) is not None
+                with bigviz.timeline(model) if timed else _nothing() as line, torch.no_grad():
+                    start = time.perf_counter()
                     model(idx)
-                out[key] = time.perf_counter() - start
+                    out[key] = time.perf_counter() - start
+                if line is not None:
+                    out["timeline"] = _timeline_data(line)
             out["phase"] = "done"
         except Exception as exc:  # what a peer does wrong is a result, not a crash of the bench
             out["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             out["failed_after_s"] = time.perf_counter() - start
     out["anon_peak"] = peak.peak["RssAnon"] - peak.base["RssAnon"]
     return out
+
+
+@contextlib.contextmanager
+def _nothing() -> Any:
+    yield None
+
+
+def _timeline_data(line: Any) -> dict[str, Any]:
+    """A forward's timeline as plain data, seconds from the forward's start (bigviz.timeline)."""
+    origin = line.bounds[-1][0]
+    units = [
+        {
+            "name": u.name,
+            "read": None if u.read_start is None else [u.read_start - origin, u.read_end - origin],
+            "wait": u.wait_start - origin,
+            "compute": [u.compute_start - origin, u.compute_end - origin],
+            "bytes": u.read_bytes,
+            "pieces": [[a - origin, b - origin] for a, b in u.pieces],
+        }
+        for u in line.forwards[-1]
+    ]
+    return {"summary": line.summary(), "units": units, "seconds": line.bounds[-1][1] - origin}
 
 
 def _paired_floor(spec: dict[str, Any], device_map: dict[str, str]) -> float:
@@ -467,7 +495,7 @@ def compute_child(spec: dict[str, Any]) -> dict[str, Any]:
         block = None  # its weights freed before the head is made
         head = torch.nn.Linear(config.n_embd, config.vocab_size, bias=False)
         head_s = _best(lambda: head(x))
-    return {"block_s": block_s, "head_s": head_s}
+    return {"block_s": block_s, "head_s": head_s, "threads": torch.get_num_threads()}
 
 
 def _best(fn: Any, repeat: int = 3) -> float:
@@ -559,6 +587,32 @@ def _proc_anon(pid: int) -> int:
     return 0
 
 
+def fractions(text: str) -> list[tuple[str, Fraction]]:
+    """``"0,1/4,1/2,2/3"`` -> labels and fractions of the RAM (checked: 0 <= f < 1)."""
+    out = []
+    for label in (t.strip() for t in text.split(",") if t.strip()):
+        value = Fraction(label)
+        if not 0 <= value < 1:
+            raise SystemExit(f"bench/beyond_ram.py: --fractions {label!r}: give fractions of the RAM in [0, 1)")
+        out.append((label, value))
+    return out
+
+
+def split_scenarios(text: str, shape: Shape) -> dict[str, dict[str, Any]]:
+    """The scenarios of one size: bigviz at each resident split (the 'cpu' budget a fraction of
+    the RAM; 0: ``{"": "disk"}``), then accelerate at 2/3 (its own offload folder)."""
+    scenarios: dict[str, dict[str, Any]] = {}
+    for label, value in fractions(text):
+        if value == 0:
+            scenarios["bigviz all-disk"] = {"engine": "bigviz", "map": "disk", "paired": True, "fraction": "0"}
+        else:
+            name = "bigviz auto" if label == "2/3" else f"bigviz auto {label}"
+            budget = int(shape.ram * value)
+            scenarios[name] = {"engine": "bigviz", "map": "auto", "paired": True, "budget": budget, "fraction": label}
+    scenarios["accelerate auto"] = {"engine": "accelerate", "map": "auto", "fraction": "2/3"}
+    return scenarios
+
+
 # --------------------------------------------------------------------------- report
 def split_bytes(shape: Shape, device_map: dict[str, str]) -> tuple[int, int, list[tuple[str, int, str]]]:
     """(resident, streamed, units in execution order) of a device map over this GPT."""
@@ -628,7 +682,103 @@ def report(
     for name, r in results.items():
         lines += _scenario_rows(name, r, shape, best, bandwidth, compute, floor.get("probe"))
     lines += ["", *_goals(shape, results, best, bandwidth, compute)]
+    lines += ["", *splits_table(shape, results, compute, bandwidth, best)]
     return "\n".join(lines)
+
+
+def timeline_svg(data: dict[str, Any], title: str, *, width: int = 900) -> str:
+    """One forward's timeline (``_timeline_data``) as an SVG picture: a row of reads and a row of
+    computes, a bar per streamed unit (resident blocks compute in the gaps of the lower row),
+    compute waiting on reads in red."""
+    seconds = max(data["seconds"], 1e-9)
+    left, right, row = 70, 10, 26
+    scale = (width - left - right) / seconds
+
+    def bar(t0: float, t1: float, y: int, colour: str, tip: str) -> str:
+        x, w = left + t0 * scale, max(1.0, (t1 - t0) * scale)
+        return (
+            f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row - 6}" fill="{colour}"><title>{tip}</title></rect>'
+        )
+
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{3 * row + 40}" font-family="sans-serif" font-size="12">',
+        f'<text x="{left}" y="14">{title}</text>',
+        f'<text x="4" y="{20 + row - 10}">disk</text><text x="4" y="{20 + 2 * row - 10}">compute</text>',
+    ]
+    for u in data["units"]:
+        for a, b in u.get("pieces") or ([u["read"]] if u["read"] is not None else []):
+            if b > 0:
+                parts.append(bar(max(0.0, a), b, 20, "#4a7ebb", f"read {u['name']}: {max(0.0, a):.2f}-{b:.2f} s"))
+        if u["compute"][0] - u["wait"] > 1e-3:
+            parts.append(bar(u["wait"], u["compute"][0], 20 + row, "#d9534f", f"{u['name']} waits on its read"))
+        parts.append(bar(*u["compute"], 20 + row, "#5cb85c", f"compute {u['name']}"))
+    for t in range(int(seconds) + 1):
+        x = left + t * scale
+        parts.append(f'<text x="{x:.0f}" y="{20 + 3 * row}" text-anchor="middle">{t} s</text>')
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+def compute_floor(shape: Shape, compute: dict[str, float]) -> float:
+    """Seconds of the whole forward with every weight in RAM: every block and the head."""
+    return shape.n_layer * compute["block_s"] + compute["head_s"]
+
+
+def splits_table(
+    shape: Shape,
+    results: dict[str, dict[str, Any]],
+    compute: dict[str, Any],
+    bandwidth: float | None,
+    best: float | None,
+) -> list[str]:
+    """Each split's later forward against its limit (bigviz.core.cost: the longer of reading the
+    streamed bytes at the floor's speed and the compute floor, plus what cannot overlap) and
+    against the prediction (the same model with the engine's ring); where the time went (the
+    timeline of the next forward: compute waiting on reads, the disk idle)."""
+    if not compute or not bandwidth:
+        return ["(no split table: the compute floor or the read floor was not measured)"]
+    lines = [
+        f"### Splits, {gb(shape.model_bytes)}, {shape.model_bytes / shape.ram:.2f}x the RAM",
+        "",
+        "The compute floor "
+        f"(one block in RAM, {TOKENS} tokens, {compute.get('threads', '?')} threads, best of 3: "
+        f"{compute['block_s']:.2f} s per block) is {compute_floor(shape, compute):.1f} s per forward; the read "
+        f"floor {bandwidth / 1e9:.2f} GB/s. Limit = the cost model's forward with reads ahead without bound.",
+        "",
+        "| split: cpu budget | resident | streamed | streamed at the floor | compute floor | limit | predicted "
+        "| measured (slower later) | / limit | / predicted | compute waited | streamed units' compute / floor "
+        "| disk idle | first + dispatch / whole read | anon RAM peak |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        if r.get("engine") == "accelerate" or name.startswith("accelerate") or "next_s" not in r:
+            continue
+        resident, streamed, _ = split_bytes(shape, r["map"])
+        guess = predict(shape, r["map"], compute, bandwidth, r.get("depth", 2), r.get("ring"))
+        later = max(r[k] for k in ("next_s", "third_s") if k in r)
+        line = r.get("timeline", {}).get("summary", {})
+        budget = (
+            "all disk" if name.endswith("all-disk") else f"{name.split()[-1] if name[-1].isdigit() else '2/3'} of RAM"
+        )
+        first = r["first_s"] + r["dispatch_s"]
+        blocks = [u for u in r.get("timeline", {}).get("units", []) if ".h." in u["name"]]
+        slower = ratio(line.get("compute"), len(blocks) * compute["block_s"]) if blocks else "-"
+        lines.append(
+            f"| {budget} | {gb(resident)} | {gb(streamed)} | {fmt_s(streamed / bandwidth)} | "
+            f"{fmt_s(compute_floor(shape, compute))} | **{fmt_s(guess.limit_seconds)}** ({guess.bottleneck}) | "
+            f"{fmt_s(guess.seconds)} | {fmt_s(later)} | **{ratio(later, guess.limit_seconds)}** | "
+            f"{ratio(later, guess.seconds)} | {fmt_s(line.get('wait'))} | {slower} | {fmt_s(line.get('disk_idle'))} | "
+            f"{ratio(first, best)} | {r['anon_peak'] / GiB:.2f} GiB |"
+        )
+    lines += [
+        "",
+        "Goals (issue 26): later forwards at most 1.1x the limit; prediction within 15% of the "
+        "measurement; first forward with dispatch at most 1.15x the whole-checkpoint read floor. "
+        "Where a forward misses its limit, the timeline says why: compute waiting on reads (the schedule), "
+        "or the streamed blocks' compute slower than the compute floor (the machine: contention, "
+        "reader threads on the compute cores, cold memory).",
+    ]
+    return lines
 
 
 def _header(shape: Shape, info: dict[str, Any]) -> str:
@@ -797,7 +947,21 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ram-multiple", type=float, default=1.25, help="model size / RAM (default 1.25)")
     parser.add_argument("--size", help="model size instead (e.g. 30GB); skips if the disk lacks 2.5x")
     parser.add_argument("--n-embd", type=int, default=6144, help="width (blocks of 48 x n_embd^2 bytes)")
-    parser.add_argument("--small", action="store_true", help="~300 MB, pretend RAM = model / ram-multiple")
+    parser.add_argument(
+        "--small", action="store_true", help="pretend RAM of --small-ram (240MB): models of 300 and 480 MB"
+    )
+    parser.add_argument("--small-ram", default="240MB", help="the pretend RAM of --small (e.g. 2GB for a moderate run)")
+    parser.add_argument(
+        "--small-n-embd", type=int, default=512, help="width of --small's GPT (blocks of 48 x n_embd^2 bytes)"
+    )
+    parser.add_argument(
+        "--sizes", default="1.25,2", help="model sizes as multiples of the RAM, measured one after the other"
+    )
+    parser.add_argument(
+        "--fractions",
+        default="0,1/4,1/2,2/3",
+        help="resident splits: the 'cpu' budget as a fraction of the RAM (0: all-disk)",
+    )
     parser.add_argument("--readers", type=int, default=4, help="parallel readers for the floor")
     parser.add_argument("--drop", choices=["auto", "global", "files"], default="auto")
     parser.add_argument("--work", type=Path, default=WORK, help="where the checkpoint goes")
@@ -812,8 +976,11 @@ def parse_args() -> argparse.Namespace:
         "--only",
         action="append",
         default=[],
-        choices=["disk", "auto", "accelerate"],
-        help="run only these scenarios (repeatable)",
+        choices=["disk", "auto", "accelerate", "0", "1/4", "1/2", "2/3"],
+        help="run only these scenarios (repeatable; disk = 0, auto = 2/3)",
+    )
+    parser.add_argument(
+        "--no-results", action="store_true", help="do not record the results (bench/results/, bench/RESULTS.md)"
     )
     parser.add_argument(
         "--no-results", action="store_true", help="do not record the results (bench/results/, bench/RESULTS.md)"
@@ -824,7 +991,11 @@ def parse_args() -> argparse.Namespace:
 
 
 def folder_for(args: argparse.Namespace) -> Path:
-    return args.work / ("beyond-ram-small" if args.small else "beyond-ram")
+    """The checkpoint's folder: one per size (1.25x RAM keeps the name earlier runs used)."""
+    name = "beyond-ram-small" if args.small else "beyond-ram"
+    if args.size:
+        return args.work / f"{name}-{args.size}"
+    return args.work / (name if args.ram_multiple == 1.25 else f"{name}-{args.ram_multiple:g}x")
 
 
 def main() -> None:
@@ -836,26 +1007,51 @@ def main() -> None:
         raw = json.loads(args.report.read_text())
         print(report(Shape(**raw["shape"]), raw["floor"], raw["results"], raw["compute"], raw["info"]))
         return
+    sizes = [None] if args.size else [float(x) for x in args.sizes.split(",")]
+    texts = []
+    for i, multiple in enumerate(sizes):
+        if multiple is not None:
+            args.ram_multiple = multiple
+        text = measure_size(args, first=i == 0, more=sizes[i + 1 :])
+        if text:
+            print(text)
+            texts.append(text)
+    if texts and not (args.small or args.no_results):  # its section replaced, the old one kept in the diary
+        sys.path.insert(0, str(HERE))
+        import records
+
+        records.write_section("beyond_ram", "\n\n".join(texts), note="`python bench/beyond_ram.py`")
+        records.assemble()
+
+
+def measure_size(args: argparse.Namespace, *, first: bool, more: list[float | None]) -> str | None:
+    """One model size: its checkpoint (built or reused), every split measured, the report. Its
+    checkpoint is removed after (it was made here) when ``--delete``, or when the next size
+    needs its room."""
     folder = folder_for(args)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    shape = choose_shape(args, shutil.disk_usage(folder.parent).free + _ours(folder))
+    free = shutil.disk_usage(folder.parent).free
+    shape = choose_shape(args, free + _ours(folder))
     if isinstance(shape, str):
-        print(f"bench/beyond_ram.py: skipped: {shape}")
-        return
-    text = None
+        print(f"bench/beyond_ram.py: {args.ram_multiple:g}x RAM skipped: {shape}")
+        return f"### {args.ram_multiple:g}x the RAM: skipped\n\n{shape}"
+    if not first:
+        args.skip = [*args.skip, "accelerate"]  # accelerate once, at the first size
     try:
-        text = measure(args, shape, folder)
+        return measure(args, shape, folder)
     finally:
-        if args.delete and not args.build_only:
+        later = [m for m in more if m is not None]
+        need = max((disk_need(_scaled(shape, m), accelerate=False) for m in later), default=0)
+        if not args.build_only and (args.delete or need > shutil.disk_usage(folder.parent).free):
+            if not args.delete:
+                print(f"removing {folder} (made by this script): the next size needs its room", file=sys.stderr)
             _remove_ours(folder)
-    if text:
-        print(text)
-        if not (args.small or args.no_results):  # its section replaced, the old one kept in the diary
-            sys.path.insert(0, str(HERE))
-            import records
 
-            records.write_section("beyond_ram", text, note="`python bench/beyond_ram.py`")
-            records.assemble()
+
+def _scaled(shape: Shape, multiple: float) -> Shape:
+    """About the model of ``multiple`` times the same RAM (for the disk room it will need)."""
+    n_layer = max(2, round((multiple * shape.ram - shape.embedding_bytes) / shape.block_bytes))
+    return Shape(shape.n_embd, shape.n_head, n_layer, shape.vocab_size, shape.block_size, shape.ram)
 
 
 def _ours(folder: Path) -> int:
@@ -892,15 +1088,12 @@ def measure(args: argparse.Namespace, shape: Shape, folder: Path) -> str | None:
     }  # --small: the pretend RAM is smaller than the model
     spec["config"].pop("model_type", None)
     compute = {} if "compute" in args.skip else run_child({**spec, "engine": "compute"}, timeout=args.timeout)
-    scenarios = {
-        "bigviz all-disk": {"engine": "bigviz", "map": "disk", "paired": True},
-        "bigviz auto": {"engine": "bigviz", "map": "auto", "paired": True},
-        "accelerate auto": {"engine": "accelerate", "map": "auto"},
-    }
+    scenarios = split_scenarios(args.fractions, shape)
     results = {}
+    only = {{"disk": "0", "auto": "2/3"}.get(o, o) for o in args.only}
     for name, extra in scenarios.items():
-        short = "accelerate" if extra["engine"] == "accelerate" else extra["map"]
-        if extra["engine"] in args.skip or (args.only and short not in args.only):
+        short = "accelerate" if extra["engine"] == "accelerate" else extra["fraction"]
+        if extra["engine"] in args.skip or (only and short not in only):
             continue
         free = shutil.disk_usage(folder.parent).free  # a shared disk: what others left now
         if extra["engine"] == "accelerate" and free < accelerate_copy(shape) * 1.1:
@@ -912,12 +1105,18 @@ def measure(args: argparse.Namespace, shape: Shape, folder: Path) -> str | None:
             continue
         drop_caches(files, info["drop"])
         print(f"  {name} (load {load_average()}) ...", file=sys.stderr, flush=True)
-        results[name] = run_child({**spec, **extra}, timeout=args.timeout)
+        results[name] = {**run_child({**spec, **extra}, timeout=args.timeout), "fraction": extra["fraction"]}
         shutil.rmtree(spec["offload"], ignore_errors=True)  # made by this scenario (refused if there before)
         print(f"  {name}: { {k: v for k, v in results[name].items() if k != 'map'} }", file=sys.stderr, flush=True)
     info["load_end"] = load_average()
     compute = compute if "error" not in compute else {}
     raw = {"shape": shape.__dict__, "floor": floor, "results": results, "compute": compute, "info": info}
+    for name, r in results.items():  # a picture of each split's next forward
+        if "timeline" in r:
+            title = f"{gb(shape.model_bytes)}, {name}: next forward {r['next_s']:.1f} s (green: streamed units compute)"
+            label = r["fraction"].replace("/", "of")
+            svg = folder.parent / f"{folder.name}-timeline-{label}.svg"
+            svg.write_text(timeline_svg(r["timeline"], title) + "\n")
     (folder.parent / f"{folder.name}-results.json").write_text(json.dumps(raw, indent=1) + "\n")
     return report(shape, floor, results, compute, info)
 

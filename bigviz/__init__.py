@@ -101,6 +101,8 @@ _EXPORTS: dict[str, str] = {
     "cpu_offload_with_hook": "bigviz.engine.big_modeling",
     "disk_offload": "bigviz.engine.big_modeling",
     "residency": "bigviz.engine.resident",
+    "timeline": "bigviz.engine.timeline",
+    "Timeline": "bigviz.engine.timeline",
     # ui (plotly / ipywidgets imported on first use)
     "Planner": "bigviz.ui.planner",
     "treemap": "bigviz.ui.treemap",

@@ -20,7 +20,15 @@ until the streamed unit ``depth + 1`` places before it has finished computing (i
 or its pages, are then free); resident units in between hold no buffer, so reads run on
 past them. ``depth=0`` is no read-ahead: a unit is read when its turn to compute comes. So a forward takes about ``max(read, copy, compute)`` when the stages overlap,
 plus what cannot overlap: the first read before any compute, the last compute after every
-read. Resident weights are read once, before the first forward (``load_seconds``).
+read. That bound, reached when reads may run ahead without limit, is the forward's **limit**
+(``ForwardEstimate.limit_seconds``): where more of the model stays resident, the compute of the
+whole forward (weights in RAM) sets it, not the disk. Resident weights are read once, before
+the first forward (``load_seconds``).
+
+Compute comes in as seconds (measured), or as a machine's compute rate: the bytes of weights a
+forward computes through per second (:func:`weights_compute_seconds`; measured with
+``bigviz.modeling.compute_rate.measure_compute_rate`` on one block in RAM, for the tokens
+and threads of the run, and carried by ``MachineFacts.compute_rate``).
 
 Example:
     >>> units = [UnitCost("h.0", compute_seconds=0.5)] + [
@@ -30,6 +38,14 @@ Example:
     (3.5, 3.0, 2.0, 'disk', 1.0)
     >>> predict_forward(units, disk_bandwidth=2e9, depth=0).seconds  # no overlap: read, compute, ...
     5.0
+
+    Half the units resident, reads hidden under compute: the compute of the whole forward is
+    the limit, and a read-ahead of one unit reaches it:
+
+    >>> units = [UnitCost(f"h.{i}", read_bytes=10**9 if i % 2 else 0, compute_seconds=1.0) for i in range(4)]
+    >>> e = predict_forward(units, disk_bandwidth=1e9, depth=1)
+    >>> e.limit_seconds, e.seconds, e.bottleneck
+    (4.0, 4.0, 'compute')
 """
 
 from __future__ import annotations
@@ -38,7 +54,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from bigviz.core.errors import UsageError
 
-__all__ = ["UnitCost", "ForwardEstimate", "predict_forward", "estimate_forward", "compute_seconds", "plan_forward"]
+__all__ = [
+    "UnitCost",
+    "ForwardEstimate",
+    "predict_forward",
+    "estimate_forward",
+    "compute_seconds",
+    "weights_compute_seconds",
+    "plan_forward",
+]
 
 
 @dataclass(frozen=True)
@@ -96,6 +120,12 @@ class ForwardEstimate:
         copy_bytes: Bytes copied to the execution device per forward.
         disk_bandwidth: The disk's bytes/s it was predicted with.
         link_bandwidth: The link's bytes/s (``None``: nothing crosses one).
+        limit_seconds: The physical limit of this forward: the same units with reads running
+            ahead without bound (every buffer free), that is ``max(disk, link, compute)`` busy
+            time plus what cannot overlap (the reads before the first streamed unit can
+            compute, the compute after the last read). ``seconds`` above it is time the
+            read-ahead the plan allows (its depth, its ring) loses; a measured forward is
+            judged against this, not against the disk alone.
     """
 
     seconds: float
@@ -109,6 +139,7 @@ class ForwardEstimate:
     copy_bytes: int = 0
     disk_bandwidth: float = 0.0
     link_bandwidth: float | None = None
+    limit_seconds: float = 0.0
 
     @property
     def streamed(self) -> bool:
@@ -149,6 +180,8 @@ class ForwardEstimate:
         text = f"{self.seconds:.2f} s per forward: {', '.join(parts)}"
         if self.read_seconds or self.copy_seconds:
             text += f", overlapped (the {self.bottleneck} is the bottleneck)"
+        if self.limit_seconds and self.seconds > self.limit_seconds * 1.005:
+            text += f"; {self.limit_seconds:.2f} s with reads ahead without bound (the limit)"
         if self.load_seconds:
             text += f"; {self.load_seconds:.2f} s more before the first, to read the resident weights"
         return text
@@ -190,27 +223,8 @@ def predict_forward(
     _check(units, disk_bandwidth=disk_bandwidth, link_bandwidth=link_bandwidth, depth=depth)
     if ring is not None and ring <= 0:
         raise UsageError(f"ring={ring!r} must be > 0 bytes")
-    read_free = copy_free = compute_end = stall = 0.0
-    streamed_ends: list[float] = []  # when each streamed unit finished computing
-    streamed_bytes: list[int] = []
-    gate = _RingGate(ring, streamed_ends, streamed_bytes) if ring is not None else None
-    for unit in units:
-        ready = 0.0
-        if unit.streamed and gate is not None:
-            read_free = ready = gate.read(read_free, unit.read_bytes, disk_bandwidth)
-        elif unit.streamed:
-            at = len(streamed_ends) - depth - 1
-            freed = streamed_ends[at] if at >= 0 else 0.0
-            start = max(read_free, compute_end if depth == 0 else freed)  # depth 0: read on demand
-            read_free = ready = start + unit.read_bytes / disk_bandwidth
-        if unit.copy_bytes:
-            copy_free = ready = max(copy_free, ready) + unit.copy_bytes / link_bandwidth  # type: ignore[operator]
-        start = max(compute_end, ready)
-        stall += start - compute_end
-        compute_end = start + unit.compute_seconds
-        if unit.streamed:
-            streamed_ends.append(compute_end)
-            streamed_bytes.append(unit.read_bytes)
+    compute_end, stall = _simulate(units, disk_bandwidth, link_bandwidth, depth=depth, ring=ring)
+    limit, _ = _simulate(units, disk_bandwidth, link_bandwidth, depth=len(units), ring=None)
     busy = _busy(units, disk_bandwidth, link_bandwidth)
     return ForwardEstimate(
         seconds=compute_end,
@@ -224,7 +238,37 @@ def predict_forward(
         copy_bytes=sum(u.copy_bytes for u in units),
         disk_bandwidth=disk_bandwidth,
         link_bandwidth=link_bandwidth,
+        limit_seconds=min(limit, compute_end),
     )
+
+
+def _simulate(
+    units: Sequence[UnitCost], disk: float, link: float | None, *, depth: int, ring: int | None
+) -> tuple[float, float]:
+    """(when the last unit has computed, seconds compute waited) of one forward through the
+    three stages, reads ``depth`` streamed units (or a ``ring``'s bytes) ahead."""
+    read_free = copy_free = compute_end = stall = 0.0
+    streamed_ends: list[float] = []  # when each streamed unit finished computing
+    streamed_bytes: list[int] = []
+    gate = _RingGate(ring, streamed_ends, streamed_bytes) if ring is not None else None
+    for unit in units:
+        ready = 0.0
+        if unit.streamed and gate is not None:
+            read_free = ready = gate.read(read_free, unit.read_bytes, disk)
+        elif unit.streamed:
+            at = len(streamed_ends) - depth - 1
+            freed = streamed_ends[at] if at >= 0 else 0.0
+            start = max(read_free, compute_end if depth == 0 else freed)  # depth 0: read on demand
+            read_free = ready = start + unit.read_bytes / disk
+        if unit.copy_bytes:
+            copy_free = ready = max(copy_free, ready) + unit.copy_bytes / link  # type: ignore[operator]
+        start = max(compute_end, ready)
+        stall += start - compute_end
+        compute_end = start + unit.compute_seconds
+        if unit.streamed:
+            streamed_ends.append(compute_end)
+            streamed_bytes.append(unit.read_bytes)
+    return compute_end, stall
 
 
 def estimate_forward(
@@ -299,6 +343,23 @@ def compute_seconds(parameters: int, tokens: int, *, flops_per_second: float) ->
     if flops_per_second <= 0:
         raise UsageError(f"flops_per_second={flops_per_second!r} must be > 0 (measure it: one block's forward)")
     return 2 * parameters * tokens / flops_per_second
+
+
+def weights_compute_seconds(nbytes: int, *, compute_rate: float) -> float:
+    """Seconds a forward computes through ``nbytes`` of weights at ``compute_rate`` bytes/s (a
+    machine's rate, measured on one block in RAM for the tokens and threads of the run:
+    ``MachineFacts.compute_rate``).
+
+    Example:
+        >>> weights_compute_seconds(18 * 10**9, compute_rate=1.8e9 / 1.07)  # 1.07 s per 1.8 GB block
+        10.7
+    """
+    if not compute_rate or compute_rate <= 0:
+        raise UsageError(
+            f"compute_rate={compute_rate!r} must be > 0 bytes/s (measure it: "
+            "bigviz.modeling.compute_rate.measure_compute_rate on one block in RAM)"
+        )
+    return round(nbytes / compute_rate, 9)
 
 
 def plan_forward(

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from bigviz.core.cost import ForwardEstimate, plan_forward
+from bigviz.core.cost import ForwardEstimate, plan_forward, weights_compute_seconds
 from bigviz.core.devicemap import clean_device_map, device_of
 from bigviz.core.devices import Device, device_label, streamed_devices
 from bigviz.core.hardware import DISK_BANDWIDTH, LINK_BANDWIDTH, find_bandwidth
@@ -235,7 +235,7 @@ class DevicePlan:
         self,
         *,
         disk_bandwidth: float | str | None = None,
-        compute_seconds: float = 0.0,
+        compute_seconds: float | None = None,
         link_bandwidth: float | str | None = None,
         depth: int | None = None,
         machine: MachineFacts | None = None,
@@ -252,7 +252,8 @@ class DevicePlan:
                 :data:`~bigviz.core.hardware.DISK_BANDWIDTH` preset name (or unique start of
                 one); default: the machine's measured bandwidth, else ``"NVMe ("``.
             compute_seconds: the whole model's compute per forward (measured), spread over
-                the units by bytes.
+                the units by bytes; default: the weights' bytes at ``machine.compute_rate``
+                when the machine's facts carry one, else 0 (compute not counted).
             link_bandwidth: host-to-GPU bytes/s or a :data:`~bigviz.core.hardware.LINK_BANDWIDTH`
                 name; default: PCIe 4 x16 when a GPU executes, none for the CPU.
             depth: streamed units read ahead (default: the stream plan's).
@@ -266,8 +267,18 @@ class DevicePlan:
             >>> e = p.cost(disk_bandwidth=1e9, compute_seconds=1.0)
             >>> e.seconds, e.bottleneck
             (2.25, 'disk')
+            >>> from bigviz.core.stream_plan import MachineFacts
+            >>> slow_cpu = MachineFacts(42 * 10**8, disk_bandwidth=1e9, compute_rate=1e9)  # 1 s per GB computed
+            >>> e = p.cost(machine=slow_cpu)  # 2 GB streamed in 2 s, hidden under 4 s of compute
+            >>> e.seconds, e.limit_seconds, e.bottleneck
+            (4.0, 4.0, 'compute')
         """
         plan = self.stream_plan(machine, stream)
+        if compute_seconds is None:
+            rate = machine.compute_rate if machine is not None else None
+            compute_seconds = (
+                weights_compute_seconds(sum(p.nbytes for p in self.placements), compute_rate=rate) if rate else 0.0
+            )
         if disk_bandwidth is None:
             disk_bandwidth = machine.disk_bandwidth if machine is not None and machine.disk_bandwidth else "NVMe ("
         disk = find_bandwidth(disk_bandwidth, DISK_BANDWIDTH, "disk")

@@ -88,10 +88,16 @@ class MachineFacts:
         available_ram: Bytes of RAM available now (``psutil.virtual_memory().available``).
         disk_bandwidth: Cold read bytes/s of the disk holding the checkpoint, if measured
             (``bigviz.checkpoint.probe.measure_read_bandwidth``): ``cost()`` uses it.
+        compute_rate: Bytes of weights a forward computes through per second, with every
+            weight in RAM, for the tokens and threads of the run (one block's bytes / its
+            forward's seconds: ``bigviz.modeling.compute_rate.measure_compute_rate``):
+            ``cost()`` counts the compute of the whole forward with it (the limit of a
+            streamed forward is the longer of its reads and this compute).
     """
 
     available_ram: int
     disk_bandwidth: float | None = None
+    compute_rate: float | None = None
 
     @property
     def room(self) -> int:

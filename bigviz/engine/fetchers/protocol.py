@@ -50,6 +50,10 @@ class Handle:
         self._result = result
         self._device = device  # CUDA only: whose current stream must wait for the copies
 
+    def add_done_callback(self, fn: Any) -> None:
+        """Call ``fn(future)`` once the fetch is done (at once if it is): a timeline's read end."""
+        self._result.add_done_callback(fn)
+
     def wait(self) -> dict[str, Tensor]:
         """The unit's tensors, ready to be used on the current stream.
 

@@ -60,6 +60,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -71,6 +72,9 @@ from bigviz.engine.fetchers.protocol import Handle, run_now
 from bigviz.engine.fetchers.spans import FileMaps, FileSpan, Where, file_span, mapped_where, span_identity, unit_tensors
 from bigviz.osio.direct import ALIGN, block_room, pieces_of, read_piece
 from bigviz.core.errors import UsageError
+
+if TYPE_CHECKING:
+    from bigviz.engine.timeline import Timeline
 
 __all__ = ["RingFetcher", "ring_capacity"]
 
@@ -191,6 +195,8 @@ class RingFetcher:
         self._queue: deque[tuple[_Read, int]] = deque()  # extents waiting for room, in start order
         self._layouts: dict[int, _Layout] = {}
         self._clock = itertools.count(1)
+        self.timeline: Timeline | None = None  # set while bigviz.timeline(model) records: reads timed
+        self.merge_most = MERGE_MOST  # the largest read tensors are merged into (prepare lowers it)
 
     def __enter__(self) -> RingFetcher:
         return self
@@ -206,17 +212,34 @@ class RingFetcher:
 
     def prepare(self, units: Sequence[Unit], ahead: float = RING_AHEAD) -> int:
         """Find the units' layouts and size the ring for the largest (unless given); returns
-        the capacity."""
-        sizes, maps = [], FileMaps()  # /proc/self/maps parsed once for all of them
+        the capacity.
+
+        Reads are merged into extents of at most half the ring's room beyond the largest
+        unit (issue 26): an extent is placed whole, so a unit read as one 64 MiB extent could
+        not start into the half unit a ring of 1.5 units leaves free while the unit before
+        it computes, and every streamed unit's read waited for the previous one's compute
+        (the timeline of a GPT with 12.6 MB blocks showed it). Tensors are still never split.
+        """
+        maps = FileMaps()  # /proc/self/maps parsed once for all of them
+        largest = self._largest(units, maps)
+        if self.capacity is None and largest:
+            room = ring_capacity(largest, ahead) - largest
+            most = max(ALIGN, min(MERGE_MOST, room // 2))
+            if most < self.merge_most:
+                self.merge_most = most
+                self._layouts.clear()
+                largest = self._largest(units, maps)
+            self.capacity = ring_capacity(largest, ahead)
+        return self.capacity or 0
+
+    def _largest(self, units: Sequence[Unit], maps: FileMaps) -> int:
+        sizes = []
         for unit in units:
             try:
                 sizes.append(self._layout(unit, unit_tensors(unit), maps).size)
             except Exception:  # noqa: BLE001 - its fetch will fail, naming the unit (FetchError)
                 continue
-        largest = max(sizes, default=0)
-        if self.capacity is None and largest:
-            self.capacity = ring_capacity(largest, ahead)
-        return self.capacity or 0
+        return max(sizes, default=0)
 
     def start(self, unit: Unit, *, background: bool) -> Handle:
         """Queue ``unit``'s reads behind those already started (readers do them as the ring
@@ -330,10 +353,17 @@ class RingFetcher:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.readers, thread_name_prefix="bigviz-ring")
         address = buffer.data_ptr() + at
+        timeline = self.timeline
+        if timeline is not None:
+            timeline.queued(read.unit, read)
         for piece in pieces_of(
             extent.path, extent.offset, extent.length, address, direct=True, identity=extent.identity
         ):
-            read.futures.append(self._pool.submit(read_piece, piece, self.direct))
+            if timeline is None:
+                read.futures.append(self._pool.submit(read_piece, piece, self.direct))
+            else:  # when each piece ran, in the reader thread
+                job = (read.unit, read, piece.need, read_piece, piece, self.direct)
+                read.futures.append(self._pool.submit(timeline.timed, *job))
 
     def _give_up(self, read: _Read) -> None:
         """``read`` is released, or nothing will use it: its ring bytes may be read over once
@@ -354,6 +384,7 @@ class RingFetcher:
         kept = frozenset(key for key in tensors if spans[key] is None)
         files = _identities(unit, spans)
         groups: list[list] = []  # [path, first byte, end byte, keys]
+        small = min(SMALL, self.merge_most // 16)
         for key, span in sorted(
             ((k, s) for k, s in spans.items() if s is not None), key=lambda i: (i[1].path, i[1].offset)
         ):
@@ -364,8 +395,8 @@ class RingFetcher:
                 and files[last[3][0]] == files[key]
                 and span.offset <= last[2] + MERGE_GAP
                 and (
-                    max(last[2], span.offset + span.length) - last[1] <= MERGE_MOST
-                    or min(last[2] - last[1], span.length) < SMALL
+                    max(last[2], span.offset + span.length) - last[1] <= self.merge_most
+                    or min(last[2] - last[1], span.length) < small
                 )
             ):
                 last[2] = max(last[2], span.offset + span.length)
