@@ -220,12 +220,12 @@ def test_a_safetensors_header_naming_a_tensor_twice_is_refused(tmp_path: Path):
         b'"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}'
     )
     path = _raw_safetensors(tmp_path / "twice.safetensors", header + b" " * (-len(header) % 8))
-    _refused(path, str(path), "'w' appears 2 times")
+    _refused(path, str(path), "'w' appears twice")
 
 
 def test_a_device_map_file_naming_a_module_twice_is_refused(tmp_path: Path):
     path = tmp_path / "map.json"
     path.write_text('{"0": "cpu", "0": "disk"}')
-    with pytest.raises(ValueError, match=r"'0' appears 2 times \('cpu', 'disk'\)") as info:
+    with pytest.raises(ValueError, match=r"'0' appears twice \('cpu', then 'disk'\)") as info:
         bigviz.load_device_map(path)
     assert str(path) in str(info.value)
