@@ -38,7 +38,7 @@ import re
 import secrets
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -104,23 +104,34 @@ class OffloadRecord:
         files: live file name -> its stamp when written (``(inode, size, mtime_ns)``; a
             record of bigviz 0.2 kept sizes only: ``(None, size, None)``).
         pending: stems (``offload-<hex>``) of earlier or unfinished writes, all bigviz's.
+        written_ns: when the record file was last written (its ``mtime_ns``, as read). A record
+            of sizes alone was written after the files it lists, so a listed file modified
+            later (by hand, to the same size) is not bigviz's any more.
     """
 
     index: str | None = None
     files: dict[str, tuple[int | None, int, int | None]] = field(default_factory=dict)
     pending: tuple[str, ...] = ()
+    written_ns: int | None = None
 
     def owns(self, name: str, st: os.stat_result | None) -> bool | None:
         """True: bigviz's; False: not; None: bigviz's once, changed since (another stamp)."""
         if name in self.files:
-            return True if st is not None and _matches(self.files[name], stamp_of(st)) else None
+            return True if st is not None and self._same(self.files[name], st) else None
         return any(_of_stem(name, stem) for stem in self.pending) or bool(_RECORD_TMP.fullmatch(name))
 
     def unchanged(self, name: str, st: os.stat_result) -> bool:
         """Whether ``name``'s content is as written: size and modification time (its inode may
         differ: a folder copied with its times, ``cp -a``, reads the same)."""
         inode, size, mtime = self.files[name]
-        return st.st_size == size and (mtime is None or st.st_mtime_ns == mtime)
+        return st.st_size == size and (mtime == st.st_mtime_ns if mtime is not None else not self._newer(st))
+
+    def _same(self, recorded: tuple[int | None, int, int | None], st: os.stat_result) -> bool:
+        return _matches(recorded, stamp_of(st)) and (recorded[2] is not None or not self._newer(st))
+
+    def _newer(self, st: os.stat_result) -> bool:
+        """A file modified after a record of sizes alone was written (so not as bigviz wrote it)."""
+        return self.written_ns is not None and st.st_mtime_ns > self.written_ns
 
     def to_json(self) -> dict:
         return {
@@ -167,6 +178,8 @@ def read_record(folder: str | Path) -> OffloadRecord | None:
     record, problem = _parse_record(doc)
     if record is None:
         raise OffloadFolderError(f"{path}: not a bigviz offload record ({problem}); {_FIX}")
+    with contextlib.suppress(OSError):
+        record = replace(record, written_ns=path.stat().st_mtime_ns)
     return record
 
 
@@ -266,6 +279,8 @@ def _what_changed(recorded: tuple[int | None, int, int | None], st: os.stat_resu
         return f"now {st.st_size} bytes, {size} when written"
     if inode is not None and st.st_ino != inode:
         return "another file by the same name"
+    if mtime is None:
+        return f"modified after {RECORD} was written, same size"
     return "modified since it was written, same size"
 
 

@@ -87,8 +87,15 @@ FLOATING_DTYPES = frozenset(d.name for d in _TABLE if d.floating)
 """Canonical names of the floating dtypes (the ones a ``dtype=`` cast converts)."""
 
 _NOT_IN_TORCH = frozenset({"float6_e2m3", "float6_e3m2", "float4_e2m1"})  # sized and planned only
-LOADABLE_DTYPES = tuple(d.name for d in _TABLE if d.floating and d.name not in _NOT_IN_TORCH)
-"""The dtypes a loader's ``dtype=`` may cast floating weights to (floating, with a torch dtype)."""
+_NOT_A_CAST = {  # floating dtypes torch has that a cast of weights must not target
+    "float8_e8m0fnu": "holds only powers of two with no sign (MX block scales): every weight would lose its sign",
+    "float4_e2m1fn_x2": "packs two 4-bit values per byte: torch cannot cast weights to it",
+}
+LOADABLE_DTYPES = tuple(
+    d.name for d in _TABLE if d.floating and d.name not in _NOT_IN_TORCH and d.name not in _NOT_A_CAST
+)
+"""The dtypes a loader's ``dtype=`` may cast floating weights to (floating, with a torch dtype, and
+able to hold a weight: not the unsigned scale format ``float8_e8m0fnu`` nor a packed pair)."""
 
 # Names users and other libraries write for the same dtypes.
 _ALIASES = {
@@ -178,14 +185,16 @@ def load_dtype(dtype: object, *, name: str = "dtype") -> str | None:
     if dtype is None:
         return None
     choices = ", ".join(LOADABLE_DTYPES[:4]) + ", ..."
-    if not isinstance(dtype, str) and type(dtype).__name__ != "dtype":  # torch.dtype (numpy's too), or a name
+    if not isinstance(dtype, str) and all(c.__name__ != "dtype" for c in type(dtype).__mro__):  # torch's, numpy's
         raise UsageError(f"{name}={dtype!r} is not a dtype: give a floating dtype such as torch.bfloat16 or 'float16'")
     try:
         canonical = canonical_dtype(dtype)
     except ValueError:
         raise UsageError(f"{name}={dtype!r} is not a dtype bigviz knows: give a floating dtype ({choices})") from None
     if canonical not in LOADABLE_DTYPES:
-        what = "has no torch dtype to load into" if DTYPES[canonical].floating else "is not a floating dtype"
+        what = _NOT_A_CAST.get(canonical) or (
+            "has no torch dtype to load into" if DTYPES[canonical].floating else "is not a floating dtype"
+        )
         raise UsageError(
             f"{name}={dtype!r} {what}: a load casts every floating weight to it; give one of "
             f"{', '.join(LOADABLE_DTYPES)} (a planner sizes other dtypes as a what-if)"

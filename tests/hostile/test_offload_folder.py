@@ -225,6 +225,33 @@ def test_a_record_of_sizes_alone_still_reads_and_is_replaced(tmp_path: Path):
     assert {p.name for p in folder.iterdir()} == set(json.loads(path.read_text())["files"]) | {path.name}
 
 
+def test_a_file_edited_under_a_record_of_sizes_alone_is_refused_and_kept(tmp_path: Path):
+    """A record of sizes alone (bigviz 0.2) was written after its files: a listed file modified
+    later, to the same size, is no longer bigviz's (the old rule deleted it by its size)."""
+    folder = tmp_path / "off"
+    bigviz.remove_hooks(bigviz.disk_offload(_gpt(1), folder))
+    path = folder / "bigviz-offload.json"
+    record = json.loads(path.read_text())
+    record["files"] = {name: stamp["size"] for name, stamp in record["files"].items()}
+    record["version"] = 1
+    path.write_text(json.dumps(record))
+    written = path.stat().st_mtime_ns
+    mine = folder / record["index"]
+    data = bytearray(mine.read_bytes())
+    data[-4:] = b"mine"  # the same size, other bytes, after the record
+    mine.write_bytes(bytes(data))
+    os.utime(mine, ns=(written + 10**9, written + 10**9))  # later, whatever the clock's grain
+    files = snapshot(folder)
+    with pytest.raises(ValueError) as err:
+        bigviz.disk_offload(_gpt(2), folder)
+    assert mine.name in str(err.value) and "modified after" in str(err.value), str(err.value)
+    with bigviz.init_empty_weights():
+        meta = GPT(GPTConfig.preset("gpt-tiny"))
+    with pytest.raises(ValueError, match="changed since bigviz wrote them"):
+        bigviz.disk_offload(meta, folder)  # not read back as bigviz's weights either
+    assert snapshot(folder) == files
+
+
 SHARED = textwrap.dedent("""
     import json, os, sys, time
     from pathlib import Path
