@@ -124,7 +124,7 @@ def measured_bytes(model: torch.nn.Module) -> dict[str, int]:
             continue
         seen.add(id(tensor))
         kind = tensor.device.type
-        key = "disk" if kind == "meta" else ("cpu" if kind == "cpu" else str(tensor.device.index or 0))
+        key = "disk" if tensor.is_meta else ("cpu" if kind == "cpu" else str(tensor.device.index or 0))
         out[key] = out.get(key, 0) + tensor.numel() * tensor.element_size()
     return out
 
@@ -307,7 +307,7 @@ def _read_marker(out: Path) -> dict[str, Any]:
         why = "it is too large"
     else:
         try:
-            data = parse_json(path.read_bytes(), path, "bigviz demo marker", unique_keys=True)
+            data = parse_json(path.read_bytes(), path, "bigviz demo marker")
         except ValueError as err:
             data, why = None, str(err)
         if data == {"written_by": WRITTEN_BY, "outputs": list(OUTPUTS)}:  # bigviz 0.1's marker

@@ -37,6 +37,7 @@ __all__ = [
     "write_json_atomic",
     "write_text_atomic",
     "parse_json",
+    "DuplicateKeysError",
 ]
 
 
@@ -96,55 +97,81 @@ def write_json_atomic(data: Any, path: str | os.PathLike[str]) -> None:
     write_text_atomic(json.dumps(data, indent=2) + "\n", path)
 
 
-def parse_json(text: str | bytes, where: object, what: str, *, unique_keys: bool = False) -> Any:
-    """Parse JSON, or raise ``ValueError`` naming ``where`` it came from: bad syntax, bytes
-    that are not UTF-8, or nesting so deep that Python's parser would raise ``RecursionError``.
+class DuplicateKeysError(ValueError):
+    """A JSON object naming one key more than once (JSON parsers keep the last silently).
 
-    With ``unique_keys``, an object that names a key twice is refused too: Python's parser
-    keeps the last silently, so ``{"num_hidden_layers": 2, "num_hidden_layers": 80}`` would
-    mean 80 with no word.
+    Attributes:
+        duplicates: key -> every value it was given, in file order (at any depth).
+        doc: the document as JSON parsers read it (the last value of each key).
+    """
+
+    def __init__(self, message: str, duplicates: dict[str, list[Any]], doc: Any = None) -> None:
+        super().__init__(message)
+        self.duplicates = duplicates
+        self.doc = doc
+
+
+def _no_duplicates(found: dict[str, list[Any]]) -> Any:
+    """An ``object_pairs_hook`` that builds the dict and records keys given twice."""
+
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out = dict(pairs)
+        if len(out) != len(pairs):
+            counts: dict[str, list[Any]] = {}
+            for key, value in pairs:
+                counts.setdefault(key, []).append(value)
+            for key, values in counts.items():
+                if len(values) > 1:
+                    found.setdefault(key, []).extend(values)
+        return out
+
+    return hook
+
+
+def parse_json(text: str | bytes, where: object, what: str) -> Any:
+    """Parse JSON, or raise ``ValueError`` naming ``where`` it came from: bad syntax, bytes
+    that are not UTF-8, nesting so deep that Python's parser would raise ``RecursionError``,
+    or an object naming a key twice (:class:`DuplicateKeysError`: Python's parser keeps the
+    last silently, so ``{"num_hidden_layers": 2, "num_hidden_layers": 80}`` would mean 80
+    with no word, and which one was meant is unknown).
 
     Example:
         >>> parse_json("[" * 100_000, "x.json", "device map")
         Traceback (most recent call last):
         ...
         ValueError: x.json: JSON nested too deeply (Python's parser gives up); this is not a device map file
-        >>> parse_json('{"a": 1, "a": 2}', "c.json", "model config", unique_keys=True)
+        >>> parse_json('{"a": 1, "a": 2}', "c.json", "model config")
         Traceback (most recent call last):
         ...
-        ValueError: c.json: key 'a' appears twice (1, then 2); JSON keeps only the last, so bigviz refuses the file: keep one
+        bigviz.core.serialize.DuplicateKeysError: c.json: key 'a' appears twice (1, then 2); JSON keeps only the last, so bigviz refuses the file: keep one
     """
+    duplicates: dict[str, list[Any]] = {}
     try:
         if isinstance(text, bytes):  # JSON files are UTF-8 (RFC 8259); json.loads would guess UTF-16 too
             text = text.decode("utf-8-sig")
-        return json.loads(text, object_pairs_hook=_unique_object if unique_keys else None)
+        doc = json.loads(text, object_pairs_hook=_no_duplicates(duplicates))
     except RecursionError:
         raise ValueError(
             f"{where}: JSON nested too deeply (Python's parser gives up); this is not a {what} file"
         ) from None
-    except _DuplicateKey as err:
-        raise ValueError(
-            f"{where}: key {err.key!r} appears twice ({err.values}); JSON keeps only the last, so bigviz "
-            "refuses the file: keep one"
-        ) from None
     except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ValueError(f"{where}: not valid JSON ({err}); is this a {what} file?") from err
+    if duplicates:
+        shown = [_duplicate_text(key, values) for key, values in duplicates.items()]
+        more = f" and {len(shown) - 5} more" if len(shown) > 5 else ""
+        raise DuplicateKeysError(
+            f"{where}: {'; '.join(shown[:5])}{more}; JSON keeps only the last, so bigviz refuses the file: keep one",
+            duplicates,
+            doc,
+        )
+    return doc
 
 
-class _DuplicateKey(ValueError):
-    def __init__(self, key: str, first: object, second: object) -> None:
-        super().__init__(key)
-        self.key = key
-        self.values = f"{short_repr(first, 40)}, then {short_repr(second, 40)}"
-
-
-def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(key, out[key], value)
-        out[key] = value
-    return out
+def _duplicate_text(key: str, values: list[Any]) -> str:
+    """``key 'a' appears twice (1, then 2)`` or ``key 'a' appears 3 times (1, 2, 3)``."""
+    if len(values) == 2:
+        return f"key {key!r} appears twice ({short_repr(values[0], 40)}, then {short_repr(values[1], 40)})"
+    return f"key {key!r} appears {len(values)} times ({', '.join(short_repr(v, 40) for v in values)})"
 
 
 def _read_json(path: str | os.PathLike[str], what: str) -> Any:

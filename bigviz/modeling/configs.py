@@ -170,7 +170,7 @@ def read_config(source: Any) -> tuple[dict[str, Any], str]:
         raise ConfigError(f"a model config is a config.json path, a dict or a transformers config, got {source!r}")
     path = Path(source) / "config.json" if Path(source).is_dir() else Path(source)
     try:
-        data = parse_json(_config_bytes(path), path, "model config", unique_keys=True)
+        data = parse_json(_config_bytes(path), path, "model config")
     except ConfigError:
         raise
     except ValueError as err:  # the one JSON parser's message names the file

@@ -205,14 +205,16 @@ def test_distributed_outputs_are_checked_up_front(tmp_path: Path, checkpoint: Pa
     assert snapshot(tmp_path) == before
 
 
-def test_only_rank_0_checks_the_outputs(tmp_path: Path, checkpoint: Path, capsys, monkeypatch, no_loading):
+def test_only_rank_0_checks_the_outputs(tmp_path: Path, checkpoint: Path, no_loading):
     """Rank 0 writes; another machine's rank may not have the folder at all."""
     from bigviz.distributed import cli
 
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setattr(cli, "_run", lambda job: None)  # rank 1 joins the group (not here) and writes nothing
-    args = [str(checkpoint), "--stages", "2", "--input-ids", "1", "--out", str(tmp_path / "missing" / "x.pt")]
-    assert cli.main(args) == 0
+    argv = [str(checkpoint), "--stages", "2", "--input-ids", "1", "--out", str(tmp_path / "missing" / "x.pt")]
+    args = cli._parser().parse_args(argv)
+    _, rank1 = cli._prepare(args, cli._Env(world=2, rank=1, local_rank=1, joinable=False))
+    _, rank0 = cli._prepare(args, cli._Env(world=2, rank=0, local_rank=0, joinable=False))
+    assert not any("--out" in p for p in rank1), rank1
+    assert any("--out" in p and "missing" in p for p in rank0), rank0
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o027])
@@ -226,8 +228,8 @@ def test_distributed_logits_and_report_get_the_usual_permissions(tmp_path: Path,
     )
     with bigviz.init_empty_weights():
         plan = bigviz.plan_pipeline(GPT(GPTConfig.preset("gpt-tiny")), 2)
-    job = cli._Job(args, 0, 2, None, plan, "float32")
-    result = {"ranks": [{"rank": 0}, {"rank": 1, "logits": torch.ones(1, 4)}]}
+    job = cli._Job(args, 0, 2, None, plan, "float32", "cpu", {})
+    result = {"ranks": [{"rank": 0}, {"rank": 1, "result": torch.ones(1, 4)}]}
     old = os.umask(umask)
     try:
         cli._write(job, result)
