@@ -19,7 +19,7 @@ it at the end). Then, page cache dropped before each measurement, side by side:
 - bigviz, ``device_map={"": "disk"}``: dispatch, first forward (16 tokens), the next;
 - bigviz, ``device_map="auto"``, ``max_memory={"cpu": 2/3 of RAM}``: the same; the resident
   part is read once into process memory (dispatch), disk blocks are streamed and dropped;
-  the next forward is compared with ``bigviz.core.streaming``'s prediction (the engine's
+  the next forward is compared with ``bigviz.core.cost``'s prediction (the engine's
   read-ahead depth, compute measured above, the floor's bandwidth and the probe's);
 - accelerate, ``device_map="auto"``, the same budget and an offload folder (it rewrites what
   does not fit its budget, ~15 GB: left out, with a message, when the disk lacks the room).
@@ -27,7 +27,9 @@ it at the end). Then, page cache dropped before each measurement, side by side:
 Every scenario runs in a fresh process; its anonymous RAM (RssAnon) peak is reported. A guard
 kills a scenario when the machine's available memory falls under 1 GiB. Ratios against the
 issue's goals are taken within the run (this virtual disk varies a lot between runs). Prints a
-markdown table and appends it to bench/RESULTS.md (not with --small or --no-results); the raw
+markdown table and records it as bench/results/beyond_ram.md, the section of bench/RESULTS.md it
+reassembles (bench/records.py; the section it replaces goes to the diary, bench/history/; not with
+--small or --no-results); the raw
 figures go to ``bench/_work/beyond-ram-results.json``.
 
 The page cache is dropped with ``sync; echo 3 > /proc/sys/vm/drop_caches`` when run as root
@@ -286,7 +288,7 @@ def drop_caches(files: list[Path], mode: str) -> str:
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
         return "global"
-    from bigviz.checkpoint.probe import drop_file_pages
+    from bigviz.osio.pages import drop_file_pages
 
     for path in files:
         drop_file_pages(path)
@@ -384,9 +386,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             if getattr(state, "scheduler", None) is not None:
                 out["depth"] = state.scheduler.depth  # units read ahead (for the prediction)
                 out["ring"] = getattr(state.scheduler.fetcher, "capacity", None)  # CPU streaming: its ring
-            if getattr(model, "_bigviz_residency", None) is not None:
-                out["residency"] = model._bigviz_residency.reason
-                copied = model._bigviz_residency.copied
+            if state is not None and getattr(state, "residency", None) is not None:
+                out["residency"] = bigviz.residency(model).reason
+                copied = bigviz.residency(model).copied
                 if copied is not None:
                     out["copy"] = {"bytes": copied.nbytes, "seconds": copied.seconds, "direct": copied.direct_bytes}
             for key in ("first_s", "next_s", "third_s"):
@@ -585,9 +587,9 @@ def predict(
     depth: int = 2,
     ring: int | None = None,
 ) -> Any:
-    """bigviz.core.streaming's prediction of a later forward, at the floor's bandwidth, with the
+    """bigviz.core.cost's prediction of a later forward, at the floor's bandwidth, with the
     engine's read-ahead (its ring's bytes when the CPU streams, else ``depth`` units)."""
-    from bigviz.core.streaming import UnitCost, predict_forward
+    from bigviz.core.cost import UnitCost, predict_forward
 
     resident, _, placed = split_bytes(shape, device_map)
     seconds = {"wte": 0.0, "block": compute["block_s"], "head": compute["head_s"]}
@@ -813,7 +815,9 @@ def parse_args() -> argparse.Namespace:
         choices=["disk", "auto", "accelerate"],
         help="run only these scenarios (repeatable)",
     )
-    parser.add_argument("--no-results", action="store_true", help="do not write bench/RESULTS.md")
+    parser.add_argument(
+        "--no-results", action="store_true", help="do not record the results (bench/results/, bench/RESULTS.md)"
+    )
     parser.add_argument("--report", type=Path, help="print the report of a saved run (its -results.json)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -846,9 +850,12 @@ def main() -> None:
             _remove_ours(folder)
     if text:
         print(text)
-        if not (args.small or args.no_results):
-            with open(HERE / "RESULTS.md", "a") as f:
-                f.write("\n" + text + "\n")
+        if not (args.small or args.no_results):  # its section replaced, the old one kept in the diary
+            sys.path.insert(0, str(HERE))
+            import records
+
+            records.write_section("beyond_ram", text, note="`python bench/beyond_ram.py`")
+            records.assemble()
 
 
 def _ours(folder: Path) -> int:

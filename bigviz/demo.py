@@ -42,7 +42,7 @@ WRITTEN_BY = "bigviz demo"
 MARKER_FORMAT = 2  # 2: with each file's size and SHA-256
 OUTPUTS = ("gpt2-xl.device_map.json", "llama-70b.device_map.json", "checkpoint", "device_map.json", "report.html")
 PROMPT = "Big models "
-DISK_SPEED = "NVMe ("  # the cost model's disk for a cold read (plan_cost's default)
+DISK_SPEED = "NVMe ("  # the cost model's disk for a cold read (DevicePlan.cost's default)
 WARM_SPEED = "page cache"  # pages just written are in the page cache
 
 
@@ -204,11 +204,9 @@ def _cost_lines(
 
     ``prefill`` is the predicted activations of the prompt's prefill (the plan itself keeps
     room for the largest step it could run: a prefill of its whole context)."""
-    from bigviz.core.cost import plan_cost
-
     streamed = plan.offloaded_bytes()
-    warm = plan_cost(streamed, main_device=plan.main_device, disk=WARM_SPEED)["seconds_per_forward"]
-    cold = plan_cost(streamed, main_device=plan.main_device, disk=DISK_SPEED)["seconds_per_forward"]
+    warm = plan.cost(disk_bandwidth=WARM_SPEED).seconds
+    cold = plan.cost(disk_bandwidth=DISK_SPEED).seconds
     rows = [
         ("weights in CPU RAM", plan.usage_of("cpu").used, held.get("cpu", 0), ""),
         (

@@ -17,7 +17,7 @@ from bigviz.checkpoint.save import save_sharded
 from bigviz.engine.big_modeling import cpu_offload, cpu_offload_with_hook, load_checkpoint_and_dispatch
 from bigviz.engine.dispatch import dispatch_model
 from bigviz.engine.hooks import remove_hooks
-from bigviz.engine.prefetch import CudaFetcher
+from bigviz.engine.fetchers.cuda import CudaFetcher
 from bigviz.models import GPT, GPTConfig
 
 pytestmark = [

@@ -28,6 +28,7 @@ from torch import nn
 from bigviz.core.names import parent
 from bigviz.modeling.configs import ConfigError, checked_config, hf_config
 from bigviz.modeling.inventory import ModelInventory
+from bigviz.core.errors import UsageError
 
 __all__ = [
     "is_transformers_model",
@@ -61,7 +62,7 @@ def conversion_rules(model: nn.Module, key_mapping: Mapping[str, str] | None = N
     """
     if not is_transformers_model(model):
         if key_mapping:
-            raise ValueError("key_mapping= needs a transformers model (its rules are transformers' WeightRenaming)")
+            raise UsageError("key_mapping= needs a transformers model (its rules are transformers' WeightRenaming)")
         return None
     from transformers.conversion_mapping import get_model_conversion_mapping
 

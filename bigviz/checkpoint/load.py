@@ -54,6 +54,7 @@ from bigviz.core.devicemap import check_keys
 from bigviz.core.devices import execution_device, torch_name
 from bigviz.core.dtypes import load_dtype
 from bigviz.modeling.inventory import ModelInventory, tie_model
+from bigviz.core.errors import ArgumentTypeError
 
 __all__ = [
     "LoadResult",
@@ -431,7 +432,7 @@ def _as_device_map(device_map: object) -> Mapping[str, int | str | torch.device]
     inner = getattr(device_map, "device_map", None)  # a DevicePlan
     if isinstance(inner, Mapping):
         return inner
-    raise TypeError(
+    raise ArgumentTypeError(
         f"device_map must be a dict (module -> device) or a DevicePlan, not "
         f"{device_map!r}; for 'auto' use bigviz.infer_auto_device_map first"
     )

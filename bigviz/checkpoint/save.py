@@ -33,6 +33,7 @@ import torch
 from bigviz.checkpoint.commit import CONFIG, Stage, clean_stale_stages, commit, folder_checkpoint
 from bigviz.checkpoint.safetensors_io import write_safetensors
 from bigviz.checkpoint.sharding import parse_size, plan_shards, unique_tensors
+from bigviz.core.errors import ArgumentTypeError, UsageError
 
 __all__ = ["save_sharded", "write_checkpoint_files"]
 
@@ -228,7 +229,7 @@ def _config_data(config: Any) -> dict[str, Any]:
     transformers configs)."""
     data = dict(config) if isinstance(config, Mapping) else getattr(config, "to_dict", lambda: None)()
     if not isinstance(data, dict):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"config must be a dict or have to_dict() (a bigviz or transformers config), not {type(config).__name__}"
         )
     return data
@@ -269,10 +270,10 @@ def _state_dict(obj: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, 
     state = obj.state_dict() if isinstance(obj, torch.nn.Module) else dict(obj)
     bad = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
     if bad:
-        raise TypeError(f"not tensors, cannot save: {bad[:10]}")
+        raise ArgumentTypeError(f"not tensors, cannot save: {bad[:10]}")
     meta = [k for k, v in state.items() if v.is_meta]
     if meta:
-        raise ValueError(
+        raise UsageError(
             f"{len(meta)} tensors are on the meta device and have no data to save "
             f"(first: {meta[:5]}); load weights into the model first (bigviz.load_checkpoint_in_model) "
             "or materialise it with model.to_empty(device='cpu') and initialise it"

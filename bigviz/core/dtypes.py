@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from bigviz.core.errors import UsageError
 
 __all__ = [
     "DType",
@@ -110,7 +111,7 @@ def canonical_dtype(dtype: object) -> str:
     text = str(dtype).removeprefix("torch.")
     text = _ALIASES.get(text, text)
     if text not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(sorted(DTYPES))}")
+        raise UsageError(f"unknown dtype {dtype!r}: use one of {', '.join(sorted(DTYPES))}")
     return text
 
 
@@ -172,20 +173,20 @@ def load_dtype(dtype: object, *, name: str = "dtype") -> str | None:
         ('bfloat16', None)
         >>> load_dtype("int8")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
-        ValueError: dtype='int8' is not a floating dtype: ...
+        bigviz.core.errors.UsageError: dtype='int8' is not a floating dtype: ...
     """
     if dtype is None:
         return None
     choices = ", ".join(LOADABLE_DTYPES[:4]) + ", ..."
     if not isinstance(dtype, str) and type(dtype).__name__ != "dtype":  # torch.dtype (numpy's too), or a name
-        raise ValueError(f"{name}={dtype!r} is not a dtype: give a floating dtype such as torch.bfloat16 or 'float16'")
+        raise UsageError(f"{name}={dtype!r} is not a dtype: give a floating dtype such as torch.bfloat16 or 'float16'")
     try:
         canonical = canonical_dtype(dtype)
     except ValueError:
-        raise ValueError(f"{name}={dtype!r} is not a dtype bigviz knows: give a floating dtype ({choices})") from None
+        raise UsageError(f"{name}={dtype!r} is not a dtype bigviz knows: give a floating dtype ({choices})") from None
     if canonical not in LOADABLE_DTYPES:
         what = "has no torch dtype to load into" if DTYPES[canonical].floating else "is not a floating dtype"
-        raise ValueError(
+        raise UsageError(
             f"{name}={dtype!r} {what}: a load casts every floating weight to it; give one of "
             f"{', '.join(LOADABLE_DTYPES)} (a planner sizes other dtypes as a what-if)"
         )
@@ -204,7 +205,7 @@ def from_safetensors(code: str) -> str:
     """
     found = SAFETENSORS_CODES.get(code)
     if found is None:
-        raise ValueError(f"unknown safetensors dtype {code!r}: one of {', '.join(SAFETENSORS_CODES)}")
+        raise UsageError(f"unknown safetensors dtype {code!r}: one of {', '.join(SAFETENSORS_CODES)}")
     return found.name
 
 

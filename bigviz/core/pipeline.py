@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from bigviz.core.names import owner
 from bigviz.core.serialize import parse_json, write_json_atomic
-from bigviz.core.errors import PlanError, short_repr
+from bigviz.core.errors import PlanError, UsageError, short_repr
 from bigviz.core.sizes import format_size
 from bigviz.core.workload import Workload
 
@@ -141,7 +141,7 @@ def pipeline_bubble(stages: int, microbatches: int, passes: int = 1) -> float:
         (0.03, 0.5)
     """
     if stages < 1 or microbatches < 1 or passes < 1:
-        raise ValueError(f"stages={stages}, microbatches={microbatches}, passes={passes}: each must be >= 1")
+        raise UsageError(f"stages={stages}, microbatches={microbatches}, passes={passes}: each must be >= 1")
     slots = passes * max(microbatches, stages) + min(microbatches, stages) - 1
     return (slots - passes * microbatches) / slots
 
@@ -289,7 +289,7 @@ class PipelinePlan:
         """
         tree = tree if tree is not None else self.tree
         if tree is None:
-            raise ValueError("this PipelinePlan carries no size tree: pass the model's tree")
+            raise UsageError("this PipelinePlan carries no size tree: pass the model's tree")
         out = [t for u in self.units if u.stage == stage for t in tree.subtree_tensors(u.name)]
         out += [s.leader for s in self.shared if stage in s.stages and s.leader not in out]
         return out

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bigviz.core.devicemap import check_keys
-from bigviz.core.errors import DeviceMapError, short_repr
+from bigviz.core.errors import DeviceMapError, UsageError, short_repr
 from bigviz.core.devices import Device, normalize_device
 from bigviz.core.sizes import parse_max_memory
 
@@ -38,6 +38,7 @@ __all__ = [
     "write_text_atomic",
     "parse_json",
     "DuplicateKeysError",
+    "read_json",
 ]
 
 
@@ -97,7 +98,7 @@ def write_json_atomic(data: Any, path: str | os.PathLike[str]) -> None:
     write_text_atomic(json.dumps(data, indent=2) + "\n", path)
 
 
-class DuplicateKeysError(ValueError):
+class DuplicateKeysError(UsageError):
     """A JSON object naming one key more than once (JSON parsers keep the last silently).
 
     Attributes:
@@ -129,7 +130,7 @@ def _no_duplicates(found: dict[str, list[Any]]) -> Any:
 
 
 def parse_json(text: str | bytes, where: object, what: str) -> Any:
-    """Parse JSON, or raise ``ValueError`` naming ``where`` it came from: bad syntax, bytes
+    """Parse JSON, or raise a :class:`UsageError` (a ``ValueError``) naming ``where`` it came from: bad syntax, bytes
     that are not UTF-8, nesting so deep that Python's parser would raise ``RecursionError``,
     or an object naming a key twice (:class:`DuplicateKeysError`: Python's parser keeps the
     last silently, so ``{"num_hidden_layers": 2, "num_hidden_layers": 80}`` would mean 80
@@ -139,7 +140,7 @@ def parse_json(text: str | bytes, where: object, what: str) -> Any:
         >>> parse_json("[" * 100_000, "x.json", "device map")
         Traceback (most recent call last):
         ...
-        ValueError: x.json: JSON nested too deeply (Python's parser gives up); this is not a device map file
+        bigviz.core.errors.UsageError: x.json: JSON nested too deeply (Python's parser gives up); this is not a device map file
         >>> parse_json('{"a": 1, "a": 2}', "c.json", "model config")
         Traceback (most recent call last):
         ...
@@ -151,11 +152,11 @@ def parse_json(text: str | bytes, where: object, what: str) -> Any:
             text = text.decode("utf-8-sig")
         doc = json.loads(text, object_pairs_hook=_no_duplicates(duplicates))
     except RecursionError:
-        raise ValueError(
+        raise UsageError(
             f"{where}: JSON nested too deeply (Python's parser gives up); this is not a {what} file"
         ) from None
     except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ValueError(f"{where}: not valid JSON ({err}); is this a {what} file?") from err
+        raise UsageError(f"{where}: not valid JSON ({err}); is this a {what} file?") from err
     if duplicates:
         shown = [_duplicate_text(key, values) for key, values in duplicates.items()]
         more = f" and {len(shown) - 5} more" if len(shown) > 5 else ""
@@ -174,7 +175,9 @@ def _duplicate_text(key: str, values: list[Any]) -> str:
     return f"key {key!r} appears {len(values)} times ({', '.join(short_repr(v, 40) for v in values)})"
 
 
-def _read_json(path: str | os.PathLike[str], what: str) -> Any:
+def read_json(path: str | os.PathLike[str], what: str) -> Any:
+    """The JSON in the file at ``path``, or a `UsageError` naming the file and saying it is
+    not a ``what`` file (see :func:`parse_json`); core's one reader of files."""
     with open(path, "rb") as f:
         return parse_json(f.read(), path, what)
 
@@ -198,11 +201,11 @@ def load_device_map(path: str | os.PathLike[str]) -> dict[str, Device]:
     Raises:
         DeviceMapError: (a ``ValueError``) naming the file and each bad entry.
     """
-    data = _read_json(path, "device map")
+    data = read_json(path, "device map")
     if isinstance(data, dict) and isinstance(data.get("device_map"), dict):
         data = data["device_map"]
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: a device map is a JSON object {{module: device}}, got {type(data).__name__}")
+        raise UsageError(f"{path}: a device map is a JSON object {{module: device}}, got {type(data).__name__}")
     out: dict[str, Device] = {}
     problems = []
     for key, value in data.items():
@@ -230,11 +233,11 @@ def load_max_memory(path: str | os.PathLike[str]) -> dict[Device, object]:
         >>> load_max_memory(p)
         {0: '10GiB', 'cpu': 1073741824}
     """
-    data = _read_json(path, "max_memory")
+    data = read_json(path, "max_memory")
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: max_memory is a JSON object {{device: size}}")
+        raise UsageError(f"{path}: max_memory is a JSON object {{device: size}}")
     try:
         parse_max_memory(data)  # validates keys and values, naming each problem
     except ValueError as err:
-        raise ValueError(f"{path}: {err}") from None
+        raise UsageError(f"{path}: {err}") from None
     return {normalize_device(k): v for k, v in data.items()}

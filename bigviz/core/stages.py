@@ -404,17 +404,14 @@ def _smallest(chain: _Chain, caps: _Caps, upper: int) -> int:
     return lo
 
 
-def _balance(chain: _Chain, request: _Request, reserves: tuple[int, ...] = ()) -> tuple[list[int], int]:
-    """The boundaries with the smallest bottleneck, and that bottleneck.
-
-    Raises:
-        ValueError: when even the budgets themselves cannot hold the chain.
-    """
+def _balance(chain: _Chain, request: _Request, reserves: tuple[int, ...] = ()) -> tuple[list[int], int] | None:
+    """The boundaries with the smallest bottleneck, and that bottleneck; ``None`` when even
+    the budgets themselves cannot hold the chain (the caller says which stage, by how much)."""
     caps = _Caps.of(request, reserves)
     proportional = caps.shares != (1,) * request.k
     upper = max(caps.shares) if proportional else max(chain.pm[-1] + max(reserves, default=0), 1)
     if _reachable(chain, caps(upper)) is None:
-        raise ValueError("does not fit")
+        return None
     best = _smallest(chain, caps, upper)
     reach = _reachable(chain, caps(best))
     assert reach is not None  # feasible at `upper`, and feasibility grows with T
@@ -467,10 +464,10 @@ def make_pipeline_plan(
     metric = items.flops if balance == "compute" else items.held
     chain = _Chain(metric, items.held)
     reserves = _reserves(items, request.k)
-    try:
-        bounds, best = _balance(chain, request, reserves)
-    except ValueError:
-        raise _does_not_fit(tree, items, request) from None
+    balanced = _balance(chain, request, reserves)
+    if balanced is None:
+        raise _does_not_fit(tree, items, request)
+    bounds, best = balanced
     return _assemble(tree, items, bounds, request, no_split, dtype, best, run)
 
 

@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from bigviz.core.names import is_prefix, parent
 from bigviz.core.pipeline import PipelineError
 from bigviz.models.cache import KVCache
+from bigviz.core.errors import ArgumentTypeError, StateError
 
 __all__ = ["DecoderLayout", "DecoderStage", "HFStage", "decoder_layout", "cache_nbytes"]
 
@@ -102,7 +103,9 @@ class DecoderLayout:
         """Token ids at positions ``start ..`` -> the first block's input (first stage). Each
         family whose stages are :class:`DecoderStage` overrides it; a layout that runs its own
         stage module (transformers) never calls it."""
-        raise TypeError(f"the {self.family!r} stage layout has no embed(): give it one, or a stage() of its own")
+        raise ArgumentTypeError(
+            f"the {self.family!r} stage layout has no embed(): give it one, or a stage() of its own"
+        )
 
     def context_of(self, stage: DecoderStage, hidden: Tensor, start: int = 0) -> dict[str, Any]:
         return {}
@@ -110,7 +113,9 @@ class DecoderLayout:
     def run_block(self, block: nn.Module, hidden: Tensor, context: Mapping[str, Any], cache: Any = None) -> Tensor:
         """One block's forward with what :meth:`context_of` computed, and the stage's cache
         (overridden per family, like :meth:`embed`)."""
-        raise TypeError(f"the {self.family!r} stage layout has no run_block(): give it one, or a stage() of its own")
+        raise ArgumentTypeError(
+            f"the {self.family!r} stage layout has no run_block(): give it one, or a stage() of its own"
+        )
 
     def finish(self, stage: DecoderStage, hidden: Tensor) -> Tensor:
         for name in self.last:  # final norm, then head
@@ -238,7 +243,7 @@ class _NotHere(nn.Module):
         self.name = name
 
     def forward(self, *args: Any, **kwargs: Any) -> Tensor:
-        raise RuntimeError(f"{self.name} runs in another pipeline stage")
+        raise StateError(f"{self.name} runs in another pipeline stage")
 
 
 class _NoPositions(nn.Module):

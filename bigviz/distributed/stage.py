@@ -55,6 +55,7 @@ from bigviz.core.sizes import format_size
 from bigviz.distributed.adapters import DecoderLayout, decoder_layout
 from bigviz.modeling.sizes import module_tree
 from bigviz.planning.pipeline import pipeline_run_bytes
+from bigviz.core.errors import StateError
 
 __all__ = ["SPLITS", "StageBuild", "check_pipeline", "build_stage_module", "build_stage"]
 
@@ -297,12 +298,12 @@ def _traced(
         warnings.simplefilter("ignore", FutureWarning)
         pipe = pipeline(model, mb_args=args, split_spec={p: SplitPoint.BEGINNING for p in plan.split_points})
     if pipe.num_stages != plan.n_stages:
-        raise RuntimeError(f"the tracer made {pipe.num_stages} stages, the plan has {plan.n_stages}")
+        raise StateError(f"the tracer made {pipe.num_stages} stages, the plan has {plan.n_stages}")
     for stage in range(plan.n_stages):
         names = _held(pipe.get_stage_module(stage))
         bad = [n for n in names if (t := _model_tensor(model, n)) is None or (t.is_meta and n not in loadable)]
         if bad:
-            raise RuntimeError(f"traced stage {stage} holds tensors the checkpoint cannot fill: {bad[:5]}")
+            raise StateError(f"traced stage {stage} holds tensors the checkpoint cannot fill: {bad[:5]}")
     module = pipe.get_stage_module(rank)
     return module, _held(module)
 

@@ -22,18 +22,9 @@ import torch
 from torch import Tensor, nn
 
 from bigviz.checkpoint.index import CheckpointIndex
-from bigviz.checkpoint.load import (
-    execute_load_plan,
-    inventory_of,
-    load_checkpoint_in_model,
-    plan_load,
-    torch_load_dtype,
-)
-from bigviz.checkpoint.load_plan import LoadPlan, check_plan, plan_problems
-from bigviz.checkpoint.model_names import device_map_in_model_names
-from bigviz.core.devices import MISSING_DEVICE_FIX
-from bigviz.core.errors import DeviceMapError
+from bigviz.checkpoint.load import execute_load_plan, inventory_of, torch_load_dtype
 from bigviz.core.names import owner, parent
+from bigviz.core.stream_plan import MachineFacts
 from bigviz.engine.devices import DeviceLike, torch_device
 from bigviz.engine.dispatch import dispatch_inventory, execute_dispatch, refuse_dispatched
 from bigviz.engine.hooks import add_hook_to_module
@@ -41,7 +32,7 @@ from bigviz.engine.offload_hooks import CpuOffload, UserCpuOffloadHook
 from bigviz.engine.weights import open_offload_folder
 from bigviz.modeling.budgets import default_execution_device
 from bigviz.modeling.inventory import ModelInventory
-from bigviz.planning.chain import INVALID_MAP, dispatch_plan_for, map_problems, resolve_device_map
+from bigviz.planning.chain import plan_chain
 
 __all__ = ["load_checkpoint_and_dispatch", "cpu_offload", "cpu_offload_with_hook", "disk_offload"]
 
@@ -62,6 +53,8 @@ def load_checkpoint_and_dispatch(
     force_hooks: bool = False,
     strict: bool = True,
     resident: str = "auto",
+    stream: str = "ring",
+    machine: MachineFacts | None = None,
 ) -> nn.Module:
     """Plan (if asked), load ``checkpoint`` into ``model`` and dispatch it; returns it in eval mode.
 
@@ -88,12 +81,18 @@ def load_checkpoint_and_dispatch(
         strict: Refuse checkpoints with missing or unexpected keys.
         resident: ``"auto"``: a model that does not fit in RAM has its "cpu" weights read once
             into process memory and its disk units streamed through reused buffers; one that
-            fits keeps zero-copy memory maps. ``"copy"`` / ``"map"`` force either
-            (:func:`~bigviz.engine.resident.settle_residency`).
+            fits keeps zero-copy memory maps. ``"copy"`` / ``"map"`` force either.
+        stream: How the CPU streams disk units once the resident part is copied: ``"ring"``
+            (``O_DIRECT`` into one reused ring) or ``"cache"`` (through the page cache,
+            dropped after use).
+        machine: The machine's facts the stream plan is made for (default: this machine's
+            available RAM now). ``bigviz.dispatch_plan(...)`` with the same arguments prints
+            the plan this carries out, before anything moves; ``bigviz.residency(model)`` says
+            what was done.
 
     Raises:
-        ValueError: a GPU named by the map is absent, or the map does not fit the model
-            (before anything is loaded).
+        ValueError: a GPU named by the map is absent, the map does not fit the model, or a
+            resident copy would not fit in RAM (before anything is loaded).
 
     Example:
         >>> import torch, tempfile
@@ -106,48 +105,33 @@ def load_checkpoint_and_dispatch(
         >>> model(torch.ones(1, 2)).shape, model.weight.is_meta  # read at forward time
         (torch.Size([1, 2]), True)
     """
-    from bigviz.engine.resident import check_mode, settle_residency  # larger than RAM
-
     refuse_dispatched(model, "load_checkpoint_and_dispatch")  # before anything is read
-    check_mode(resident)
     dtype = torch_load_dtype(dtype)  # floating only, before planning with it
     inventory = inventory_of(model)  # ties made, then the model's one walk for this call
-    mapping, made = resolve_device_map(
+    index = CheckpointIndex.open(checkpoint)  # headers read once for this call
+    _, loads, plan = plan_chain(
         inventory,
+        index,
         device_map,
         max_memory=max_memory,
-        dtype=dtype,
         no_split_module_classes=no_split_module_classes,
         preload_module_classes=preload_module_classes,
         offload_buffers=offload_buffers,
-    )
-    if mapping is None:
-        load_checkpoint_in_model(
-            inventory, checkpoint, None, dtype=dtype, offload_folder=offload_folder, strict=strict, progress=False
-        )
-        return model.eval()
-    checkpoint = CheckpointIndex.open(checkpoint)  # headers read once for this call
-    mapping = device_map_in_model_names(inventory, checkpoint, mapping)  # a map planned from headers
-    index, loads, canonical = _checked_plans(
-        inventory, checkpoint, mapping, dtype=dtype, strict=strict, offload_folder=offload_folder
-    )
-    result = execute_load_plan(inventory, index, loads, progress=False)
-    inventory = inventory.refreshed()  # same structure, the tensors the load put in
-    blocks = no_split_module_classes
-    if blocks is None and made is not None and made.rule is not None:
-        blocks = made.rule.blocks  # the planner's blocks (globs too): the units it reserved room for
-    plan = dispatch_plan_for(
-        inventory,
-        canonical,
-        main_device=made.main_device if made is not None else None,
-        no_split_module_classes=blocks,
-        preload_module_classes=preload_module_classes,
-        offload_buffers=offload_buffers,
         prefetch=prefetch,
+        dtype=dtype,
+        strict=strict,
+        offload_folder=offload_folder,
+        resident=resident,
+        stream=stream,
+        machine=machine,
     )
+    assert loads is not None
+    result = execute_load_plan(inventory, index, loads, progress=False)
+    if plan is None:  # no map: loaded on the CPU, nothing to dispatch
+        return model.eval()
     stores = [result.disk] if result.disk is not None else []
     execute_dispatch(
-        inventory,
+        inventory.refreshed(),  # same structure, the tensors the load put in
         plan,
         stores,
         skip_keys=skip_keys,
@@ -155,43 +139,9 @@ def load_checkpoint_and_dispatch(
         offload_folder=offload_folder,
         owned=stores,
         stamps=index.stamps.values(),
+        progress=True,
     )
-    settle_residency(model, resident=resident)
     return model.eval()
-
-
-def _checked_plans(
-    inventory: ModelInventory,
-    checkpoint: str | Path,
-    mapping: Mapping[str, Any],
-    *,
-    dtype: Any,
-    strict: bool,
-    offload_folder: str | Path | None,
-) -> tuple[CheckpointIndex, LoadPlan, dict[str, Any]]:
-    """The one validation pass of a load-and-dispatch: the device map (names, devices this
-    machine has, coverage) and the checkpoint (keys, shapes, files), every problem in one
-    error, before anything is read."""
-    canonical, problems = map_problems(inventory.tree(), mapping)
-    index, loads = plan_load(
-        inventory,
-        checkpoint,
-        canonical if not problems else mapping,
-        dtype=dtype,
-        offload_folder=offload_folder,
-        strict=strict,
-        check=False,
-    )
-    if problems and not plan_problems(loads, strict=strict, map_checked=True)[0]:
-        DeviceMapError.check(problems, INVALID_MAP, fix=MISSING_DEVICE_FIX)
-    check_plan(
-        loads,
-        strict=strict,
-        where=f"'{index.path}' into {type(inventory.model).__name__}",
-        more=problems,
-        map_checked=True,
-    )
-    return index, loads, canonical
 
 
 def _offload_map(

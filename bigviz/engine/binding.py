@@ -12,10 +12,10 @@ Nothing is moved or written here: :mod:`bigviz.engine.dispatch` carries the bind
 Example:
     >>> import torch
     >>> from bigviz.modeling.inventory import ModelInventory
-    >>> from bigviz.planning.chain import dispatch_plan_for
+    >>> from bigviz.planning.chain import plan_chain
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     >>> inventory = ModelInventory.of(model)
-    >>> binding = bind(dispatch_plan_for(inventory, {"0": "cpu", "1": "disk"}), inventory)
+    >>> binding = bind(plan_chain(inventory, None, {"0": "cpu", "1": "disk"}).dispatch, inventory)
     >>> [(u.name, u.storage, sorted(u.slots)) for u in binding.units], sorted(binding.to_write)
     ([('1', 'disk', ['1.bias', '1.weight'])], ['1.bias', '1.weight'])
 """
@@ -65,7 +65,7 @@ class BoundUnit:
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     key_nbytes: dict[str, int] = field(default_factory=dict)
     requires_grad: bool = False
-    grads: dict[str, bool] = field(default_factory=dict)  # key -> the requires_grad its placeholder declares
+    grads: dict[str, Tensor] = field(default_factory=dict)  # key -> its placeholder (whose requires_grad counts)
 
     @property
     def name(self) -> str:
@@ -167,10 +167,12 @@ def bound_units(
         >>> [u.name for u in bound_units(model, {"0": "disk", "1": "disk"}, main_device="cpu")]
         ['0', '1']
     """
-    from bigviz.planning.chain import dispatch_plan_for
+    from bigviz.planning.chain import plan_chain
 
     inventory = ModelInventory.of(model)
-    return bind(dispatch_plan_for(inventory, device_map, main_device=main_device), inventory, stores).units
+    plan = plan_chain(inventory, None, dict(device_map), main_device=main_device, resident="map").dispatch
+    assert plan is not None
+    return bind(plan, inventory, stores).units
 
 
 def _stream_source(
@@ -226,7 +228,7 @@ def _add_fetch(
                     current, slot[2], device=device, name=name, unit=unit.name
                 )
             unit.placeholders[(id(slot[0]), slot[1])] = (slot, placeholders[id(current)])
-            unit.grads.setdefault(key, placeholders[id(current)].requires_grad)  # read once: not per forward
+            unit.grads.setdefault(key, placeholders[id(current)])  # its requires_grad, read per forward in C
         unit.requires_grad |= slot[2] == "param" and current.requires_grad
 
 

@@ -7,7 +7,7 @@ instruction). Offloaded units are checked when they are fetched; these weights a
 fetched, so :class:`MappedFiles` holds each file open (one descriptor: its stamp is read even
 after a rename) with its stamp (device, inode, size, modification time) and the dispatch's root
 hook calls :meth:`MappedFiles.verify` before every forward: one ``fstat`` per file, a change is
-a :class:`~bigviz.engine.prefetch.FetchError` naming the file and the modules reading it.
+a :class:`~bigviz.core.errors.FetchError` naming the file and the modules reading it.
 
 What it cannot catch: a file truncated *during* a forward (after the check), and models that
 are not dispatched (``load_checkpoint_in_model`` alone: no hook runs before their forward).
@@ -25,7 +25,7 @@ Example:
     >>> os.truncate(path, 4096)
     >>> files.verify()  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    bigviz.engine.prefetch.FetchError: ...w.bin: changed since the model mapped it (size 8192 -> 4096 bytes)...
+    bigviz.core.errors.FetchError: ...w.bin: changed since the model mapped it (size 8192 -> 4096 bytes)...
     >>> files.close()
 """
 
@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from bigviz.checkpoint.safetensors_io import file_stamp
-from bigviz.engine.prefetch import FetchError
-from bigviz.engine.readahead import FileMaps, file_span, open_file, span_identity
+from bigviz.core.errors import FetchError
+from bigviz.engine.fetchers.spans import FileMaps, file_span, span_identity
+from bigviz.osio.procfs import open_identified
 
 __all__ = ["MappedFiles"]
 
@@ -131,7 +132,7 @@ class MappedFiles:
 
 def _open(path: str, identity: tuple[int, int] | None, known: dict) -> _File | None:
     try:
-        fd = open_file(path, identity, getattr(os, "O_CLOEXEC", 0))
+        fd = open_identified(path, identity, getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return None  # no path or descriptor leads to it any more: nothing to compare with
     stamp = file_stamp(os.fstat(fd))

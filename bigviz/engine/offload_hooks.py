@@ -45,6 +45,8 @@ __all__ = [
     "ForwardLock",
 ]
 
+_requires_grad = torch._C.TensorBase.requires_grad.__get__  # C-level read, past a subclass's Python hooks
+
 
 class OffloadedTrainingError(RuntimeError):
     """Backward reached a module whose weights are offloaded (inference only)."""
@@ -184,7 +186,7 @@ class OffloadHook(ModelHook):
     Example:
         >>> import torch
         >>> from bigviz.engine.binding import bound_units
-        >>> from bigviz.engine.prefetch import CpuFetcher
+        >>> from bigviz.engine.fetchers.cpu import CpuFetcher
         >>> layer = torch.nn.Linear(2, 2)
         >>> unit = bound_units(layer, {"": "disk"}, main_device="cpu")[0]
         >>> unit.sources = {k: {"weight": torch.eye(2), "bias": torch.zeros(2)} for k in unit.slots}
@@ -224,10 +226,14 @@ class OffloadHook(ModelHook):
         self.lock.acquire(self)
         self._guards.append(self._needs_guard(args, kwargs))
         tensors = self.scheduler.acquire(self.unit)
+        grads = self.unit.grads
         for key, slots in self.unit.slots.items():
-            # the flags the model declares (some kernels choose their path by requires_grad,
-            # nn.MultiheadAttention even under no_grad): the same numbers as in memory
-            value = as_slot_value(tensors[key], slots[0][2], requires_grad=self.unit.grads.get(key, False))
+            # the flags the model declares now (some kernels choose their path by requires_grad,
+            # nn.MultiheadAttention even under no_grad; model.requires_grad_(False) changes them):
+            # the same numbers as in memory. Read through torch's C getter, not the placeholder's
+            # Python attribute lookup (a forward reads it once per key).
+            wants = key in grads and _requires_grad(grads[key])
+            value = as_slot_value(tensors[key], slots[0][2], requires_grad=wants)
             for slot in slots:
                 set_slot(slot, value)
         return args, kwargs
@@ -235,7 +241,7 @@ class OffloadHook(ModelHook):
     def _needs_guard(self, args: tuple, kwargs: dict) -> bool:
         if not torch.is_grad_enabled():
             return False
-        if any(self.unit.grads.values()):
+        if any(_requires_grad(p) for p in self.unit.grads.values()):
             return True
         return any_tensor((args, kwargs), lambda t: t.requires_grad, skip_keys=self.skip_keys)
 

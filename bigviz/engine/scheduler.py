@@ -2,14 +2,14 @@
 
 :class:`Scheduler` records the order units run in during the first forward (guessing
 definition order until then) and, as each unit starts, starts fetching the next ``depth`` ones
-with its fetcher (:mod:`bigviz.engine.prefetch`, :mod:`bigviz.engine.ring`,
-:mod:`bigviz.engine.readahead`: *how* a unit is read). A fetch that fails in the background
-raises :class:`~bigviz.engine.prefetch.FetchError` in the caller, naming the unit.
+with its fetcher (:mod:`bigviz.engine.fetchers`: *how* a unit is read). How many units ahead
+is the dispatch's stream plan's (``depth``). A fetch that fails in the background raises
+:class:`~bigviz.core.errors.FetchError` in the caller, naming the unit.
 
 Example:
     >>> import torch
     >>> from bigviz.engine.binding import bound_units
-    >>> from bigviz.engine.prefetch import CpuFetcher
+    >>> from bigviz.engine.fetchers.cpu import CpuFetcher
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     >>> units = bound_units(model, {"0": "disk", "1": "disk"}, main_device="cpu")
     >>> for unit in units:
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from bigviz.engine.binding import BoundUnit
-from bigviz.engine.prefetch import Fetcher, Handle
+from bigviz.engine.fetchers.protocol import Fetcher, Handle
 
 __all__ = ["Scheduler"]
 
@@ -128,8 +128,8 @@ class Scheduler:
         """``unit``'s forward is over: a fetcher that keeps something for it may let it go.
 
         A fetcher whose ``reads_on_release`` is true (memory it holds is freed by the release:
-        :class:`~bigviz.engine.ring.RingFetcher`,
-        :class:`~bigviz.engine.readahead.StreamingFetcher`) then starts the next read at once,
+        :class:`~bigviz.engine.fetchers.ring.RingFetcher`,
+        :class:`~bigviz.engine.fetchers.cache.StreamingFetcher`) then starts the next read at once,
         ``depth + 1`` units on: the reads keep running while resident units between two
         streamed ones compute, instead of waiting for the next streamed unit to start.
         """

@@ -1,10 +1,10 @@
 """Where a model's tensors live, and the stores offloaded tensors are read from.
 
 A *slot* is a place a tensor lives in a module: ``(module, attribute)``. One tensor can sit
-in several slots (a tie: GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``), so the
-engine works on :class:`TensorGroup` objects (one tensor, all its names and slots) and
-writes tensors into slots directly, never through ``nn.Module.__setattr__`` (fast, and it
-accepts a meta placeholder where a real tensor was).
+in several slots (a tie: GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``: the model's
+inventory, :mod:`bigviz.modeling.inventory`, groups them), and the engine writes tensors into
+slots directly, never through ``nn.Module.__setattr__`` (fast, and it accepts a meta
+placeholder where a real tensor was).
 
 A *store* is any ``Mapping[str, Tensor]`` of CPU tensors: a plain dict, the pinned copies
 made at dispatch, or a :class:`~bigviz.checkpoint.lazy.LazyWeights` over safetensors files
@@ -13,16 +13,15 @@ as safetensors; nothing is rewritten per access.
 
 Example:
     >>> import torch
-    >>> model = torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2), "b": torch.nn.Linear(2, 2)})
-    >>> model["b"].weight = model["a"].weight
-    >>> [g.names for g in tensor_groups(model) if len(g.names) > 1]
-    [['a.weight', 'b.weight']]
+    >>> layer = torch.nn.Linear(2, 2)
+    >>> set_slot((layer, "bias", "param"), meta_like(layer.bias, "param"))
+    >>> layer.bias.device.type
+    'meta'
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +29,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
-from bigviz.core.names import join
 
 __all__ = [
     "Slot",
-    "TensorGroup",
-    "tensor_groups",
     "set_slot",
     "get_slot",
     "meta_like",
@@ -46,81 +42,11 @@ __all__ = [
     "offloaded_placeholder",
     "nbytes",
     "pin",
-    "find_source",
     "write_offload_folder",
     "open_offload_folder",
 ]
 
 Slot = tuple[nn.Module, str, str]  # (module, attribute, "param" | "buffer")
-
-
-@dataclass(eq=False)
-class TensorGroup:
-    """One tensor object with every name and slot that holds it (more than one: a tie).
-
-    Attributes:
-        tensor: The tensor (a ``Parameter`` for parameters), as found before dispatch.
-        names: Its full names in definition order (the first is its canonical name).
-        slots: Every ``(module, attribute, kind)`` holding it (a shared module's slot once).
-        aliases: Names of *other* tensor objects sharing its memory (ties by storage),
-            tried as store keys when none of ``names`` is in a store.
-        slot_of: name -> the slot it names.
-    """
-
-    tensor: Tensor
-    names: list[str]
-    slots: list[Slot] = field(default_factory=list)
-    aliases: list[str] = field(default_factory=list)
-    slot_of: dict[str, Slot] = field(default_factory=dict)
-
-    @property
-    def kind(self) -> str:
-        return self.slots[0][2]
-
-    @property
-    def is_meta(self) -> bool:
-        return self.tensor.is_meta  # an offloaded placeholder reports another device: see `Offloaded`
-
-
-def tensor_groups(model: nn.Module, *, ties: Iterable[Iterable[str]] = ()) -> list[TensorGroup]:
-    """Every parameter and buffer of ``model`` once, with all its names and slots.
-
-    Args:
-        model: The model to walk (shared submodules and tied tensors are found once).
-        ties: Extra groups of names known to be one tensor (e.g. from
-            :func:`bigviz.modeling.sizes.find_tied_parameters`), recorded as aliases.
-
-    Example:
-        >>> import torch
-        >>> [g.names for g in tensor_groups(torch.nn.Linear(2, 3))]
-        [['weight'], ['bias']]
-    """
-    groups: dict[int, TensorGroup] = {}
-    seen_slots: set[tuple[int, str]] = set()
-    for mname, module in model.named_modules(remove_duplicate=False):
-        for kind, table in (("param", module._parameters), ("buffer", module._buffers)):
-            for attr, tensor in table.items():
-                if tensor is None:
-                    continue
-                group = groups.setdefault(id(tensor), TensorGroup(tensor, []))
-                name, slot = join(mname, attr), (module, attr, kind)
-                group.names.append(name)
-                group.slot_of[name] = slot
-                if (id(module), attr) not in seen_slots:
-                    seen_slots.add((id(module), attr))
-                    group.slots.append(slot)
-    result = list(groups.values())
-    _add_aliases(result, ties)
-    return result
-
-
-def _add_aliases(groups: list[TensorGroup], ties: Iterable[Iterable[str]]) -> None:
-    by_name = {name: g for g in groups for name in g.names}
-    for tie in ties:
-        names = [n for n in tie if n in by_name]
-        for name in names:
-            group = by_name[name]
-            group.aliases.extend(n for n in names if n not in group.names and n not in group.aliases)
 
 
 def get_slot(slot: Slot) -> Tensor:
@@ -314,23 +240,6 @@ def pin(tensor: Tensor) -> Tensor:
     if not torch.cuda.is_available():
         return cpu.clone() if cpu.data_ptr() == tensor.data_ptr() else cpu
     return cpu.pin_memory()
-
-
-def find_source(group: TensorGroup, stores: Iterable[Mapping[str, Tensor]]) -> tuple[str, Mapping[str, Tensor]] | None:
-    """The first ``(key, store)`` holding this tensor under one of its names or aliases.
-
-    Example:
-        >>> import torch
-        >>> g = TensorGroup(torch.zeros(1), ["a.weight", "b.weight"])
-        >>> find_source(g, [{"b.weight": torch.ones(1)}])[0]
-        'b.weight'
-    """
-    stores = list(stores)
-    for name in [*group.names, *group.aliases]:
-        for store in stores:
-            if name in store:
-                return name, store
-    return None
 
 
 def write_offload_folder(tensors: Mapping[str, Tensor], folder: str | Path) -> None:

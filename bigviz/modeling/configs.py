@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from bigviz.core.config_bounds import config_problems
-from bigviz.core.errors import BigvizError
+from bigviz.core.errors import BigvizError, UsageError
 from bigviz.core.serialize import parse_json
 
 __all__ = [
@@ -86,7 +86,7 @@ def config_path(name: str) -> Path:
     """
     path = CONFIG_DIR / f"{name.removesuffix('.json')}.json"
     if not path.is_file():
-        raise ValueError(f"bigviz ships no config named {name!r}; it has: {', '.join(shipped_configs())}")
+        raise UsageError(f"bigviz ships no config named {name!r}; it has: {', '.join(shipped_configs())}")
     return path
 
 

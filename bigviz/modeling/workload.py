@@ -37,19 +37,12 @@ import torch.nn as nn
 
 from bigviz.core.dtypes import FLOATING_DTYPES, canonical_dtype
 from bigviz.core.workload import CacheSpec, RunSpec, StepSpec, Term, Workload
-from bigviz.modeling.configs import config_path, is_config_source, model_from_config, shipped_configs
+from bigviz.modeling.configs import model_from_config
 from bigviz.models.gpt import GPT
 from bigviz.models.llama import Llama
+from bigviz.core.errors import UsageError
 
-__all__ = [
-    "run_spec",
-    "kv_cache_bytes",
-    "model_from_config",
-    "is_config_source",
-    "compute_dtype",
-    "shipped_configs",
-    "config_path",
-]
+__all__ = ["run_spec", "kv_cache_bytes", "compute_dtype"]
 
 ModelOrConfig = Any  # nn.Module, transformers PretrainedConfig, GPTConfig/LlamaConfig, config path
 _INT64 = 8.0
@@ -123,7 +116,7 @@ def run_spec(model: nn.Module, *, dtype: torch.dtype | str | None = None, device
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
         if getattr(config, "is_encoder_decoder", False):
-            raise ValueError(
+            raise UsageError(
                 f"bigviz plans the run of decoder-only models; {type(model).__name__} is an "
                 f"encoder-decoder: give kv_cache={{module: bytes}} and activations={{module: bytes}}"
             )
@@ -137,7 +130,7 @@ def run_spec(model: nn.Module, *, dtype: torch.dtype | str | None = None, device
                 (*spec.notes, "no KV cache: the model does not generate"),
             )
         return spec
-    raise ValueError(
+    raise UsageError(
         f"bigviz does not know the attention layout of {type(model).__name__}: it reads bigviz's "
         f"GPT and Llama and transformers models. Give the bytes per module yourself: "
         f"bigviz.plan(model, ..., kv_cache={{module: bytes}}, activations={{module: bytes}})"
@@ -158,7 +151,7 @@ def _layer_list(model: nn.Module, n_layers: int) -> str:
     for name, module in model.named_modules():  # layers without a layer_idx anywhere
         if isinstance(module, nn.ModuleList) and len(module) == n_layers:
             return name
-    raise ValueError(
+    raise UsageError(
         f"cannot find the {n_layers} decoder layers of {type(model).__name__} (an nn.ModuleList of {n_layers} modules)"
     )
 
@@ -288,7 +281,7 @@ def _hf_caches(config: Any, dims: _Dims, names: Sequence[str]) -> dict[str, tupl
             specs.append(CacheSpec("none"))
         out[name] = tuple(specs)
     if problems:
-        raise ValueError(
+        raise UsageError(
             "bigviz does not know the recurrent state of: "
             + "; ".join(problems)
             + ". Give the bytes per module with kv_cache={module: bytes}"

@@ -14,16 +14,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch.nn as nn
-
 from bigviz.core.counts import check_count
 from bigviz.core.errors import PlanError
 from bigviz.core.pipeline import PipelinePlan
 from bigviz.core.plan import DevicePlan
-from bigviz.core.workload import longest_fit
-from bigviz.modeling.budgets import get_max_memory
-from bigviz.modeling.inventory import ModelInventory
-from bigviz.planning.device_plan import plan
+from bigviz.core.workload import Workload, longest_fit
+from bigviz.planning.inputs import place, planner_inputs, with_workload
 from bigviz.planning.models import ModelLike, resolve_model
 from bigviz.planning.pipeline import plan_pipeline
 from bigviz.planning.positions import position_limit
@@ -90,24 +86,25 @@ def max_context(
         limit = check_count("limit", limit)
     model = resolve_model(model)
     top = limit if limit is not None else position_limit(model) or 2**24
-    model = ModelInventory.of(model) if isinstance(model, nn.Module) else model  # walked once, planned often
     if stages is not None:
         return _pipeline_context(model, stages, batch_size, microbatches, top, max_memory, plan_kwargs)
-    budgets = get_max_memory(max_memory)
     kwargs = dict(plan_kwargs)
+    kv_dtype = kwargs.pop("kv_dtype", None)
     if device_map is not None:
         units = device_map.unit_map if isinstance(device_map, DevicePlan) else device_map
         given: Mapping[str, object] = kwargs.get("overrides") or {}  # type: ignore[assignment]
         kwargs["overrides"] = {**dict(units), **dict(given)}
+    # prepared once, as bigviz.plan prepares them (the default cpu budget included); each
+    # context tried only changes the run planned beside the weights
+    inputs = planner_inputs(model, max_memory, **kwargs)  # type: ignore[arg-type]
 
     def fits(tokens: int) -> bool:
+        workload = Workload(batch_size, tokens, None if kv_dtype is None else str(kv_dtype))
         try:
-            result = plan(model, budgets, batch_size=batch_size, context_length=tokens, **kwargs)  # type: ignore[arg-type]
+            result = place(with_workload(inputs, workload))
         except PlanError:
             return False
-        if any(u.free < 0 for u in result.usage):
-            return False
-        return allow_offload or device_map is not None or not any(result.offloaded_bytes().values())
+        return result.fits(allow_offload=allow_offload or device_map is not None)
 
     return longest_fit(fits, top)
 

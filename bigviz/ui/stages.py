@@ -23,7 +23,7 @@ from bigviz.core.names import ancestors, owner, parent
 from bigviz.core.pipeline import PipelinePlan
 from bigviz.core.sizes import format_size
 from bigviz.ui.palette import SPLIT_COLOR, chip, device_color
-from bigviz.ui.treemap import TreemapLayout, TreemapStyle
+from bigviz.ui.tiles import TreemapLayout, TreemapStyle
 
 __all__ = ["stage_color", "stage_style_of", "stage_title", "stage_legend_html"]
 

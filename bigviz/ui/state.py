@@ -1,7 +1,10 @@
 """What the Planner's controls set, and the re-plan it triggers: no widgets here.
 
-The model is sized once; a tree per dtype is cached, so a slider move is one call of the
-pure, linear-time :func:`~bigviz.core.planner.make_plan`.
+The model is sized once, by the same function that prepares ``bigviz.plan``'s inputs
+(:func:`~bigviz.planning.inputs.planner_inputs`: the default "cpu" budget, the no-split
+classes, the unit rule's knobs); a tree per dtype is cached, so a slider move is one call of
+:func:`~bigviz.planning.inputs.place` (the pure, linear-time planner and the direct-read rule),
+and a model planned here is placed as ``bigviz.plan`` places it.
 
 Example:
     >>> import torch.nn as nn
@@ -20,11 +23,12 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from bigviz.core.offload_units import UnitRule
 from bigviz.core.plan import STRATEGIES, DevicePlan, PlanOptions
-from bigviz.core.planner import PlanError, check_no_split, make_plan
+from bigviz.core.planner import PlanError
 from bigviz.core.dtypes import canonical_dtype, itemsize
 from bigviz.core.tree import SizeTree
-from bigviz.core.errors import DeviceMapError
+from bigviz.core.errors import DeviceMapError, UsageError
 from bigviz.core.devices import Device, device_label, normalize_device
 from bigviz.core.sizes import UNLIMITED, parse_max_memory, parse_size
 from bigviz.core.workload import RunSpec, Workload, longest_fit
@@ -53,6 +57,9 @@ class PlannerState:
             ``None`` when the model's layout is unknown (a bare size tree).
         position_limit: the longest context the model's positions allow, if it says.
         positions: that limit, with the key that says it and whether it is a hard end.
+        rule: the unit rule's knobs the model gives (direct reads, shared modules); its blocks
+            are ``no_split``.
+        inventory: the model's inventory (for the direct-read rule), if it has one.
     """
 
     base_tree: SizeTree
@@ -66,6 +73,8 @@ class PlannerState:
     run_specs: Callable[[str], RunSpec] | None = field(default=None, repr=False)
     position_limit: int | None = None
     positions: PositionLimit | None = None
+    rule: UnitRule = field(default_factory=UnitRule, repr=False)
+    inventory: Any = field(default=None, repr=False)
     _trees: dict[str | None, SizeTree] = field(default_factory=dict, repr=False)
     _specs: dict[str, RunSpec] = field(default_factory=dict, repr=False)
 
@@ -83,28 +92,30 @@ class PlannerState:
 
         ``max_memory=None`` means this machine's free memory (``get_max_memory()``).
         """
-        from bigviz.planning import (
-            as_tree,
-            default_no_split,
-            model_run_spec,
-            resolve_model,
-        )
-        from bigviz.modeling.budgets import get_max_memory
+        from bigviz.planning import as_tree, model_run_spec, resolve_model
+        from bigviz.planning.inputs import no_split_names, planner_inputs
         from bigviz.planning.positions import position_rule
 
+        if strategy not in STRATEGIES:
+            raise UsageError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
         model = resolve_model(model)
-        tree = as_tree(model)
-        if no_split_module_classes is not None:
-            check_no_split(tree, no_split_module_classes)  # a typo would split every block silently
-        no_split = no_split_module_classes if no_split_module_classes is not None else default_no_split(model, tree)
-        state = cls(tree, dict(get_max_memory(max_memory)), strategy=strategy, no_split=tuple(no_split))
+        inputs = planner_inputs(
+            model, max_memory, strategy=strategy, no_split_module_classes=no_split_module_classes, dtype=dtype
+        )
+        tree = inputs.tree if dtype is None else as_tree(inputs.model)
+        state = cls(
+            tree,
+            inputs.budgets,
+            strategy=strategy,
+            no_split=tuple(no_split_names(inputs.model, inputs.tree, no_split_module_classes)),
+            rule=inputs.options.rule,
+            inventory=inputs.inventory,
+        )
         if not isinstance(model, SizeTree):  # a module, or a checkpoint whose config.json tells its layout
             state.run_specs = lambda device_type: model_run_spec(model, tree, device_type=device_type)
             state.positions = position_rule(model)
             state.position_limit = state.positions.tokens if state.positions else None
         state.set_dtype(None if dtype is None else str(dtype))
-        if strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
         return state
 
     # ---- the plan ------------------------------------------------------------------
@@ -120,23 +131,26 @@ class PlannerState:
         kv, act = self.run_bytes(workload)
         return PlanOptions(
             strategy=self.strategy,
-            no_split=frozenset(self.no_split),
             reserve=dict(self.reserve),
             overrides=dict(self.overrides),
             kv_cache=kv,
             activations=act,
             workload=workload if workload.active else None,
+            rule=replace(self.rule, blocks=frozenset(self.no_split)),
         )
 
-    def replan(self) -> DevicePlan:
-        """Plan with the current settings. Raises ``PlanError`` when nothing fits."""
-        return make_plan(self.tree, self.budgets, self.options())
+    def replan(self, workload: Workload | None = None) -> DevicePlan:
+        """Plan with the current settings (``bigviz.plan``'s planner and direct-read rule).
+        Raises ``PlanError`` when nothing fits."""
+        from bigviz.planning.inputs import PlannerInputs, place
+
+        return place(PlannerInputs(None, self.tree, self.budgets, self.options(workload), self.inventory))
 
     # ---- the run -------------------------------------------------------------------
     def run_spec(self) -> RunSpec:
         """The model's run spec for the planned hardware, at the chosen dtype (cached)."""
         if self.run_specs is None:
-            raise ValueError(
+            raise UsageError(
                 "this planner was made from a size tree: it cannot plan a run (context length); "
                 "make it from the model, a config.json, or a checkpoint with its config.json"
             )
@@ -177,16 +191,13 @@ class PlannerState:
         self.workload = new
 
     def fits(self, workload: Workload, *, allow_offload: bool = False) -> DevicePlan | None:
-        """The plan of ``workload`` if its run fits (nothing offloaded unless allowed), else None."""
+        """The plan of ``workload`` if its run fits (``DevicePlan.fits``: nothing offloaded
+        unless allowed), else None."""
         try:
-            plan = make_plan(self.tree, self.budgets, self.options(workload))
+            plan = self.replan(workload)
         except PlanError:
             return None
-        if any(u.free < 0 for u in plan.usage):
-            return None
-        if not allow_offload and any(plan.offloaded_bytes().values()):
-            return None
-        return plan
+        return plan if plan.fits(allow_offload=allow_offload) else None
 
     def longest_context(self, *, allow_offload: bool = False) -> int:
         """The longest context whose run fits with these settings (0: not even the weights),
@@ -209,7 +220,7 @@ class PlannerState:
     def set_budget(self, device: object, size: int | str) -> None:
         device = normalize_device(device)
         if device not in self.budgets:
-            raise ValueError(f"{device_label(device)} has no budget: add it first (add_gpu or max_memory)")
+            raise UsageError(f"{device_label(device)} has no budget: add it first (add_gpu or max_memory)")
         self.budgets[device] = parse_size(size)
 
     def set_reserve(self, device: object, size: int | str) -> None:
@@ -231,7 +242,7 @@ class PlannerState:
         """Drop a device; returns the overrides that named it (dropped too)."""
         device = normalize_device(device)
         if device not in self.budgets:
-            raise ValueError(f"{device_label(device)} is not in the budgets")
+            raise UsageError(f"{device_label(device)} is not in the budgets")
         del self.budgets[device]
         self.reserve.pop(device, None)
         dropped = [m for m, d in self.overrides.items() if d == device]
@@ -289,5 +300,5 @@ class PlannerState:
         """Let the planner place ``module`` again."""
         if not isinstance(module, str) or module not in self.overrides:
             have = ", ".join(self.overrides) or "none"
-            raise ValueError(f"{module!r} has no override (overrides: {have})")
+            raise UsageError(f"{module!r} has no override (overrides: {have})")
         del self.overrides[module]

@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent("""
     from pathlib import Path
     import torch
     import bigviz
-    from bigviz.engine.resident import settle_residency
+    from bigviz.engine.resident import make_resident
     from bigviz.models import GPT, GPTConfig
 
     DEVICE_MAP = {"transformer.wte": "cpu", "transformer.wpe": "cpu", "transformer.h": "disk",
@@ -58,11 +58,9 @@ SCRIPT = textwrap.dedent("""
     def dispatched(folder, stream):
         with bigviz.init_empty_weights():
             model = GPT(GPTConfig.preset("gpt-tiny"))
-        model = bigviz.load_checkpoint_and_dispatch(
-            model, folder, DEVICE_MAP, resident="map" if stream == "map" else "copy")
-        if stream == "cache":
-            settle_residency(model, resident="copy", stream="cache", progress=False)
-        return model
+        return bigviz.load_checkpoint_and_dispatch(
+            model, folder, DEVICE_MAP, resident="map" if stream == "map" else "copy",
+            stream="cache" if stream == "cache" else "ring")
 
 
     def case(folder, stream, mode, when):
@@ -89,14 +87,14 @@ SCRIPT = textwrap.dedent("""
     def resident_copy_after(folder, mode):
         # "cpu" weights copied into process memory after their shard was replaced by rename:
         # the copy reads the file the model mapped, not the new one
-        from bigviz.engine.readahead import FileMaps
+        from bigviz.osio.procfs import FileMaps
         torch.manual_seed(0)
         ref = GPT(GPTConfig.preset("gpt-tiny")).eval()
         bigviz.save_sharded(ref, folder, max_shard_size="20KB", progress=False)
         model = dispatched(folder, "map")
         weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
         change(folder / weight_map["transformer.wte.weight"], mode)
-        settle_residency(model, resident="copy", progress=False)
+        make_resident(model, progress=False)  # the copy, made after the rename
         x = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
             same = torch.equal(model(x)[0], ref(x)[0])
