@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bigviz.core.errors import BigvizError
-from bigviz.core.outputs import check_outputs, input_files, write_output
+from bigviz.checkpoint.outputs import check_outputs, input_files, write_output
 
 __all__ = ["main", "parse_max_memory_arg"]
 
@@ -198,7 +198,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _check_outputs(outputs: dict[str, str | None], model: str, *, overwrite: bool) -> None:
     """Refuse, before planning, outputs that exist (without --overwrite), are links, folders or
-    the model's own files, or sit in a folder that does not exist (:mod:`bigviz.core.outputs`)."""
+    the model's own files, or sit in a folder that does not exist (:mod:`bigviz.checkpoint.outputs`)."""
     from bigviz.modeling.configs import config_path, shipped_configs
 
     source = config_path(model) if model in shipped_configs() else Path(model)

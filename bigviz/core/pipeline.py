@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from bigviz.core.names import owner
-from bigviz.core.serialize import parse_json, write_json_atomic
+from bigviz.core.serialize import read_json, write_json_atomic
 from bigviz.core.errors import PlanError, UsageError, short_repr
 from bigviz.core.sizes import format_size
 from bigviz.core.workload import Workload
@@ -471,10 +471,8 @@ class PipelinePlan:
             >>> PipelinePlan.load_json(path) == plan
             True
         """
-        with open(path, "rb") as f:
-            raw = f.read()
         try:
-            data = parse_json(raw, path, "pipeline plan")  # deep nesting, bad UTF-8: named
+            data = read_json(path, "pipeline plan")  # deep nesting, bad UTF-8: named
         except ValueError as err:
             raise PipelineError(str(err)) from None
         return cls.from_dict(data, where=str(path), tree=tree)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bigviz.core.dtypes import load_dtype
-from bigviz.core.outputs import input_files, output_problems, write_output
+from bigviz.checkpoint.outputs import input_files, output_problems, write_output
 
 __all__ = ["main", "parse_stages", "parse_ids"]
 
@@ -217,7 +217,7 @@ def _argument_problems(args: argparse.Namespace, env: _Env) -> list[str]:
 
 
 def _output_problems(args: argparse.Namespace) -> list[str]:
-    """Rank 0 writes: the command line's one rule for written files (:mod:`bigviz.core.outputs`):
+    """Rank 0 writes: the command line's one rule for written files (:mod:`bigviz.checkpoint.outputs`):
     never an input, never an existing file without ``--overwrite``, in a folder that exists."""
     inputs = [*input_files(args.checkpoint), *([Path(args.plan)] if args.plan else [])]
     return output_problems({"--out": args.out, "--report": args.report}, overwrite=args.overwrite, inputs=inputs)
@@ -438,7 +438,7 @@ def _generate(job: _Job, built: Any, batch: Any) -> dict[str, Any]:
 # ---- writing ------------------------------------------------------------------------------
 def _write(job: _Job, result: dict[str, Any]) -> None:
     """Rank 0: the tokens (or logits) with torch.save and the report as JSON, each written atomically with
-    the usual permissions, replacing a file only with --overwrite (:mod:`bigviz.core.outputs`)."""
+    the usual permissions, replacing a file only with --overwrite (:mod:`bigviz.checkpoint.outputs`)."""
     import torch
 
     from bigviz.core.serialize import write_json_atomic

@@ -19,7 +19,7 @@ import torch
 
 import bigviz
 from bigviz.cli import main
-from bigviz.core.outputs import write_output
+from bigviz.checkpoint.outputs import write_output
 from bigviz.models import GPT, GPTConfig
 
 
