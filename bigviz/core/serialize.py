@@ -15,9 +15,11 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -56,6 +58,7 @@ def write_text_atomic(text: str, path: str | os.PathLike[str]) -> None:
         True
     """
     path = Path(path)
+    _check_writable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{secrets.token_hex(4)}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
@@ -70,6 +73,24 @@ def write_text_atomic(text: str, path: str | os.PathLike[str]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _check_writable(path: Path) -> None:
+    """Refuse, before anything is made, a path a rename cannot replace with a file: a folder
+    (``os.replace`` names the temporary file in its error), a FIFO or a device (``/dev/null``
+    would be replaced by a regular file), or one under a regular file."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except NotADirectoryError:
+        raise NotADirectoryError(
+            errno.ENOTDIR, f"cannot write {path}: a part of its folder path is a file, not a folder"
+        ) from None
+    if mode is not None and stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, f"cannot write {path}: it is a folder; give a file path in it")
+    if mode is not None and not stat.S_ISREG(mode):
+        raise FileExistsError(errno.EEXIST, f"cannot write {path}: it exists and is not a regular file")
 
 
 def write_json_atomic(data: Any, path: str | os.PathLike[str]) -> None:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bigviz.core.dtypes import load_dtype
 from bigviz.checkpoint.outputs import input_files, output_problems, write_output
 
 __all__ = ["main", "parse_stages", "parse_ids"]
@@ -194,6 +195,11 @@ def _argument_problems(args: argparse.Namespace, env: _Env) -> list[str]:
         problems.append("--split trace keeps no KV cache: generation runs the stage's own modules (wrap)")
     if args.timeout <= 0:
         problems.append(f"--timeout {args.timeout}: give seconds > 0")
+    if args.dtype != "auto":
+        try:  # the loaders' one rule, here before any rank joins the group (it was a traceback after)
+            load_dtype(args.dtype, name="--dtype")
+        except ValueError as err:
+            problems.append(str(err))
     ids = args.prompt_ids if args.prompt_ids is not None else args.input_ids
     tokens = (args.batch_size or max(args.microbatches, 1)) * (len(ids or ()) + (args.max_new_tokens or 0))
     if tokens > MAX_TOKENS:

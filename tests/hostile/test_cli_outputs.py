@@ -205,6 +205,14 @@ def test_distributed_outputs_are_checked_up_front(tmp_path: Path, checkpoint: Pa
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.parametrize("dtype", ["int8", "torch.bool", "float17", "3"])
+def test_distributed_dtype_is_checked_up_front(tmp_path: Path, checkpoint: Path, capsys, no_loading, dtype: str):
+    """A dtype no load can cast to was a traceback on every rank once the stage was built."""
+    err = _distributed(capsys, checkpoint, "--out", str(tmp_path / "x.pt"), "--dtype", dtype)
+    assert f"--dtype={dtype!r}" in err and "float16" in err and "nothing was loaded" in err, err
+    assert not (tmp_path / "x.pt").exists()
+
+
 def test_only_rank_0_checks_the_outputs(tmp_path: Path, checkpoint: Path, no_loading):
     """Rank 0 writes; another machine's rank may not have the folder at all."""
     from bigviz.distributed import cli
