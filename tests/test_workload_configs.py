@@ -79,7 +79,9 @@ def test_plan_takes_a_config_file_or_a_folder_holding_only_one(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     by_file = bigviz.plan(folder / "config.json", {"cpu": "1GB"}, context_length=100, batch_size=3)
     by_folder = bigviz.plan(folder, {"cpu": "1GB"}, context_length=100, batch_size=3)
-    assert by_file.kv_cache == by_folder.kv_cache == {"cpu": 2 * 3 * 8 * 2 * 16 * 2 * 4, "disk": 0}
+    # the plan charges the sliding layers' peak: the whole prompt's keys and values, held from the
+    # prefill until their first decode step; once decoding they keep the window
+    assert by_file.kv_cache == by_folder.kv_cache == {"cpu": 2 * 3 * 100 * 2 * 16 * 2 * 4, "disk": 0}
     assert bigviz.kv_cache_bytes(folder, 3, 100) == {
         "model.layers.0": 3 * 8 * 2 * 16 * 2 * 4,
         "model.layers.1": 3 * 8 * 2 * 16 * 2 * 4,
@@ -203,12 +205,25 @@ def test_cli_plans_a_config_with_a_workload(tmp_path, capsys):
     assert "'many'" in capsys.readouterr().err
 
 
-def test_an_encoder_caches_nothing_and_an_encoder_decoder_is_refused(hf_bert):
+def test_an_encoder_caches_nothing(hf_bert):
     assert set(bigviz.kv_cache_bytes(hf_bert, 2, 64).values()) == {0}
     plan = bigviz.plan(hf_bert, {"cpu": "1GB"}, context_length=64)
     assert plan.kv_cache["cpu"] == 0 and plan.activations["cpu"] > 0
-    t5 = transformers.T5ForConditionalGeneration(
-        transformers.T5Config(num_layers=2, d_model=32, d_ff=64, num_heads=2, d_kv=16, vocab_size=100)
-    )
-    with pytest.raises(ValueError, match="encoder-decoder"):
-        bigviz.kv_cache_bytes(t5, 1, 10)
+
+
+def test_an_encoder_decoder_caches_its_decoder_tokens_and_the_encoders_in_every_decoder_layer():
+    """T5 with heads wider than d_model / heads (mT5's layout): the widths come from the cache
+    the model allocates, not from the config's hidden size."""
+    with torch.device("meta"):
+        t5 = transformers.T5ForConditionalGeneration(
+            transformers.T5Config(num_layers=2, d_model=32, d_ff=64, num_heads=2, d_kv=24, vocab_size=100)
+        )
+    per_token = 2 * 2 * 24 * 4  # keys and values, 2 heads of 24, float32
+    kv = bigviz.kv_cache_bytes(t5, 3, 10, encoder_length=50)
+    assert kv == {f"decoder.block.{i}": 3 * (10 + 50) * per_token for i in range(2)}
+    assert bigviz.kv_cache_bytes(t5, 3, 10) == {f"decoder.block.{i}": 3 * (10 + 10) * per_token for i in range(2)}
+    plan = bigviz.plan(t5, {"cpu": "1GB"}, batch_size=3, context_length=10, encoder_length=50)
+    assert plan.kv_cache["cpu"] == sum(kv.values())
+    # the encoder runs over its 50 tokens, on the device that holds it
+    longer = bigviz.plan(t5, {"cpu": "1GB"}, batch_size=3, context_length=10, encoder_length=500)
+    assert longer.activations["cpu"] > plan.activations["cpu"]

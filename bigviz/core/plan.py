@@ -61,6 +61,8 @@ class PlanOptions:
             device when it is streamed in from cpu or disk.
         activations: ``{module: bytes}`` alive at the peak of that module's step; each
             device keeps room for the largest step it runs.
+        held: ``{module: bytes}`` its output keeps alive for the whole forward on the device
+            the module runs on (the input embeddings), charged there beside the largest step.
         workload: the :class:`~bigviz.core.workload.Workload` the two above were made for
             (kept in the plan for reports).
         preload, reads, offload_buffers, same_module: the unit rule's knobs (see
@@ -77,6 +79,7 @@ class PlanOptions:
     main_device: Device | None = None
     kv_cache: Mapping[str, int] = field(default_factory=dict)
     activations: Mapping[str, int] = field(default_factory=dict)
+    held: Mapping[str, int] = field(default_factory=dict)
     workload: Workload | None = None
     preload: frozenset[str] = frozenset()
     reads: Mapping[str, str] = field(default_factory=dict)

@@ -51,6 +51,7 @@ def plan(
     batch_size: int = 1,
     context_length: int | None = None,
     kv_dtype: torch.dtype | str | None = None,
+    encoder_length: int | None = None,
     kv_cache: Mapping[str, int] | None = None,
     activations: Mapping[str, int] | None = None,
     preload_module_classes: Collection[str] | None = None,
@@ -76,7 +77,12 @@ def plan(
             many tokens on the device the layer runs on (its own; the execution device when it
             is streamed in from cpu or disk), and on every device that runs a layer, room for
             the activations of the largest step, the prefill of ``context_length`` tokens.
+            An encoder-decoder's: the decoder's tokens.
         kv_dtype: the cache's dtype (default: the compute dtype).
+        encoder_length: tokens the cross-attention layers attend to: an encoder-decoder's
+            encoder input (its encoder runs over them once; each decoder layer caches them),
+            Mllama's vision states. Default: the model's own (Mllama: one image), else
+            ``context_length``.
         kv_cache, activations: ``{module: bytes}`` given by hand, for a model whose layout
             bigviz does not know (they replace what bigviz would read from the model).
         preload_module_classes, offload_buffers: as the dispatch will use them: the room kept
@@ -101,8 +107,8 @@ def plan(
         from bigviz.core.streaming import default_cpu_budget
 
         budgets["cpu"] = default_cpu_budget(tree, budgets["cpu"], frozenset(no_split))
-    workload = Workload(batch_size, context_length or 0, None if kv_dtype is None else str(kv_dtype))
-    kv, act = workload_bytes(
+    workload = Workload(batch_size, context_length or 0, None if kv_dtype is None else str(kv_dtype), encoder_length)
+    run = workload_bytes(
         model, tree, workload, dtype=dtype, device_type=device_type(budgets), kv_cache=kv_cache, activations=activations
     )
     inventory = inventory_or_none(model)
@@ -113,9 +119,10 @@ def plan(
         overrides=dict(overrides or {}),
         offload_reserve=offload_reserve,
         prefetch=prefetch,
-        kv_cache=kv,
-        activations=act,
-        workload=workload if (kv or act) else None,
+        kv_cache=run.kv_cache,
+        activations=run.activations,
+        held=run.held,
+        workload=workload if (run.kv_cache or run.activations) else None,
         **unit_knobs(inventory, tree, preload_module_classes, offload_buffers),
     )
     result = make_plan(tree, budgets, options)

@@ -27,7 +27,7 @@ from bigviz.core.tree import SizeTree
 from bigviz.core.errors import DeviceMapError
 from bigviz.core.devices import Device, device_label, normalize_device
 from bigviz.core.sizes import UNLIMITED, parse_max_memory, parse_size
-from bigviz.core.workload import RunSpec, Workload, longest_fit
+from bigviz.core.workload import RunBytes, RunSpec, Workload, longest_fit
 
 __all__ = ["PlannerState"]
 
@@ -110,14 +110,15 @@ class PlannerState:
 
     def options(self, workload: Workload | None = None) -> PlanOptions:
         workload = workload or self.workload
-        kv, act = self.run_bytes(workload)
+        run = self.run_bytes(workload)
         return PlanOptions(
             strategy=self.strategy,
             no_split=frozenset(self.no_split),
             reserve=dict(self.reserve),
             overrides=dict(self.overrides),
-            kv_cache=kv,
-            activations=act,
+            kv_cache=run.kv_cache,
+            activations=run.activations,
+            held=run.held,
             workload=workload if workload.active else None,
         )
 
@@ -140,12 +141,11 @@ class PlannerState:
         # weights quantised to 8 bits or less still compute (and cache) in the model's own dtype
         return replace(spec, dtype=self.dtype) if self.dtype is not None and itemsize(self.dtype) >= 2 else spec
 
-    def run_bytes(self, workload: Workload) -> tuple[dict[str, int], dict[str, int]]:
-        """``(KV cache, activations)`` bytes per module for ``workload`` (empty without a context)."""
+    def run_bytes(self, workload: Workload) -> RunBytes:
+        """The run's bytes per module for ``workload``, as ``bigviz.plan`` charges them."""
         if not workload.active:
-            return {}, {}
-        spec = self.run_spec()
-        return spec.kv_cache(workload), spec.activations(workload)
+            return RunBytes()
+        return RunBytes.of(self.run_spec(), workload)
 
     def set_workload(
         self, *, batch_size: int | None = None, context_length: int | None = None, kv_dtype: str | None | bool = False

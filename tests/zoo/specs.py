@@ -24,8 +24,8 @@ class Spec:
 
     Attributes:
         name: short id (the pytest id).
-        family: what it stands for ("decoder", "moe", "ssm", "encdec", "encoder", "vision",
-            "audio", "multimodal").
+        family: what it stands for ("decoder", "moe", "ssm", "hybrid", "encdec", "encoder",
+            "vision", "audio", "multimodal").
         model_class: the transformers class name.
         config_class: the config class name.
         config: config keyword arguments (tiny).
@@ -110,6 +110,20 @@ def llava_inputs() -> dict[str, torch.Tensor]:
     ids = torch.randint(3, VOCAB - 1, (1, SEQ), generator=g)
     ids = torch.cat([ids[:, :1], torch.full((1, image_tokens), VOCAB - 1), ids[:, 1:]], dim=1)
     return {"input_ids": ids, "pixel_values": torch.randn(1, 3, 16, 16, generator=g)}
+
+
+def mllama_inputs() -> dict[str, torch.Tensor]:
+    """One image of ``max_num_tiles`` tiles (aspect ratio 1x2), attended to by every text token."""
+    g = _gen()
+    ids = torch.randint(3, VOCAB - 1, (1, SEQ), generator=g)
+    ids[0, 0] = VOCAB - 1  # the image token
+    return {
+        "input_ids": ids,
+        "pixel_values": torch.randn(1, 1, 2, 3, 16, 16, generator=g),
+        "aspect_ratio_ids": torch.tensor([[2]]),
+        "aspect_ratio_mask": torch.ones(1, 1, 2, dtype=torch.long),
+        "cross_attention_mask": torch.ones(1, SEQ, 1, 2, dtype=torch.long),
+    }
 
 
 DEC = dict(
@@ -351,6 +365,161 @@ SPECS: list[Spec] = [
         tokens(),
         generative=True,
     ),
+    Spec(
+        "mamba2",
+        "ssm",
+        "Mamba2ForCausalLM",
+        "Mamba2Config",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            state_size=8,
+            num_hidden_layers=2,
+            expand=2,
+            conv_kernel=4,
+            num_heads=8,
+            head_dim=8,
+            n_groups=1,
+            chunk_size=8,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        ),
+        tokens(),
+        generative=True,
+    ),
+    # hybrids: recurrent or convolutional layers beside attention (states derived from the model)
+    Spec(
+        "jamba",
+        "hybrid",
+        "JambaForCausalLM",
+        "JambaConfig",
+        dict(
+            DEC,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=2,
+            num_experts_per_tok=1,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_dt_rank=4,
+            use_mamba_kernels=False,
+        ),
+        tokens(),
+        generative=True,
+    ),
+    Spec(
+        "bamba",
+        "hybrid",
+        "BambaForCausalLM",
+        "BambaConfig",
+        dict(
+            DEC,
+            attn_layer_indices=[1],
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_d_state=8,
+            mamba_n_groups=1,
+            mamba_expand=2,
+            mamba_d_conv=4,
+            mamba_chunk_size=8,
+        ),
+        tokens(),
+        generative=True,
+    ),
+    Spec(
+        "falcon_h1",  # every layer holds a state and keys and values at once
+        "hybrid",
+        "FalconH1ForCausalLM",
+        "FalconH1Config",
+        dict(
+            DEC,
+            mamba_n_heads=4,
+            mamba_d_ssm=64,
+            mamba_d_head=16,
+            mamba_d_state=8,
+            mamba_n_groups=1,
+            mamba_expand=2,
+            mamba_d_conv=4,
+            mamba_chunk_size=8,
+        ),
+        tokens(),
+        generative=True,
+    ),
+    Spec(
+        "zamba2",  # a shared attention block, twice as wide as hidden / heads
+        "hybrid",
+        "Zamba2ForCausalLM",
+        "Zamba2Config",
+        dict(
+            DEC,
+            num_hidden_layers=4,
+            layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+            mamba_d_state=8,
+            mamba_headdim=8,
+            n_mamba_heads=8,
+            mamba_ngroups=1,
+            mamba_expand=2,
+            mamba_d_conv=4,
+            chunk_size=8,
+            use_mem_rope=True,
+        ),
+        tokens(),
+        generative=True,
+        slow=True,
+    ),
+    Spec(
+        "qwen3_next",  # gated DeltaNet layers beside gated attention, experts
+        "hybrid",
+        "Qwen3NextForCausalLM",
+        "Qwen3NextConfig",
+        dict(
+            DEC,
+            head_dim=8,
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+            layer_types=["linear_attention", "full_attention"],
+        ),
+        tokens(),
+        generative=True,
+        slow=True,
+    ),
+    Spec(
+        "lfm2",
+        "hybrid",
+        "Lfm2ForCausalLM",
+        "Lfm2Config",
+        dict(DEC, conv_L_cache=3, layer_types=["conv", "full_attention"]),
+        tokens(),
+        generative=True,
+    ),
+    Spec(
+        "recurrent_gemma",  # RG-LRU states kept on its modules, a local-attention window
+        "hybrid",
+        "RecurrentGemmaForCausalLM",
+        "RecurrentGemmaConfig",
+        dict(
+            DEC,
+            num_hidden_layers=3,
+            num_key_value_heads=1,
+            lru_width=48,
+            attention_window_size=4,
+            conv1d_width=4,
+            block_types=["recurrent", "recurrent", "attention"],
+        ),
+        tokens(),
+        generative=True,
+    ),
     # encoder-decoders
     Spec(
         "t5",
@@ -409,6 +578,38 @@ SPECS: list[Spec] = [
             suppress_tokens=None,
         ),
         mel(),
+        generative=True,
+        slow=True,
+    ),
+    Spec(
+        "umt5",
+        "encdec",
+        "UMT5ForConditionalGeneration",
+        "UMT5Config",
+        dict(
+            vocab_size=VOCAB,
+            d_model=32,
+            d_kv=12,  # heads wider than d_model / heads: the cache says how wide
+            d_ff=48,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            eos_token_id=1,
+        ),
+        seq2seq(),
+        generative=True,
+    ),
+    Spec("pegasus", "encdec", "PegasusForConditionalGeneration", "PegasusConfig", BART, seq2seq(), generative=True),
+    Spec(
+        "led",
+        "encdec",
+        "LEDForConditionalGeneration",
+        "LEDConfig",
+        dict(BART, max_encoder_position_embeddings=64, max_decoder_position_embeddings=64, attention_window=[4, 4]),
+        seq2seq(),
         generative=True,
         slow=True,
     ),
@@ -511,6 +712,37 @@ SPECS: list[Spec] = [
         ),
         llava_inputs,
         generative=True,
+    ),
+    Spec(
+        "mllama",  # cross-attention layers cache the vision states: tiles x (patches + 1) tokens
+        "multimodal",
+        "MllamaForConditionalGeneration",
+        "MllamaConfig",
+        dict(
+            text_config=dict(
+                DEC,
+                num_hidden_layers=4,
+                cross_attention_layers=[1, 3],
+                rope_scaling={"rope_type": "default"},
+            ),
+            vision_config=dict(
+                hidden_size=16,
+                intermediate_size=24,
+                num_hidden_layers=2,
+                num_global_layers=1,
+                attention_heads=2,
+                image_size=16,
+                patch_size=8,
+                max_num_tiles=2,
+                vision_output_dim=32,
+                intermediate_layers_indices=[0],
+                supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]],
+            ),
+            image_token_index=VOCAB - 1,
+        ),
+        mllama_inputs,
+        generative=True,
+        slow=True,
     ),
 ]
 
