@@ -154,10 +154,17 @@ def make_plan(tree: SizeTree, max_memory: Mapping[Any, object], options: PlanOpt
         for d, v in staging.items()
         if v > 0
     ]
-    kv, act = run_usage(state, main)
+    kv, act, slack = run_usage(state, main)
     usage = tuple(
         DeviceUsage(
-            d, budgets[d], caps[d], reserve.get(d, 0), max(staging[d], 0), state.used[d], kv.get(d, 0), act.get(d, 0)
+            d,
+            budgets[d],
+            caps[d],
+            reserve.get(d, 0) + slack.get(d, 0),
+            max(staging[d], 0),
+            state.used[d],
+            kv.get(d, 0),
+            act.get(d, 0),
         )
         for d in budgets
     )

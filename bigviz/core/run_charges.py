@@ -12,6 +12,7 @@ charged there, outside the pass's fill, and the next pass reserves them. Used by
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -56,11 +57,14 @@ class Run:
     overrides: frozenset[str]
     main: Device
     streamed: tuple[str, ...]
+    held_own: Mapping[str, int] = field(default_factory=dict)
     held_sub: dict[str, int] = field(default_factory=dict)  # module -> activations held all forward inside it
+    slack: Mapping[Device, float] = field(default_factory=dict)  # share of the run kept free on top
     charged: set[str] = field(default_factory=set)
     kv: dict[Device, int] = field(default_factory=dict)
     act: dict[Device, int] = field(default_factory=dict)
     held: dict[Device, int] = field(default_factory=dict)
+    slack_bytes: dict[Device, int] = field(default_factory=dict)
     stream_kv: int = 0
     stream_act: int = 0
     stream_held: int = 0
@@ -88,7 +92,9 @@ class Run:
             frozenset(options.overrides),
             main,
             streamed,
+            options.held,
             held_sub,
+            dict(options.run_slack),
         )
 
     def unit(self, name: str) -> tuple[int, list[str], int, int]:
@@ -103,16 +109,21 @@ class Run:
         step = self.act_sub.get(name, 0)
         first = []
         for holder in ancestors(parent(name)) if name else ():
-            if holder in self.kv_own and holder not in self.charged:
+            if holder not in self.charged and (holder in self.kv_own or holder in self.held_own):
                 first.append(holder)
-                inside += self.kv_own[holder]
+                inside += self.kv_own.get(holder, 0)
+                held += self.held_own.get(holder, 0)
             step = max(step, self.act_own.get(holder, 0))
         return inside, first, step, held
+
+    def with_slack(self, device: Device, run: int) -> int:
+        """``run`` bytes charged on ``device`` with the share kept free on top (the allocator's slack)."""
+        return run + math.ceil(run * self.slack.get(device, 0.0))
 
     def resident_bytes(self, name: str, device: Device) -> int:
         """Room a unit's run takes on a resident device besides its weights."""
         kv, _, step, held = self.unit(name)
-        return kv + held + max(0, step - self.act.get(device, 0))
+        return self.with_slack(device, kv + held + max(0, step - self.act.get(device, 0)))
 
 
 def run_bytes(tree: SizeTree, state: _Pass, name: str, device: Device | None) -> int:
@@ -163,7 +174,9 @@ def charge_run(tree: SizeTree, state: _Pass, name: str, device: Device, why: Why
         run.stream_held += held
         run.stream_act = max(run.stream_act, step)
         return ("run", why, kv, step + held, run.main)
-    state.remaining[device] -= kv + held + max(0, step - run.act.get(device, 0))
+    added = kv + held + max(0, step - run.act.get(device, 0))
+    state.remaining[device] -= run.with_slack(device, added)
+    run.slack_bytes[device] = run.slack_bytes.get(device, 0) + run.with_slack(device, added) - added
     run.kv[device] = run.kv.get(device, 0) + kv
     run.held[device] = run.held.get(device, 0) + held
     run.act[device] = max(run.act.get(device, 0), step)
@@ -208,14 +221,19 @@ def streamed_run_needs(state: _Pass, main: Device) -> dict[Device, int]:
     run = state.run
     if run is None or not (run.stream_kv or run.stream_act or run.stream_held):
         return {}
-    return {main: run.stream_kv + run.stream_held + max(0, run.stream_act - run.act.get(main, 0))}
+    return {main: run.with_slack(main, run.stream_kv + run.stream_held + max(0, run.stream_act - run.act.get(main, 0)))}
 
 
-def run_usage(state: _Pass, main: Device) -> tuple[dict[Device, int], dict[Device, int]]:
-    """KV cache and activation bytes per device, streamed units' counted on the execution device."""
+def run_usage(state: _Pass, main: Device) -> tuple[dict[Device, int], dict[Device, int], dict[Device, int]]:
+    """KV cache, activation and slack bytes per device (the slack: the share of the run kept
+    free on top), streamed units' counted on the execution device."""
     run = state.run
     if run is None:
-        return {}, {}
+        return {}, {}, {}
+    slack = dict(run.slack_bytes)
+    streamed = run.stream_kv + run.stream_held + max(0, run.stream_act - run.act.get(main, 0))
+    if streamed:
+        slack[main] = slack.get(main, 0) + run.with_slack(main, streamed) - streamed
     kv, act = dict(run.kv), dict(run.act)
     if run.stream_kv or run.stream_act or run.stream_held:
         kv[main] = kv.get(main, 0) + run.stream_kv
@@ -224,4 +242,4 @@ def run_usage(state: _Pass, main: Device) -> tuple[dict[Device, int], dict[Devic
         extra = run.held.get(device, 0) + (run.stream_held if device == main else 0)
         if extra:
             act[device] = act.get(device, 0) + extra
-    return kv, act
+    return kv, act, slack

@@ -24,6 +24,7 @@ import torch.nn as nn
 from bigviz.core.devicemap import device_of, validate_device_map
 from bigviz.core.devices import Device, device_label, streamed_devices
 from bigviz.core.names import is_prefix
+from bigviz.core.headroom import headroom
 from bigviz.core.plan import DevicePlan, PlanOptions
 from bigviz.core.planner import check_no_split, is_no_split, make_plan
 from bigviz.core.tree import SizeTree
@@ -43,7 +44,7 @@ def plan(
     strategy: str = "auto",
     no_split_module_classes: Collection[str] | None = None,
     dtype: torch.dtype | str | None = None,
-    reserve: Mapping[Any, object] | None = None,
+    reserve: Mapping[Any, object] | int | str | None = None,
     overrides: Mapping[str, object] | None = None,
     special_dtypes: Mapping[str, torch.dtype | str] | None = None,
     offload_reserve: bool = True,
@@ -70,7 +71,13 @@ def plan(
             model or, for a glob, a module name: a typo raises ``PlanError`` listing the
             model's classes.
         dtype: plan for this dtype (floating tensors only), e.g. ``torch.float16``.
-        reserve: bytes per device kept free for activations and KV cache.
+        reserve: bytes kept free: ``{device: size}``, or one size for every device. A plan of a
+            run (``context_length``) keeps by default what a process needs beyond the tensors
+            it counts, per device kind (:mod:`bigviz.core.headroom`: on a GPU 1 GiB for the
+            CUDA context and cuBLAS workspace plus 10% of the run for fragmentation; on the CPU
+            25% of the run for the allocator's slack), said in the plan's notes; a device
+            ``reserve`` names keeps what it says instead, and ``reserve=0`` plans the bare
+            arithmetic. A plan of weights only keeps what ``reserve`` says, as accelerate does.
         overrides: ``{module: device}`` to honour; the rest is planned around them.
         batch_size: sequences run together (with ``context_length``).
         context_length: plan the run too: each layer's KV cache (or recurrent state) for this
@@ -112,10 +119,12 @@ def plan(
         model, tree, workload, dtype=dtype, device_type=device_type(budgets), kv_cache=kv_cache, activations=activations
     )
     inventory = inventory_or_none(model)
+    room = headroom(budgets, reserve, defaults=bool(run.kv_cache or run.activations))
     options = PlanOptions(
         strategy=strategy,
         no_split=frozenset(no_split),
-        reserve=dict(reserve or {}),
+        reserve=room.reserve,
+        run_slack=room.run_slack,
         overrides=dict(overrides or {}),
         offload_reserve=offload_reserve,
         prefetch=prefetch,
@@ -125,8 +134,8 @@ def plan(
         workload=workload if (run.kv_cache or run.activations) else None,
         **unit_knobs(inventory, tree, preload_module_classes, offload_buffers),
     )
-    result = make_plan(tree, budgets, options)
-    return keep_direct_reads_resident(result, inventory, tree, budgets, options)
+    result = keep_direct_reads_resident(make_plan(tree, budgets, options), inventory, tree, budgets, options)
+    return replace(result, notes=(*result.notes, *room.notes)) if room.notes else result
 
 
 class UnitKnobs(TypedDict):

@@ -20,6 +20,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from bigviz.core.headroom import Headroom, headroom
 from bigviz.core.plan import STRATEGIES, DevicePlan, PlanOptions
 from bigviz.core.planner import PlanError, check_no_split, make_plan
 from bigviz.core.dtypes import canonical_dtype, itemsize
@@ -111,10 +112,12 @@ class PlannerState:
     def options(self, workload: Workload | None = None) -> PlanOptions:
         workload = workload or self.workload
         run = self.run_bytes(workload)
+        room = self.headroom(workload)
         return PlanOptions(
             strategy=self.strategy,
             no_split=frozenset(self.no_split),
-            reserve=dict(self.reserve),
+            reserve=room.reserve,
+            run_slack=room.run_slack,
             overrides=dict(self.overrides),
             kv_cache=run.kv_cache,
             activations=run.activations,
@@ -122,9 +125,17 @@ class PlannerState:
             workload=workload if workload.active else None,
         )
 
+    def headroom(self, workload: Workload | None = None) -> Headroom:
+        """What each device keeps free: the reserves set here, and for a run the default of
+        each device kind for the others (see :mod:`bigviz.core.headroom`)."""
+        active = (workload or self.workload).active
+        return headroom(self.budgets, dict(self.reserve) or None, defaults=active)
+
     def replan(self) -> DevicePlan:
         """Plan with the current settings. Raises ``PlanError`` when nothing fits."""
-        return make_plan(self.tree, self.budgets, self.options())
+        plan = make_plan(self.tree, self.budgets, self.options())
+        notes = self.headroom().notes
+        return replace(plan, notes=(*plan.notes, *notes)) if notes else plan
 
     # ---- the run -------------------------------------------------------------------
     def run_spec(self) -> RunSpec:
