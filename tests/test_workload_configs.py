@@ -54,13 +54,28 @@ def test_gemma2_alternates_sliding_and_full_layers(shipped):
 def test_llama_70b_with_32k_on_two_a100s(shipped):
     model = shipped["llama-3.1-70b"]
     budgets = {0: 80 * GiB, 1: 80 * GiB, "cpu": 340 * GiB}
-    plan = bigviz.plan(model, budgets, context_length=32768)
+    plan = bigviz.plan(model, budgets, context_length=32768, reserve=0)  # the bare arithmetic
     assert sum(plan.kv_cache.values()) == 10 * GiB  # 80 layers x 128 MiB
     assert plan.offloaded_bytes() == {"cpu": 0, "disk": 0} and all(u.free >= 0 for u in plan.usage)
     assert plan.activations[0] > 0 and plan.activations[1] > 0 and plan.activations["cpu"] == 0
-    longest = bigviz.max_context(model, budgets)
+    longest = bigviz.max_context(model, budgets, reserve=0)
     assert 32768 <= longest < 131072
-    assert bigviz.max_context(model, budgets, 4) < longest  # four sequences share the memory
+    assert bigviz.max_context(model, budgets, 4, reserve=0) < longest  # four sequences share the memory
+    # with each GPU's default headroom (CUDA context, cuBLAS workspace, fragmentation) it is tighter
+    assert bigviz.max_context(model, budgets) < longest
+    kept = bigviz.plan(model, budgets, context_length=32768)
+    assert all(u.reserve >= GiB for u in kept.usage if isinstance(u.device, int))
+    assert sum("keeps 1.0 GiB + 10% of its run free by default" in n for n in kept.notes) == 2
+
+
+def test_the_input_embeddings_are_charged_on_their_device_only(shipped):
+    """Llama 3.1 8B on two GPUs: the input embeddings' output (batch x tokens x hidden) stays on
+    GPU 0, which holds them; GPU 1 runs the same layers without it."""
+    model = shipped["llama-3.1-8b"]
+    batch, tokens = 8, 4096
+    plan = bigviz.plan(model, {0: 12 * GiB, 1: 24 * GiB}, batch_size=batch, context_length=tokens, reserve=0)
+    assert plan.device_of("model.embed_tokens") == 0 and plan.device_of("model.layers.31") == 1
+    assert plan.activations[0] - plan.activations[1] == batch * tokens * 4096 * 2  # bf16
 
 
 def test_plan_takes_a_config_file_or_a_folder_holding_only_one(tmp_path):
@@ -96,8 +111,8 @@ def test_a_bigviz_checkpoint_with_its_config_plans_its_run(tmp_path, preset):
     model = build(preset, n_layer=3) if preset.startswith("gpt") else build(preset, n_layers=3)
     folder = bigviz.save_sharded(model, tmp_path / "ckpt", max_shard_size="100KB", config=model.config, progress=False)
     budget = {"cpu": bigviz.compute_module_sizes(model)[""] // 2}
-    from_headers = bigviz.plan(folder, budget, batch_size=2, context_length=40)
-    from_model = bigviz.plan(model, budget, batch_size=2, context_length=40)
+    from_headers = bigviz.plan(folder, budget, batch_size=2, context_length=40, reserve=0)
+    from_model = bigviz.plan(model, budget, batch_size=2, context_length=40, reserve=0)
     assert from_headers.kv_cache == from_model.kv_cache and sum(from_headers.kv_cache.values()) > 0
     assert from_headers.activations == from_model.activations
     assert from_headers.device_map == {k: v for k, v in from_model.device_map.items() if k in from_headers.device_map}
@@ -149,18 +164,34 @@ def test_max_context_keeps_its_definition():
     with torch.device("meta"):
         model = build("llama-tiny", max_seq_len=4096)
     budgets = {0: 1_000_000, "cpu": 10**8}
-    longest = bigviz.max_context(model, budgets)
-    fits = bigviz.plan(model, budgets, context_length=longest)
+    bare = {"reserve": 0}  # the arithmetic alone: no headroom
+    longest = bigviz.max_context(model, budgets, **bare)
+    fits = bigviz.plan(model, budgets, context_length=longest, **bare)
     assert not any(fits.offloaded_bytes().values()) and all(u.free >= 0 for u in fits.usage)
-    over = bigviz.plan(model, budgets, context_length=longest + 1)  # still plans, but offloads
+    over = bigviz.plan(model, budgets, context_length=longest + 1, **bare)  # still plans, but offloads
     assert any(over.offloaded_bytes().values())
-    assert bigviz.max_context(model, budgets, allow_offload=True) > longest
-    kept = bigviz.max_context(model, budgets, device_map=fits)  # this placement, nothing moved
+    assert bigviz.max_context(model, budgets, allow_offload=True, **bare) > longest
+    kept = bigviz.max_context(model, budgets, device_map=fits, **bare)  # this placement, nothing moved
     assert kept >= longest
     with pytest.raises(bigviz.PlanError):
-        bigviz.plan(model, budgets, context_length=kept + 1, overrides=dict(fits.unit_map))
+        bigviz.plan(model, budgets, context_length=kept + 1, overrides=dict(fits.unit_map), **bare)
     assert bigviz.max_context(model, {0: 1000, "cpu": 1000, "disk": 1000}) == 0  # not even the weights
-    assert bigviz.max_context(model, {0: 10**9}, limit=300) == 300
+    assert bigviz.max_context(model, {0: 10**9}, limit=300, **bare) == 300
+    assert bigviz.max_context(model, {0: 10**9}) == 0  # a GPU smaller than its CUDA context: no run
+
+
+def test_max_context_keeps_the_default_headroom_on_the_cpu():
+    """The answer keeps 25% of the run free on the CPU by default (the allocator's slack):
+    the plan at the answer fits with it, and the bare answer is longer."""
+    with torch.device("meta"):
+        model = build("llama-tiny", max_seq_len=4096)
+    budgets = {"cpu": 2_000_000}
+    longest, bare = bigviz.max_context(model, budgets), bigviz.max_context(model, budgets, reserve=0)
+    assert 0 < longest < bare
+    plan = bigviz.plan(model, budgets, context_length=longest)
+    u = plan.usage_of("cpu")
+    assert u.free >= 0 and u.reserve == -(-(u.kv_cache + u.activations) // 4)
+    assert u.used + 1.25 * (u.kv_cache + u.activations) <= budgets["cpu"] + 1
 
 
 def test_cli_plans_a_config_with_a_workload(tmp_path, capsys):

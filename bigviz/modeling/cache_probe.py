@@ -102,8 +102,31 @@ def probe_cache(model: nn.Module, n_layers: int, *, layer_names: tuple[str, ...]
 
     Returns:
         The per-layer caches, or None when the architecture cannot be stepped on meta (the
-        caller then says so, or falls back to the config's rule).
+        caller then says so, or falls back to the config's rule). Kept per class and config:
+        ``max_context`` plans the same model many times.
     """
+    key = (type(model), _config_key(model), n_layers, layer_names)
+    if key[1] is not None and key in _PROBES:
+        return _PROBES[key]
+    probe = _probe(model, n_layers, layer_names)
+    if key[1] is not None:
+        _PROBES[key] = probe
+        while len(_PROBES) > 32:
+            _PROBES.pop(next(iter(_PROBES)))
+    return probe
+
+
+_PROBES: dict[tuple[Any, ...], CacheProbe | None] = {}
+
+
+def _config_key(model: nn.Module) -> str | None:
+    try:
+        return str(model.config.to_json_string(use_diff=False))
+    except Exception:  # noqa: BLE001 - no config, or one that does not serialise: not cached
+        return None
+
+
+def _probe(model: nn.Module, n_layers: int, layer_names: tuple[str, ...]) -> CacheProbe | None:
     twin = meta_twin(model, _PROBE_DTYPE, attn_implementation="eager", probe=True)
     if twin is None:
         return None

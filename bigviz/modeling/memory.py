@@ -21,7 +21,7 @@ Example:
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -202,12 +202,15 @@ class RunMeasurement:
         prefill_peak: the most bytes the prefill step had alive at once (cache included).
         prefill_activations: the same peak without the cache's storages: the step's
             transient memory (what a plan's ``activations`` predicts).
+        cache_peak: the most the cache held per device after any forward (a sliding
+            layer holds the whole prompt from the prefill until its first decode step).
     """
 
     cache_bytes: dict[str, int]
     cache_tokens: int | None
     prefill_peak: int
     prefill_activations: int
+    cache_peak: dict[str, int] = field(default_factory=dict)
 
 
 def measure_generate(
@@ -228,6 +231,12 @@ def measure_generate(
         (7, {'cpu': 3584})
     """
     seen: dict[str, Any] = {}
+    peak: dict[str, int] = {}
+    states_before = module_states(model)
+
+    def held(cache: Any) -> dict[str, int]:
+        states = [t for key, t in module_states(model).items() if states_before.get(key) is not t]
+        return cache_bytes_by_device(cache, states)
 
     def before(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if "tracker" not in seen:
@@ -235,6 +244,9 @@ def measure_generate(
         seen.setdefault("cache", kwargs.get("cache"))
 
     def after(module: torch.nn.Module, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        now = kwargs.get("cache") if _is_reference(model) else output_cache(out)
+        for device, nbytes in held(now).items():
+            peak[device] = max(peak.get(device, 0), nbytes)
         tracker = seen.get("tracker")
         if tracker is None or "peak" in seen:
             return
@@ -251,7 +263,6 @@ def measure_generate(
     encoder = model.get_encoder() if getattr(getattr(model, "config", None), "is_encoder_decoder", False) else None
     if encoder is not None:  # generate runs the encoder before the first forward: the prefill starts there
         hooks.append(encoder.register_forward_pre_hook(before, with_kwargs=True))
-    states_before = module_states(model)
     try:
         with torch.no_grad():
             out = (
@@ -267,8 +278,10 @@ def measure_generate(
         if "tracker" in seen and "peak" not in seen:
             seen["tracker"].__exit__(None, None, None)
     cache = seen.get("cache") if _is_reference(model) else output_cache(out)
-    states = [t for key, t in module_states(model).items() if states_before.get(key) is not t]
-    return RunMeasurement(cache_bytes_by_device(cache, states), _cache_length(cache), seen["peak"], seen["activations"])
+    final = held(cache)
+    for device, nbytes in final.items():
+        peak[device] = max(peak.get(device, 0), nbytes)
+    return RunMeasurement(final, _cache_length(cache), seen["peak"], seen["activations"], peak)
 
 
 def _is_reference(model: torch.nn.Module) -> bool:

@@ -462,25 +462,25 @@ def _hf_caches(
 ) -> tuple[dict[str, tuple[CacheSpec, ...]], int | None]:
     """Each layer's caches, and the tokens its cross-attention layers attend to by default.
 
-    Layer kinds and windows follow transformers' layer types. What each layer holds is read
-    from the model itself (:func:`bigviz.modeling.cache_probe.probe_cache`): the widths of its
-    keys and values as its own cache allocates them (a config field the architecture ignores,
-    or heads wider than the config suggests, change nothing), and the fixed-size states of
-    recurrent, convolutional and hybrid layers. Where the model cannot be stepped on meta, the
-    config's rule gives the keys and values (``kv_heads x head_dim``, DeepSeek's latent by the
-    installed version); a layer with a state then cannot be planned. Layers the model's
-    static cache sizes by the vision states (Mllama's cross-attention) cache those, whatever
-    the context.
+    Attention layers follow transformers' layer types and the config's rule (``kv_heads x
+    head_dim`` per token, DeepSeek's latent by the installed version). A model with other
+    layers (recurrent, convolutional, hybrid, or a kind this rule does not know) is asked what
+    its cache holds (:func:`bigviz.modeling.cache_probe.probe_cache`, a step on meta through
+    its own cache classes): its states, and the widths of its keys and values as its cache
+    allocates them (Zamba2's are twice as wide as its hidden size suggests). Layers the
+    model's static cache sizes by the vision states (Mllama's cross-attention) cache those,
+    whatever the context.
     """
     types, kwargs = _layer_types(config, dims.layers)
-    generates = not hasattr(model, "can_generate") or model.can_generate()
-    probe = probe_cache(model, dims.layers, layer_names=tuple(names)) if generates else None
-    if probe is None and any(t not in _PLAIN_TYPES for t in types):  # recurrent, convolutional, hybrid, or new
-        raise ValueError(
-            f"bigviz reads the recurrent state of {type(model).__name__} from a step of the model "
-            f"on meta, and that step failed here (layer types {sorted(set(types))}): give the bytes "
-            f"per module with kv_cache={{module: bytes}}"
-        )
+    probe = None
+    if any(t not in _PLAIN_TYPES for t in types):  # the config does not say it all: ask the model
+        probe = probe_cache(model, dims.layers, layer_names=tuple(names))
+        if probe is None:
+            raise ValueError(
+                f"bigviz reads the recurrent state of {type(model).__name__} from a step of the model "
+                f"on meta, and that step failed here (layer types {sorted(set(types))}): give the bytes "
+                f"per module with kv_cache={{module: bytes}}"
+            )
     sources = source_layers(model, dims.layers)
     out: dict[str, tuple[CacheSpec, ...]] = {}
     for index, (name, kind, extra) in enumerate(zip(names, types, kwargs)):

@@ -93,6 +93,10 @@ class Planner:
             frontends where plotly's ``FigureWidget`` stays blank (some Colab setups).
         batch_size, context_length, kv_dtype: the run planned beside the weights (see
             ``bigviz.plan``); the "Run" controls change them.
+        reserve: bytes kept free per device (``{device: size}``, or one size for all); the
+            reserve boxes show and change them. ``None``: once a run is planned, each device
+            keeps its kind's default headroom (CUDA context and fragmentation on a GPU, the
+            allocator's slack on the CPU; said in the plan's notes); ``0``: the bare arithmetic.
     """
 
     def __init__(
@@ -108,6 +112,7 @@ class Planner:
         batch_size: int = 1,
         context_length: int | None = None,
         kv_dtype: object = None,
+        reserve: Mapping[object, object] | int | str | None = None,
     ) -> None:
         self.model = model_or_checkpoint if hasattr(model_or_checkpoint, "named_modules") else None
         self.state = PlannerState.from_model(
@@ -117,6 +122,10 @@ class Planner:
             no_split_module_classes=no_split_module_classes,
             dtype=dtype,
         )
+        if reserve is not None:  # None: each device kind's default headroom once a run is planned
+            given = reserve if isinstance(reserve, Mapping) else dict.fromkeys(self.state.budgets, reserve)
+            for device, size in given.items():
+                self.state.set_reserve(device, size)  # type: ignore[arg-type]
         self.state.set_workload(
             batch_size=batch_size,
             context_length=context_length or 0,

@@ -201,7 +201,7 @@ SPECS: list[Spec] = [
         "decoder",
         "GPTNeoXForCausalLM",
         "GPTNeoXConfig",
-        dict(DEC, tie_word_embeddings=False),
+        {**{k: v for k, v in DEC.items() if k != "num_key_value_heads"}, "tie_word_embeddings": False},  # no GQA
         tokens(),
         generative=True,
     ),
