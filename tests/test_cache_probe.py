@@ -7,6 +7,7 @@ The per-architecture end-to-end check (the plan against a real ``generate``) is 
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytest
@@ -98,7 +99,7 @@ def test_deepseeks_latent_is_cached_from_transformers_5_15(monkeypatch, version:
     installed = cache_probe.probe_cache(model, 2)  # what the installed transformers (5.24 here) allocates
     assert installed is not None and installed.layers[0].per_token == (24, 8)
     assert bigviz.kv_cache_bytes(model, 1, 10)["model.layers.0"] == 10 * (24 + 8) * 4
-    monkeypatch.setattr(transformers, "__version__", version)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", version)  # the module imported now
     per_token = (24 + 8) if latent else 4 * ((16 + 8) + 16)
     assert bigviz.kv_cache_bytes(model, 1, 10)["model.layers.0"] == 10 * per_token * 4
 

@@ -104,5 +104,6 @@ def test_a_planned_run_keeps_each_device_kinds_headroom_unless_told_otherwise(ll
     assert u.reserve == -(-(u.kv_cache + u.activations) // 4)  # 25% of the run, rounded up
     assert any("CPU keeps 25% of its run free by default" in n for n in planner.plan.notes)
     assert "reserved" in planner.controls.usage.value
+    assert planner.reserve_inputs["cpu"].value == u.reserve / 2**30  # the box shows what is kept
     planner.reserve_inputs["cpu"].value = 0.0
     assert planner.plan.usage_of("cpu").reserve == 0 and not any("by default" in n for n in planner.plan.notes)

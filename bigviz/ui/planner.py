@@ -470,6 +470,10 @@ class Planner:
         c.usage.value = usage_html(plan) + "".join(
             f"<div style='font-size:11px;color:#555'>{html.escape(n)}</div>" for n in plan.notes
         )
+        with self._quietly():  # a device with no reserve of its own shows the headroom the plan keeps there
+            for u in plan.usage:
+                if u.device in self.reserve_inputs and u.device not in self.state.reserve:
+                    self.reserve_inputs[u.device].value = u.reserve / ctl.GiB
         c.cost.value = cost_html(self.cost())
         c.fit.value = self._fit_html()
         c.table.value = table_html(plan, max_rows=TABLE_ROWS)
