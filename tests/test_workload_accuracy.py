@@ -103,8 +103,13 @@ def test_cache_bytes_and_prefill_peak_match_the_plan(name: str, tmp_path):
         assert run.cache_tokens == context
     end = sum(bigviz.kv_cache_bytes(model, BATCH, context).values())
     assert run.cache_bytes == {"cpu": end}  # every layer's cache on the CPU, the disk layer's too
-    sliding = name in ("mistral", "gemma2")  # their prompt (40) is shorter than the planned context (43)
-    assert run.cache_peak["cpu"] <= plan.kv_cache["cpu"] if sliding else run.cache_peak == {"cpu": plan.kv_cache["cpu"]}
+    peak, planned = run.cache_peak["cpu"], plan.kv_cache["cpu"]
+    if name in ("mistral", "gemma2"):  # the prompt (40) held by the sliding layers is under the context (43)
+        assert peak <= planned
+    elif name == "bigviz-gpt":  # until its first decode step, its cache is views of the fused q/k/v (README)
+        assert planned < peak <= 1.5 * planned
+    else:
+        assert peak == planned
     prefill = bigviz.plan(model, {"cpu": "2GB"}, batch_size=BATCH, context_length=PROMPT)
     predicted, measured = prefill.activations["cpu"], run.prefill_activations
     assert abs(predicted / measured - 1) <= ACTIVATION_TOLERANCE, (predicted, measured)

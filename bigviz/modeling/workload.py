@@ -549,7 +549,8 @@ def _hf_spec(model: nn.Module, config: Any, dtype: str, cpu: bool) -> RunSpec:
     if getattr(config, "model_type", "") in ("mamba", "mamba2"):
         carried, layer_steps, notes = _mamba_steps(config, dims, cpu)
     else:
-        carried, layer_steps, notes = _decoder_steps(config, dims, types, kwargs, cpu, dtype)
+        states = [tuple(st for spec in caches[name] for st in spec.state) for name in names]
+        carried, layer_steps, notes = _decoder_steps(config, dims, types, kwargs, cpu, dtype, states)
         embeddings = _embedding_name(model)
         if embeddings is not None:  # the input embeddings stay alive where they are computed
             held[embeddings] = (Term(dims.hidden),)
@@ -624,7 +625,13 @@ def _scores(heads: int, size: float, per: str) -> tuple[Term, ...]:
 
 
 def _decoder_steps(
-    config: Any, dims: _Dims, types: Sequence[str], kwargs: Sequence[Mapping[str, Any]], cpu: bool, dtype: str
+    config: Any,
+    dims: _Dims,
+    types: Sequence[str],
+    kwargs: Sequence[Mapping[str, Any]],
+    cpu: bool,
+    dtype: str,
+    states: Sequence[tuple[tuple[int, str | None], ...]] = (),
 ) -> tuple[tuple[Term, ...], list[StepSpec], list[str]]:
     """Attention decoders (GPT-2, Llama, Mistral, Gemma 2, Qwen2, Mixtral, DeepSeek, ...).
     The input embeddings' output is not carried here: it is held on its own device."""
@@ -640,8 +647,23 @@ def _decoder_steps(
         mlp = _mlp_phase(config, dims, index, gpt2)
         if dims.attn == "eager":  # the layer keeps the returned attention weights (``h, _ = attn(...)``)
             mlp = (*mlp, Term(dims.heads, per="pair"))
-        steps.append(StepSpec((*attention, mlp)))
+        mixer = _state_phase(dims, states[index], cpu) if states and states[index] else ()
+        kinds = types[index] if index < len(types) else "full_attention"
+        own = attention if kinds in _ATTENTION_TYPES or not mixer else ()
+        steps.append(StepSpec((*own, *((mixer,) if mixer else ()), mlp)))
     return carried, steps, notes
+
+
+def _state_phase(dims: _Dims, states: Sequence[tuple[int, str | None]], cpu: bool) -> tuple[Term, ...]:
+    """A recurrent or convolutional mixer's peak, sized by the states its cache holds (read
+    from the model): its projections and conv output, about as wide as the conv state
+    (channels x kernel); on the CPU, the reference scan's float32 tensors, three times the
+    recurrent state per token (Mamba's selective scan; Mamba-2's and DeltaNet's chunked forms
+    keep fewer). An estimate: the README's accuracy table says how close it is."""
+    conv = sum(n for n, dtype in states if dtype is None)
+    recurrent = sum(n for n, dtype in states if dtype is not None)
+    phase = (Term(dims.hidden), Term(conv))
+    return (*phase, Term(3 * recurrent, 4.0)) if cpu and recurrent else phase
 
 
 def _rope_dim(config: Any, dims: _Dims) -> int:

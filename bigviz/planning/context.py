@@ -40,7 +40,9 @@ def max_context(
     """The longest context whose run fits, by bisection on the (linear-time) planner.
 
     "Fits" means the plan succeeds with every device within its budget (weights, KV cache,
-    activations of the prefill, reserves), and:
+    activations of the prefill, reserves: by default each device kind's headroom, the CUDA
+    context and fragmentation on a GPU, the allocator's slack on the CPU, see
+    :mod:`bigviz.core.headroom`; ``reserve=0`` answers with the bare arithmetic), and:
 
     * by default, nothing is offloaded: every module stays on the GPUs (or the CPU when no
       GPU is planned for);
@@ -55,7 +57,8 @@ def max_context(
         batch_size: sequences run together.
         limit: the largest context worth trying (default: the model's position limit,
             ``max_position_embeddings`` / ``n_positions`` / ``block_size``, else 2**24).
-        **plan_kwargs: more :func:`plan` options (``dtype``, ``kv_dtype``, ``strategy``, ...).
+        **plan_kwargs: more :func:`plan` options (``dtype``, ``kv_dtype``, ``encoder_length``,
+            ``reserve``, ``strategy``, ...).
 
     Returns:
         The number of tokens, 0 when not even the weights fit.
@@ -66,7 +69,9 @@ def max_context(
         >>> with torch.device("meta"):
         ...     model = build("gpt-tiny")        # 123.5 KiB of weights, block_size 64
         >>> max_context(model, {"cpu": "10MiB"}), max_context(model, {"cpu": 160_000})
-        (64, 15)
+        (64, 12)
+        >>> max_context(model, {"cpu": 160_000}, reserve=0)   # no headroom: the bare arithmetic
+        15
     """
     model = resolve_model(model)
     budgets = get_max_memory(max_memory)
