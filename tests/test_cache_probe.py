@@ -152,3 +152,34 @@ def test_a_twin_is_built_once_per_config_and_dtype_and_leaves_the_model_alone():
     assert next(twin.parameters()).dtype == torch.bfloat16 and next(model.parameters()).dtype == torch.float32
     assert model.config.to_dict() == config
     assert meta_twin(torch.nn.Linear(2, 2), torch.bfloat16) is None
+
+
+def test_attention_widths_come_from_the_model_where_the_config_counts_otherwise():
+    """Falcon's original multi-query layout keeps one key/value head whatever its config's
+    ``num_kv_heads`` says: the plan follows the cache the model fills, not the config's rule."""
+    config = T.FalconConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+        new_decoder_architecture=False, parallel_attn=True,
+    )  # fmt: skip
+    assert config.num_kv_heads == 4  # what a rule over config fields reads
+    model = _meta(config)
+    one_head = 10 * 1 * (8 + 8) * 4  # 10 tokens x 1 head x (key 8 + value 8) x float32
+    assert bigviz.kv_cache_bytes(model, 1, 10) == {f"transformer.h.{i}": one_head for i in range(2)}
+
+
+def test_layers_alike_are_stepped_once_and_each_layer_keeps_its_own_kind():
+    """Gemma 2 alternates sliding and full layers: two layers are stepped (one of each), and
+    every layer still gets the cache of its own kind."""
+    config = T.Gemma2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=8,
+    )  # fmt: skip
+    model = _meta(config)
+    names = [f"model.layers.{i}" for i in range(6)]
+    kinds = list(config.layer_types)
+    assert cache_probe.representatives(model, names, kinds) == [0, 1, 0, 1, 0, 1]
+    assert cache_probe.representatives(model, names, [str(i) for i in range(6)]) is None  # none alike
+    per_layer = bigviz.kv_cache_bytes(model, 1, 100)
+    full, window = 100 * 2 * 16 * 4, 8 * 2 * 16 * 4  # tokens x kv heads x (key 8 + value 8) x float32
+    expected = [window if kind == "sliding_attention" else full for kind in kinds]
+    assert list(per_layer.values()) == expected

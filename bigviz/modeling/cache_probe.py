@@ -17,6 +17,11 @@ is sorted by how it grows:
 * not at all: a fixed-size state; in the compute dtype when the bfloat16 twin keeps it in
   bfloat16, else in its own dtype (recurrent states are float32).
 
+Every transformers model is probed (a config's rule can be wrong: Falcon's multi-query layers
+keep one key/value head where its config counts all). Layers alike (same cache kind, same
+modules and parameter shapes) are stepped once: an 80-layer model steps its first layer only,
+a second instead of tens on meta.
+
 The prompts are shorter than any sliding window and any convolution kernel, so a state that is a
 view of a longer prefill's input (RecurrentGemma's conv state keeps the prompt's storage until
 its first decode step) is counted at its steady size.
@@ -39,7 +44,8 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,7 +97,9 @@ class _Held:
     dtype: str
 
 
-def probe_cache(model: nn.Module, n_layers: int, *, layer_names: tuple[str, ...] = ()) -> CacheProbe | None:
+def probe_cache(
+    model: nn.Module, n_layers: int, *, layer_names: tuple[str, ...] = (), layer_kinds: tuple[str, ...] = ()
+) -> CacheProbe | None:
     """Run short steps on a meta twin of ``model`` and sort what its cache holds, per layer.
 
     Args:
@@ -99,16 +107,19 @@ def probe_cache(model: nn.Module, n_layers: int, *, layer_names: tuple[str, ...]
         n_layers: decoder layers (the cache's layers).
         layer_names: the decoder layers' module names, to give each state a model keeps on
             a module (RecurrentGemma) to the layer holding that module.
+        layer_kinds: each layer's cache kind as transformers names it (with its window), when
+            known: with ``layer_names``, layers alike in kind and in their modules' classes and
+            shapes are stepped once (see :func:`representatives`).
 
     Returns:
         The per-layer caches, or None when the architecture cannot be stepped on meta (the
         caller then says so, or falls back to the config's rule). Kept per class and config:
         ``max_context`` plans the same model many times.
     """
-    key = (type(model), _config_key(model), n_layers, layer_names)
+    key = (type(model), _config_key(model), n_layers, layer_names, layer_kinds)
     if key[1] is not None and key in _PROBES:
         return _PROBES[key]
-    probe = _probe(model, n_layers, layer_names)
+    probe = _probe(model, n_layers, layer_names, layer_kinds)
     if key[1] is not None:
         _PROBES[key] = probe
         while len(_PROBES) > 32:
@@ -126,21 +137,80 @@ def _config_key(model: nn.Module) -> str | None:
         return None
 
 
-def _probe(model: nn.Module, n_layers: int, layer_names: tuple[str, ...]) -> CacheProbe | None:
+def _probe(
+    model: nn.Module, n_layers: int, layer_names: tuple[str, ...], layer_kinds: tuple[str, ...]
+) -> CacheProbe | None:
     twin = meta_twin(model, _PROBE_DTYPE, attn_implementation="eager", probe=True)
     if twin is None:
         return None
     encdec = bool(getattr(twin.config, "is_encoder_decoder", False))
     steps = [(_TOKENS[0], _SOURCE[0]), (_TOKENS[1], _SOURCE[0])] + ([(_TOKENS[0], _SOURCE[1])] if encdec else [])
-    for given in (True, False):  # generate's cache first, then the one the model makes itself
+    same = representatives(twin, layer_names, layer_kinds) if len(layer_kinds) == n_layers else None
+    cuts = [same, None] if same is not None else [None]  # the whole model when its cut one cannot step
+    for cut, given in ((cut, given) for cut in cuts for given in (True, False)):
+        # generate's cache first, then the one the model makes itself
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _first_layers(twin, layer_names, cut):
                 runs = [_run(twin, t, source, encdec, n_layers, layer_names, given) for t, source in steps]
         except Exception:  # noqa: BLE001 - an op without a meta kernel, a model needing other inputs
             continue
         if all(run.keys() == runs[0].keys() for run in runs):
-            return CacheProbe(tuple(_layer(runs, index) for index in range(n_layers)))
+            return CacheProbe(tuple(_layer(runs, index if cut is None else cut[index]) for index in range(n_layers)))
     return None
+
+
+def representatives(model: nn.Module, layer_names: Sequence[str], layer_kinds: Sequence[str]) -> list[int] | None:
+    """For each decoder layer, the first layer alike: same cache kind, same modules' classes,
+    same parameter shapes and dtypes. A layer's cache depends on nothing else, so a model of
+    80 identical layers is stepped through the first one only (a step on meta costs some
+    milliseconds per op: 80 layers take tens of seconds). None when no layer repeats an
+    earlier one within the first layers alike (nothing to save), or the layers are not found.
+
+    Example:
+        >>> import transformers
+        >>> config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+        ...                                   num_attention_heads=2, vocab_size=10)
+        >>> with torch.device("meta"):
+        ...     model = transformers.LlamaForCausalLM(config)
+        >>> names = [f"model.layers.{i}" for i in range(3)]
+        >>> representatives(model, names, ["full_attention"] * 3)
+        [0, 0, 0]
+    """
+    try:
+        layers = [model.get_submodule(name) for name in layer_names]
+    except AttributeError:
+        return None
+    first: dict[tuple[Any, ...], int] = {}
+    out = [
+        first.setdefault((kind, _signature(layer)), index)
+        for index, (layer, kind) in enumerate(zip(layers, layer_kinds))
+    ]
+    return out if max(out, default=0) + 1 < len(out) else None
+
+
+def _signature(layer: nn.Module) -> tuple[Any, ...]:
+    classes = tuple((name, type(module).__qualname__) for name, module in layer.named_modules())
+    shapes = tuple((name, tuple(p.shape), p.dtype) for name, p in layer.named_parameters())
+    return classes, shapes
+
+
+@contextmanager
+def _first_layers(model: nn.Module, layer_names: Sequence[str], same: list[int] | None) -> Iterator[None]:
+    """The model with its decoder's layer list cut to the layers up to the last representative
+    (the forward runs over what the list holds; the cache keeps one entry per configured layer,
+    the others staying empty); put back after."""
+    if same is None:
+        yield
+        return
+    parent_name, _, _ = layer_names[0].rpartition(".")
+    parent = model.get_submodule(parent_name)
+    owner_name, _, attr = parent_name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    setattr(owner, attr, nn.ModuleList(list(parent)[: max(same) + 1]))
+    try:
+        yield
+    finally:
+        setattr(owner, attr, parent)
 
 
 def _layer(runs: list[dict[tuple[Any, ...], _Held]], index: int) -> LayerCache:

@@ -462,20 +462,21 @@ def _hf_caches(
 ) -> tuple[dict[str, tuple[CacheSpec, ...]], int | None]:
     """Each layer's caches, and the tokens its cross-attention layers attend to by default.
 
-    Attention layers follow transformers' layer types and the config's rule (``kv_heads x
-    head_dim`` per token, DeepSeek's latent by the installed version). A model with other
-    layers (recurrent, convolutional, hybrid, or a kind this rule does not know) is asked what
-    its cache holds (:func:`bigviz.modeling.cache_probe.probe_cache`, a step on meta through
-    its own cache classes): its states, and the widths of its keys and values as its cache
-    allocates them (Zamba2's are twice as wide as its hidden size suggests). Layers the
-    model's static cache sizes by the vision states (Mllama's cross-attention) cache those,
-    whatever the context.
+    Layer kinds and windows follow transformers' layer types. What each layer holds is asked
+    of the model (:func:`bigviz.modeling.cache_probe.probe_cache`, a step on meta through its
+    own cache classes): the widths of its keys and values as its cache allocates them (Zamba2's
+    are twice as wide as its hidden size suggests, Falcon's multi-query layers keep one head
+    where its config counts all), and the states of recurrent, convolutional and hybrid layers.
+    Where the model cannot be stepped on meta, attention layers follow the config's rule
+    (``kv_heads x head_dim`` per token) and other layers are refused. DeepSeek's latent follows
+    the installed version's rule. Layers the model's static cache sizes by the vision states
+    (Mllama's cross-attention) cache those, whatever the context.
     """
     types, kwargs = _layer_types(config, dims.layers)
-    probe = None
-    if any(t not in _PLAIN_TYPES for t in types):  # the config does not say it all: ask the model
-        probe = probe_cache(model, dims.layers, layer_names=tuple(names))
-        if probe is None:
+    kinds = tuple(f"{kind} {sorted(extra.items())}" for kind, extra in zip(types, kwargs))
+    probe = probe_cache(model, dims.layers, layer_names=tuple(names), layer_kinds=kinds)
+    if probe is None:
+        if any(t not in _PLAIN_TYPES for t in types):  # the config does not say it all, and the model cannot
             raise ValueError(
                 f"bigviz reads the recurrent state of {type(model).__name__} from a step of the model "
                 f"on meta, and that step failed here (layer types {sorted(set(types))}): give the bytes "
@@ -493,8 +494,8 @@ def _hf_caches(
         if kind in _ATTENTION_TYPES or layer.per_token:
             window = extra.get("sliding_window") if "sliding" in kind or kind == "chunked_attention" else None
             specs.append(_attention_cache(config, dims, window, layer.per_token))
-        if layer.states:
-            specs.append(CacheSpec("state", state=layer.states))
+        if layer.states and kind not in _PLAIN_TYPES:  # plain attention keeps no state (a window under
+            specs.append(CacheSpec("state", state=layer.states))  # the probe's tokens merely looks like one)
         out[name] = tuple(specs) or (CacheSpec("none"),)
     return out, (max(sources.values()) if sources else None)
 
@@ -504,7 +505,7 @@ def _attention_cache(config: Any, dims: _Dims, window: int | None, measured: Seq
     config, or the widths the model's own cache allocated (``measured``: elements per token
     of its keys and of its values); MLA's latent where the installed transformers caches it."""
     lora = getattr(config, "kv_lora_rank", None)
-    if lora and not measured:
+    if lora:  # the probe agrees on the installed version; the rule says so where it cannot run
         rope = int(config.qk_rope_head_dim)
         if latent_cached():  # transformers caches the shared latent and the rotary key
             return CacheSpec("latent_attention", heads=1, k_dim=int(lora), v_dim=rope)
