@@ -739,7 +739,78 @@ MLLAMA = Spec(
     slow=True,
 )
 
-BY_NAME = {spec.name: spec for spec in [*SPECS, MLLAMA]}
+# Newer decoders whose run is planned and checked against generate (tests/zoo/test_zoo_run.py):
+# sliding and full layers (Gemma 3, Cohere 2, EXAONE 4), attention sinks (gpt-oss), chunked
+# attention and no-rope layers (Llama 4 text, SmolLM3), multipliers and other layouts. Their
+# loads and offloads are not checked by tests/zoo/test_zoo.py yet.
+_ALTERNATING = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+RUN_SPECS: list[Spec] = [
+    Spec(
+        "gpt_oss",  # sinks, alternating sliding and full layers, experts
+        "moe",
+        "GptOssForCausalLM",
+        "GptOssConfig",
+        dict(DEC, head_dim=8, num_local_experts=4, num_experts_per_tok=2, **_ALTERNATING),
+        tokens(),
+        generative=True,
+    ),
+    Spec(
+        "llama4_text",  # chunked attention (chunk 4 < the run's 8 tokens), a no-rope layer, experts
+        "moe",
+        "Llama4ForCausalLM",
+        "Llama4TextConfig",
+        dict(
+            DEC,
+            head_dim=8,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            intermediate_size_mlp=48,
+            attention_chunk_size=4,
+            no_rope_layers=[1, 0],
+            interleave_moe_layer_step=1,
+        ),
+        tokens(),
+        generative=True,
+    ),
+    Spec(
+        "gemma3_text",
+        "decoder",
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        dict(DEC, head_dim=8, **_ALTERNATING),
+        tokens(),
+        generative=True,
+        slow=True,
+    ),
+    Spec("cohere2", "decoder", "Cohere2ForCausalLM", "Cohere2Config", dict(DEC, **_ALTERNATING), tokens(), True, slow=True),
+    Spec("exaone4", "decoder", "Exaone4ForCausalLM", "Exaone4Config", dict(DEC, **_ALTERNATING), tokens(), True, slow=True),
+    Spec(
+        "smollm3", "decoder", "SmolLM3ForCausalLM", "SmolLM3Config", dict(DEC, no_rope_layers=[1, 0]), tokens(), True,
+        slow=True,
+    ),
+    Spec("glm4", "decoder", "Glm4ForCausalLM", "Glm4Config", dict(DEC, head_dim=8), tokens(), True, slow=True),
+    Spec(
+        "granite", "decoder", "GraniteForCausalLM", "GraniteConfig",
+        dict(DEC, embedding_multiplier=2.0, residual_multiplier=0.5), tokens(), True, slow=True,
+    ),
+    Spec("nemotron", "decoder", "NemotronForCausalLM", "NemotronConfig", dict(DEC, head_dim=8), tokens(), True, slow=True),
+    Spec(
+        "persimmon", "decoder", "PersimmonForCausalLM", "PersimmonConfig",
+        {k: v for k, v in DEC.items() if k != "num_key_value_heads"}, tokens(), True, slow=True,
+    ),
+    Spec("phimoe", "moe", "PhimoeForCausalLM", "PhimoeConfig", MOE, tokens(), True, slow=True),
+    Spec(
+        "dbrx", "moe", "DbrxForCausalLM", "DbrxConfig",
+        dict(
+            vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=64, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2, attn_config=dict(kv_n_heads=2, clip_qkv=8.0, rope_theta=10000.0),
+            ffn_config=dict(ffn_hidden_size=48, moe_num_experts=4, moe_top_k=2),
+        ),
+        tokens(), True, slow=True,
+    ),
+]  # fmt: skip
+
+BY_NAME = {spec.name: spec for spec in [*SPECS, MLLAMA, *RUN_SPECS]}
 
 
 def build_config(spec: Spec) -> Any:

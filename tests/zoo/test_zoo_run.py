@@ -1,7 +1,8 @@
 """The zoo's runs: for every generative architecture, the cache a plan predicts is what
 ``generate`` holds.
 
-Each architecture of `tests.zoo.specs` that generates (and Mllama) is built tiny, in float32,
+Each architecture of `tests.zoo.specs` that generates (with Mllama and the newer decoders of
+``RUN_SPECS``) is built tiny, in float32,
 and planned for the run its inputs make (batch 1, the spec's prompt, 3 new tokens; an
 encoder-decoder's encoder over its input, Mllama's cross-attention over one image's tiles),
 then ``generate`` runs and the cache is measured after every forward (the storages it holds,
@@ -30,11 +31,13 @@ from bigviz.modeling.workload import run_spec
 pytest.importorskip("transformers")
 
 from tests.zoo.helpers import inputs, quiet_transformers  # noqa: E402
-from tests.zoo.specs import MLLAMA, SPECS, Spec, build_config, model_class  # noqa: E402
+from tests.zoo.specs import MLLAMA, RUN_SPECS, SPECS, Spec, build_config, model_class  # noqa: E402
 
 NEW = 3
 RUNS = [
-    pytest.param(s, id=s.name, marks=[pytest.mark.slow] if s.slow else []) for s in [*SPECS, MLLAMA] if s.generative
+    pytest.param(s, id=s.name, marks=[pytest.mark.slow] if s.slow else [])
+    for s in [*SPECS, MLLAMA, *RUN_SPECS]
+    if s.generative
 ]
 
 
