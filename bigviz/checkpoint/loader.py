@@ -173,15 +173,21 @@ def _leave_on_meta(slots: _Slots, disk: list[TensorLoad]) -> None:
 
 
 def _compute(inventory: ModelInventory, slots: _Slots, computed: list[TensorLoad]) -> list[Mapping[str, torch.Tensor]]:
-    """Materialise and compute ``computed``; those planned for disk are handed back in a
-    store held in RAM (they are in no file) and left on meta in the model."""
+    """Materialise and compute ``computed`` (a buffer computed at construction already is cast
+    to its dtype); those planned for disk are handed back in a store held in RAM (they are
+    in no file) and left on meta in the model."""
     if not computed:
         return []
+    fresh = []
     for load in computed:
         old = slots.current(load.name)
         device = "cpu" if load.device == "disk" else load.device
-        slots.fill(load, torch.empty(old.shape, dtype=load.dtype, device=device), inplace=False)
-    hf.initialise_computed(inventory, [a for load in computed for a in load.aliases])
+        if old.is_meta:
+            slots.fill(load, torch.empty(old.shape, dtype=load.dtype, device=device), inplace=False)
+            fresh += load.aliases
+        else:  # computed at construction already: only its dtype changes
+            slots.fill(load, old.detach().to(device=device, dtype=load.dtype), inplace=False)
+    hf.initialise_computed(inventory, fresh)
     on_disk = [load for load in computed if load.device == "disk"]
     store = {alias: slots.current(load.name).detach() for load in on_disk for alias in load.aliases}
     _leave_on_meta(slots, on_disk)

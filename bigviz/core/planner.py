@@ -119,7 +119,7 @@ def make_plan(tree: SizeTree, max_memory: Mapping[Any, object], options: PlanOpt
     caps, notes = _strategy_caps(tree, budgets, options)
     offload = {d: 0 for d in budgets}
     ties = _Ties.index(tree)
-    for _ in range(_MAX_PASSES + (_RUN_PASSES if options.kv_cache or options.activations else 0)):
+    for _ in range(_MAX_PASSES + (_RUN_PASSES if options.kv_cache or options.activations or options.held else 0)):
         state = _greedy(tree, caps, reserve, offload, overrides, options, ties)
         staging = _offload_needs(tree, state, main, options)
         streamed_run = streamed_run_needs(state.run, main)  # a streamed layer's cache lives on main
@@ -147,10 +147,17 @@ def make_plan(tree: SizeTree, max_memory: Mapping[Any, object], options: PlanOpt
         for d, v in staging.items()
         if v > 0
     ]
-    kv, act = run_usage(state.run, main)
+    kv, act, slack = run_usage(state.run, main)
     usage = tuple(
         DeviceUsage(
-            d, budgets[d], caps[d], reserve.get(d, 0), max(staging[d], 0), state.used[d], kv.get(d, 0), act.get(d, 0)
+            d,
+            budgets[d],
+            caps[d],
+            reserve.get(d, 0) + slack.get(d, 0),
+            max(staging[d], 0),
+            state.used[d],
+            kv.get(d, 0),
+            act.get(d, 0),
         )
         for d in budgets
     )
@@ -271,7 +278,7 @@ def _greedy(
 ) -> _Pass:
     state = _Pass({d: caps[d] - reserve.get(d, 0) - offload[d] for d in caps}, {d: 0 for d in caps}, ties=ties)
     must_split = {a for name in overrides for a in ancestors(parent(name))} if overrides else set()
-    if options.kv_cache or options.activations:  # overrides are placed first: charge their run too
+    if options.kv_cache or options.activations or options.held:  # overrides are placed first: charge their run too
         state.run = Run.build(tree, options, _main_device(caps, options), _streamed(_main_device(caps, options)))
     for name in sorted(overrides, key=lambda n: n.count(".") + bool(n)):  # outer ones first
         device = overrides[name]
