@@ -65,7 +65,7 @@ def test_cost_counts_link_and_disk_time():
     assert cost["seconds_per_forward"] == pytest.approx(1.16)
     on_cpu = plan_cost({"cpu": 0, "disk": 10**9}, main_device="cpu", disk="SATA")
     assert on_cpu["link_seconds"] == 0 and on_cpu["seconds_per_forward"] == pytest.approx(2.0)
-    assert "1,160 ms" in cost_html(cost) and "nothing is offloaded" in cost_html(plan_cost({}, main_device=0))
+    assert "1.2 s" in cost_html(cost) and "nothing is offloaded" in cost_html(plan_cost({}, main_device=0))
     assert all(v > 0 for v in [*LINK_BANDWIDTH.values(), *DISK_BANDWIDTH.values()])
 
 

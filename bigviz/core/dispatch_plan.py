@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from bigviz.core.devices import Device, device_label, normalize_device, streamed_devices
 from bigviz.core.errors import DeviceMapError
 from bigviz.core.offload_units import OffloadUnit, Resident, UnitRule, offload_units, streamed_needs
-from bigviz.core.sizes import format_size
+from bigviz.core.sizes import format_count, format_size
 from bigviz.core.tree import SizeTree
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ class DispatchPlan:
         """A few lines a person reads: resident bytes, and the units streamed from each storage."""
         streamed = self.streamed_bytes()
         lines = [
-            f"DispatchPlan: execution on {device_label(self.main_device)}, {_count(len(self.units), 'offload unit')}, "
+            f"DispatchPlan: execution on {device_label(self.main_device)}, {format_count(len(self.units), 'offload unit')}, "
             f"{format_size(sum(streamed.values()))} streamed per forward"
         ]
         held = self.held_bytes()
@@ -115,13 +115,15 @@ class DispatchPlan:
             if device == self.main_device and held.get(device):
                 how = "running + prefetched" if self.prefetch else "running"
                 extra = f"; holds up to {format_size(held[device])} of streamed units ({how})"
-            lines.append(f"  {device_label(device)}: {_count(count, 'resident tensor')}, {format_size(nbytes)}{extra}")
+            lines.append(
+                f"  {device_label(device)}: {format_count(count, 'resident tensor')}, {format_size(nbytes)}{extra}"
+            )
         for storage in ("cpu", "disk"):
             units = [u for u in self.units if u.storage == storage]
             if units:
                 shown = ", ".join(u.name or "<model>" for u in units[:4]) + (", ..." if len(units) > 4 else "")
                 lines.append(
-                    f"  from {device_label(storage)}: {_count(len(units), 'unit')}, "
+                    f"  from {device_label(storage)}: {format_count(len(units), 'unit')}, "
                     f"{format_size(streamed[storage])} ({shown})"
                 )
         lines += [f"  problem: {p}" for p in self.problems]
@@ -207,10 +209,6 @@ def make_dispatch_plan(
     return DispatchPlan(
         mapping, normalize_device(rule.main_device), layout.units, layout.resident, rule, prefetch, layout.problems
     )
-
-
-def _count(n: int, what: str) -> str:
-    return f"{n} {what}" + ("" if n == 1 else "s")
 
 
 def offloaded_storages(main_device: Device) -> frozenset[str]:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from bigviz.core.names import owner
 from bigviz.core.serialize import write_json_atomic
 from bigviz.core.errors import PlanError
-from bigviz.core.sizes import format_size
+from bigviz.core.sizes import format_count, format_size
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -184,7 +184,7 @@ class PipelinePlan:
         root = self.tree.nodes[""].class_name if self.tree is not None else ""
         total = sum(u.nbytes for u in self.units)
         lines = [
-            f"PipelinePlan: {self.n_stages} stage{'s' if self.n_stages != 1 else ''} of "
+            f"PipelinePlan: {format_count(self.n_stages, 'stage')} of "
             f"{root or 'the model'} ({format_size(total)}), balanced by {self.balance}"
         ]
         for i, names in enumerate(self.stages):
@@ -192,7 +192,7 @@ class PipelinePlan:
             budget = f" of {format_size(cap)}" if cap is not None else ""
             span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
             lines.append(
-                f"  stage {i}: {format_size(self.stage_bytes[i]):>10}{budget}  {span} ({len(self.blocks(i))} blocks)"
+                f"  stage {i}: {format_size(self.stage_bytes[i]):>10}{budget}  {span} ({format_count(len(self.blocks(i)), 'block')})"
             )
         lines += [f"  cut before {c.before}: {c.reason}" for c in self.cuts]
         lines += [f"  note: {n}" for n in self.notes]
@@ -236,7 +236,7 @@ class PipelinePlan:
         )
         notes = "".join(f"<li>{html.escape(n)}</li>" for n in self.notes)
         return (
-            f"<div class='bigviz-pipeline'><b>PipelinePlan</b> ({self.n_stages} stages, balanced by "
+            f"<div class='bigviz-pipeline'><b>PipelinePlan</b> ({format_count(self.n_stages, 'stage')}, balanced by "
             f"{html.escape(self.balance)})<table><tr><th>stage</th><th>bytes</th><th>budget</th>"
             f"<th>modules</th><th>blocks</th></tr>{rows}</table><ul>{cuts}{notes}</ul></div>"
         )

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from bigviz.core.devicemap import clean_device_map, device_of
 from bigviz.core.devices import Device, device_label, streamed_devices
-from bigviz.core.sizes import format_size
+from bigviz.core.sizes import format_count, format_size
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -267,7 +267,8 @@ class DevicePlan:
     def summary(self) -> str:
         """A few lines a person reads: per-device use against budget."""
         lines = [
-            f"DevicePlan ({self.strategy}, {len(self.placements)} units, execution on {device_label(self.main_device)})"
+            f"DevicePlan ({self.strategy}, {format_count(len(self.placements), 'unit')}, "
+            f"execution on {device_label(self.main_device)})"
         ]
         for u in self.usage:
             budget = format_size(u.budget)

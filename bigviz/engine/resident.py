@@ -67,6 +67,7 @@ from torch import Tensor, nn
 
 from bigviz.core.streaming import DEFAULT_DEPTH
 from bigviz.checkpoint.probe import ALIGN  # O_DIRECT: offsets, lengths and addresses, multiples of it
+from bigviz.checkpoint.progress import byte_bar
 from bigviz.engine.readahead import FileMaps, FileSpan, StreamingFetcher, file_span, prefault
 
 __all__ = [
@@ -194,16 +195,12 @@ def make_resident(model: nn.Module, *, readers: int = 4, progress: bool = True, 
     Parameters keep their identity (``param.data`` is replaced), so optimisers, hooks and
     weight ties made by object identity are unaffected.
     """
-    from tqdm.auto import tqdm
-
     copies: dict[tuple[int, int, torch.dtype, tuple[int, ...]], Tensor] = {}
     maps = FileMaps()
     todo = [(m, a, k, t, s) for m, a, k, t in _cpu_tensors(model) if (s := file_span(t, maps)) is not None]
     unique: dict[tuple[int, int], FileSpan] = {(s.address, s.length): s for *_, s in todo}
     start = time.perf_counter()
-    with tqdm(
-        total=sum(s.length for s in unique.values()), unit="B", unit_scale=True, desc="resident", disable=not progress
-    ) as bar:
+    with byte_bar(sum(s.length for s in unique.values()), "resident", enabled=progress) as bar:
         buffers, direct_bytes = _read_all(list(unique.values()), readers, bar.update, direct=direct)
     for module, attr, kind, tensor, span in todo:
         key = (span.address, span.length, tensor.dtype, tuple(tensor.shape))
@@ -344,7 +341,7 @@ def settle_residency(
         model: A model dispatched by bigviz (or a plain one: then only its tensors count).
         resident: ``"auto"``, ``"copy"`` or ``"map"``.
         readers: Parallel readers for the copy and for streaming.
-        progress: Show a progress bar while copying.
+        progress: Show a progress bar while copying (once it has run for a second).
         available: Available RAM in bytes (default: measured now).
         stream: ``"ring"`` or ``"cache"``: how disk units are streamed (see above).
     """

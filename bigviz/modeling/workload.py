@@ -131,9 +131,10 @@ def model_from_config(source: Any) -> nn.Module:
         return reference
     try:
         from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
-    except ImportError as err:  # an optional dependency: planning from checkpoints needs none
+    except ImportError as err:  # a dependency of bigviz, imported only here: a broken environment
         raise ValueError(
-            "planning from a config.json builds the model with transformers: pip install transformers"
+            f"{_described(source)} is a transformers config: bigviz builds it with transformers, which "
+            f"does not import here ({err}); install it (a dependency of bigviz): pip install transformers"
         ) from err
     config = _read_config(source, AutoConfig, PretrainedConfig)
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
@@ -146,6 +147,18 @@ def model_from_config(source: Any) -> nn.Module:
             model = AutoModel.from_config(config, **kwargs)
     model.tie_weights()
     return model.eval()
+
+
+def _described(source: Any) -> str:
+    """What the user gave, as they named it: ``the shipped config 'llama-3.1-70b' (path)``."""
+    if isinstance(source, Mapping):
+        return "the config dict"
+    if not isinstance(source, (str, os.PathLike)):
+        return f"the {type(source).__name__}"
+    path = Path(source)
+    if path.parent == CONFIG_DIR:
+        return f"the shipped config {path.stem!r} ({path})"
+    return repr(str(source))
 
 
 def _reference_model(source: Any) -> nn.Module | None:

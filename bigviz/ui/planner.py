@@ -41,7 +41,7 @@ from bigviz.core.stages import make_pipeline_plan, pipeline_units
 from bigviz.core.planner import PlanError, check_no_split
 from bigviz.core.dtypes import canonical_dtype
 from bigviz.core.devices import Device
-from bigviz.core.sizes import format_size
+from bigviz.core.sizes import format_seconds, format_size
 from bigviz.core.workload import Workload
 from bigviz.ui import controls as ctl
 from bigviz.ui.figure import FigureView
@@ -498,7 +498,7 @@ class Planner:
             lines.append(
                 f"This plan ({w.batch_size} x {w.context_length:,} tokens): "
                 + (
-                    f"at least <b>{seconds * 1000:,.0f} ms per token</b> streaming offloaded weights"
+                    f"at least <b>{format_seconds(seconds)} per token</b> streaming offloaded weights"
                     if seconds
                     else "nothing offloaded, no weights stream per token"
                 )
@@ -507,7 +507,7 @@ class Planner:
             settings, found = self._longest
             stale = " <i>(settings changed: press Longest context)</i>" if settings != self._settings() else ""
             per_token = found["seconds_per_token"]
-            cost = f", at least {per_token * 1000:,.1f} ms per token" if per_token else ""
+            cost = f", at least {format_seconds(per_token)} per token" if per_token else ""
             lines.append(
                 f"Longest context (batch {found['batch_size']}): <b>{found['no_offload']:,} tokens</b> "
                 f"without offloading, {found['with_offload']:,} with offloading{cost}{stale}"

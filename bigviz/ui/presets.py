@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from bigviz.core.cost import DISK_BANDWIDTH, HARDWARE_PRESETS, LINK_BANDWIDTH, plan_cost, preset_budgets
-from bigviz.core.sizes import format_size
+from bigviz.core.sizes import format_seconds, format_size
 
 __all__ = [
     "HARDWARE_PRESETS",
@@ -50,10 +50,12 @@ def cost_html(cost: Mapping[str, Any]) -> str:
         parts.append(f"{format_size(cost['cpu_bytes'])} from CPU RAM")
     if cost["disk_bytes"]:
         parts.append(f"{format_size(cost['disk_bytes'])} from disk")
+    times = [
+        f"{what} {format_seconds(cost[f'{what}_seconds'])}" for what in ("link", "disk") if cost[f"{what}_seconds"]
+    ]
     return (
         f"<div class='bigviz-cost'><b>Cost per forward pass:</b> {' and '.join(parts)} streamed in, "
-        f"at least <b>{cost['seconds_per_forward'] * 1000:,.0f} ms</b> "
-        f"(link {cost['link_seconds'] * 1000:,.0f} ms, disk {cost['disk_seconds'] * 1000:,.0f} ms). "
+        f"at least <b>{format_seconds(cost['seconds_per_forward'])}</b> ({', '.join(times)}). "
         f"Every generated token pays it again."
         + (f"<br>{html.escape(cost['forward'])}" if cost.get("forward") else "")
         + "</div>"
