@@ -3,9 +3,17 @@ current figure, and an invisible helper that fits it to its column and reports c
 
 plotly's ``FigureWidget`` (an anywidget) sends each change to the browser as a one-off
 message and keeps its synced state (``_widget_data``, ``_widget_layout``) at the figure it
-was built with. A page that reconnects to a running kernel (a reload) asks the kernel for
-every widget's state and so drew the first figure again. :class:`LiveFigure` answers that
-request with the figure as it is now; the messages of ordinary updates are unchanged.
+was built with. Two consequences, both fixed by :class:`LiveFigure`:
+
+* **The first display could stay blank.** The widget opens its comm (the browser creates the
+  model from the state in that message) before plotly has set the figure's data, which then
+  follows as an update; plotly's view draws the model's data once, when it renders, and ignores
+  later data updates. On a busy machine the view can render between the two messages and show
+  empty axes for good (Notebook 7, three times in four). :class:`LiveFigure` opens its comm
+  only once the figure is built, so the first state the browser gets holds the figure.
+* **A reload drew the first figure.** A page that reconnects to a running kernel asks for
+  every widget's state. :class:`LiveFigure` answers with the figure as it is now; the
+  messages of ordinary updates are unchanged.
 
 plotly draws a widget before it is in the page, when its width is unknown, so it used a
 fixed 700 px and overflowed narrower columns; it never listens for its container's size.
@@ -22,6 +30,8 @@ Example:
     ...     fig.data[0].values = [2]
     >>> fig.get_state()["_widget_data"][0]["values"]  # a reconnecting page draws this
     [2]
+    >>> LiveFigure(go.Figure(go.Bar(y=[3]))).comm is not None  # opened, with the figure in it
+    True
 """
 
 from __future__ import annotations
@@ -105,7 +115,21 @@ class FigureHelper(anywidget.AnyWidget):
 
 
 class LiveFigure(go.FigureWidget):
-    """A ``FigureWidget`` whose state, as a reconnecting page reads it, is the current figure."""
+    """A ``FigureWidget`` that opens its comm with the figure in it, and whose state, as a
+    reconnecting page reads it, is the current figure."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._building = True  # ipywidgets opens the comm inside __init__: not yet (see open)
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            self._building = False
+        self.open()
+
+    def open(self) -> None:
+        """Open the comm, once the figure is built: the browser's model starts with its data."""
+        if not getattr(self, "_building", False):
+            super().open()
 
     def get_state(self, key: Any = None, drop_defaults: bool = False) -> dict[str, Any]:
         state = super().get_state(key, drop_defaults)
