@@ -32,6 +32,7 @@ RANK = {
     "ui": 5,
     "demo": 6,
     "cli": 6,
+    "teaching": 6,  # instruments for the notebooks: uses anything, used by nothing
 }
 
 
