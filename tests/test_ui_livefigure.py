@@ -54,3 +54,27 @@ def test_the_planners_treemap_opens_with_its_tiles(opened):
     planner = bigviz.Planner(model, {"cpu": "10KiB"})
     trace = _figures(opened)[-1]["_widget_data"][0]
     assert len(trace["ids"]) >= 5 and list(trace["marker"]["colors"]) == list(planner.view.colors)
+
+
+def test_a_figure_whose_updates_are_lost_is_shown_anew(opened, monkeypatch):
+    """anywidget drops a model's messages when its code took over 2 s to load (a busy machine):
+    the view keeps its first state. plotly's view answers each update it applies; an update a
+    drawn view never answered makes the Planner show a new figure widget with the current plan."""
+    from bigviz.ui import livefigure
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
+    planner = bigviz.Planner(model, {0: "10KiB", "cpu": "1MiB"}, strategy="sequential")
+    first = planner.view.figure
+    first._js2py_layoutDelta = {"layout_delta": {}, "layout_edit_id": 0}  # the view's first draw
+    planner.budget_sliders[0].value = planner.budget_sliders[0].max  # a re-plan: an update sent
+    assert not first.lost  # not yet: the view has LOST_AFTER_S to answer
+    first._js2py_traceDeltas = {"trace_deltas": [], "trace_edit_id": first._last_trace_edit_id}  # answered
+    monkeypatch.setattr(livefigure, "LOST_AFTER_S", 0.0)
+    assert not first.lost
+    planner.budget_sliders[0].value = planner.budget_sliders[0].min  # this one is never answered
+    assert first.lost
+    first._check()  # what the kernel's event loop runs LOST_AFTER_S after the update
+    fresh = planner.view.figure
+    assert fresh is not first and planner.view.box.children[0] is fresh and first.comm is None
+    assert list(_figures(opened)[-1]["_widget_data"][0]["marker"]["colors"]) == list(planner.view.colors)
+    assert not fresh.lost and fresh._config == first._config
