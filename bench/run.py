@@ -30,7 +30,7 @@ TITLES = {
     "slider": "Planner slider latency",
     "workload": "KV cache and activations",
     "gpu": "GPU: CPU offload against the transfer floor",
-    "pipeline": "Pipeline stages: memory per rank",
+    "pipeline": "Pipeline stages: memory per rank, generating across stages",
 }
 
 

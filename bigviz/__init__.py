@@ -44,6 +44,8 @@ _EXPORTS: dict[str, str] = {
     "preset_budgets": "bigviz.core.cost",
     "PipelinePlan": "bigviz.core.pipeline",
     "PipelineError": "bigviz.core.pipeline",
+    "PipelineRun": "bigviz.core.pipeline",
+    "pipeline_bubble": "bigviz.core.pipeline",
     # modeling: the bridge from nn.Module
     "init_empty_weights": "bigviz.modeling.meta",
     "init_on_device": "bigviz.modeling.meta",

@@ -125,7 +125,7 @@ def measured_bytes(model: torch.nn.Module) -> dict[str, int]:
             continue
         seen.add(id(tensor))
         kind = tensor.device.type
-        key = "disk" if kind == "meta" else ("cpu" if kind == "cpu" else str(tensor.device.index or 0))
+        key = "disk" if tensor.is_meta else ("cpu" if kind == "cpu" else str(tensor.device.index or 0))
         out[key] = out.get(key, 0) + tensor.numel() * tensor.element_size()
     return out
 

@@ -328,3 +328,124 @@ def test_cut_pipeline_rederives_and_refuses_foreign_points():
     assert len(info.value.problems) == 2 and "'model.layers.4' is not a no-split block" in str(info.value)
     with pytest.raises(PipelineError, match="in execution order"):
         cut_pipeline(tree, ["model.layers.3", "model.layers.2"], no_split=["Layer"])
+
+
+# ---- the run: KV cache and activations per stage -----------------------------------------
+def _run_tree(blocks: list[tuple[int, int]], head_act: int) -> tuple[SizeTree, dict, dict]:
+    """Blocks of (weights, KV cache) and one activation step per block (the same for every
+    block, as for a model's layers) and a larger one for the last (the head's logits)."""
+    tree = chain_tree([w for w, _ in blocks])
+    kv = {f"h.{i}": c for i, (_, c) in enumerate(blocks)}
+    act = {f"h.{i}": 6 for i in range(len(blocks))}
+    act[f"h.{len(blocks) - 1}"] = head_act
+    return tree, kv, act
+
+
+def _brute_run(held: list[int], act: list[int], k: int, budgets: list[int] | None) -> float:
+    """The smallest bottleneck over every cut: (weights + KV cache + largest step) per stage,
+    divided by its budget when budgets are given."""
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, len(held)), k - 1):
+        b = [0, *cuts, len(held)]
+        totals = [sum(held[b[i] : b[i + 1]]) + max(act[b[i] : b[i + 1]]) for i in range(k)]
+        if budgets and any(t > cap for t, cap in zip(totals, budgets)):
+            continue
+        best = min(best, max(t / cap for t, cap in zip(totals, budgets)) if budgets else max(totals))
+    return best
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from([1, 2, 5, 10]), st.sampled_from([0, 4, 16])), min_size=1, max_size=7),
+    st.sampled_from([6, 30, 100]),
+    st.data(),
+)
+def test_run_balance_is_the_smallest_bottleneck_of_weights_kv_and_activations(blocks, head_act, data):
+    k = data.draw(st.integers(1, len(blocks)))
+    budgets = data.draw(st.one_of(st.none(), st.lists(st.sampled_from([30, 60, 120, 400]), min_size=k, max_size=k)))
+    tree, kv, act = _run_tree(blocks, head_act)
+    held = [4 * w + c for w, c in blocks]
+    acts = [act[f"h.{i}"] for i in range(len(blocks))]
+    best = _brute_run(held, acts, k, budgets)
+    if best == float("inf"):
+        with pytest.raises(PipelineError, match="within the budgets"):
+            make_pipeline_plan(tree, budgets, no_split=["h.*"], kv_cache=kv, activations=act)  # type: ignore[arg-type]
+        return
+    plan = make_pipeline_plan(tree, budgets or k, no_split=["h.*"], kv_cache=kv, activations=act)
+    assert sum(plan.stage_kv) == sum(kv.values())
+    assert plan.stage_totals == tuple(
+        b + c + a for b, c, a in zip(plan.stage_bytes, plan.stage_kv, plan.stage_activations)
+    )
+    if budgets:
+        assert all(t <= cap for t, cap in zip(plan.stage_totals, budgets))
+        assert max(t / cap for t, cap in zip(plan.stage_totals, budgets)) <= best + 1 / max(budgets)
+    else:
+        assert max(plan.stage_totals) == best
+
+
+def test_the_run_moves_the_cuts_and_each_stage_counts_its_layers():
+    """A long context makes the layers' caches outweigh the embeddings: without the run the
+    first stage (embeddings) gets fewer blocks; with it, the blocks spread evenly."""
+    tree = lm(8, block=100, emb=4000, tied=False, head=10)  # a large embedding matrix, a tiny head
+    kv = {f"model.layers.{i}": 8000 for i in range(8)}
+    act = {f"model.layers.{i}": 300 for i in range(8)} | {"lm_head": 900}
+    weights_only = make_pipeline_plan(tree, 2, no_split=["Layer"])
+    with_run = make_pipeline_plan(tree, 2, no_split=["Layer"], kv_cache=kv, activations=act)
+    assert len(weights_only.blocks(0)) < len(with_run.blocks(0))
+    assert with_run.stage_kv == tuple(8000 * len(with_run.blocks(s)) for s in range(2))
+    assert with_run.stage_activations == (300, 900)  # the head's logits in the last stage
+    assert "balanced by weights + KV cache + activations" in with_run.cuts[0].reason
+    frame = with_run.stage_frame()
+    assert frame["kv_cache"].tolist() == list(with_run.stage_kv) and frame["total"].tolist() == list(
+        with_run.stage_totals
+    )
+    text = with_run.summary()
+    assert "weights +" in text and "KV cache +" in text and "activations =" in text
+    assert "<th>KV cache</th>" in with_run._repr_html_()
+
+
+def test_a_run_that_does_not_fit_says_so_per_stage():
+    tree = lm(4, block=100, emb=300)
+    kv = {f"model.layers.{i}": 500 for i in range(4)}
+    act = {f"model.layers.{i}": 100 for i in range(4)} | {"lm_head": 200}
+    make_pipeline_plan(tree, [2400, 2400], no_split=["Layer"])  # the weights alone fit
+    with pytest.raises(PipelineError) as info:
+        make_pipeline_plan(tree, [2400, 2400], no_split=["Layer"], kv_cache=kv, activations=act)
+    over = [p for p in info.value.problems if p.startswith("stage ")]
+    assert over and all("weights +" in p and "KV cache +" in p and "activations =" in p for p in over), info.value
+    assert "and KV cache (2.0 KiB) exceed the 2 budgets" in str(info.value)
+
+
+def test_a_kv_cache_on_a_split_layer_goes_with_its_first_part():
+    """No-split classes finer than a layer: the layer's cache is charged once, to its first
+    part; its step to every part."""
+    specs = [TensorSpec(f"layers.{i}.{p}.w", 10, "float32", (10,)) for i in range(2) for p in ("attn", "mlp")]
+    tree = SizeTree.build(specs)
+    kv = {"layers.0": 100, "layers.1": 100}
+    act = {"layers.0": 7, "layers.1": 7}
+    plan = make_pipeline_plan(tree, 4, no_split=["layers.*.*"], kv_cache=kv, activations=act)
+    assert plan.stage_kv == (100, 0, 100, 0) and plan.stage_activations == (7, 7, 7, 7)
+    with pytest.raises(PipelineError, match="'nope' is no module"):
+        make_pipeline_plan(tree, 2, no_split=["layers.*.*"], kv_cache={"nope": 1}, activations={})
+
+
+def test_run_json_round_trip_and_bubble(tmp_path):
+    from bigviz.core.pipeline import PipelineRun, pipeline_bubble
+
+    tree = lm(4)
+    run = PipelineRun(batch_size=4, context_length=64, kv_dtype="fp16", microbatches=2)
+    kv = {f"model.layers.{i}": 64 for i in range(4)}
+    plan = make_pipeline_plan(tree, 2, no_split=["Layer"], kv_cache=kv, activations={"lm_head": 8}, run=run)
+    assert plan.run.kv_dtype == "float16" and plan.run.microbatch_size == 2
+    plan.save_json(tmp_path / "p.json")
+    back = PipelinePlan.load_json(tmp_path / "p.json", tree=tree)
+    assert back == plan and back.stage_kv == (128, 128) and back.stage_activations == (0, 8)
+    assert plan.bubble() == pipeline_bubble(2, 2) == 1 / 3
+    assert pipeline_bubble(3, 6, passes=10) == pytest.approx(1 - 60 / 62)
+    with pytest.raises(PipelineError, match="every micro-batch holds at least one sequence"):
+        PipelineRun(batch_size=2, microbatches=4)
+    data = json.loads((tmp_path / "p.json").read_text())
+    data["run"] = {"batch_size": 0, "color": 1}
+    (tmp_path / "p.json").write_text(json.dumps(data))
+    with pytest.raises(PipelineError, match="'run' must be an object"):
+        PipelinePlan.load_json(tmp_path / "p.json")

@@ -12,65 +12,13 @@ import torch
 from torch import nn
 
 import bigviz
+from bigviz.checkpoint.load import check_checkpoint
 from bigviz.core.pipeline import PipelineError
 from bigviz.distributed import build_stage_module, empty_model
-from bigviz.models import GPT, GPTConfig, Llama, LlamaConfig
+from bigviz.models import GPT, GPTConfig
+from tests.pipeline_models import BUILDERS, hf_llama
 
 IDS = torch.tensor([[5, 3, 17, 2, 9, 11]])
-
-
-def _hf_llama() -> nn.Module:
-    from transformers import LlamaConfig as HFLlamaConfig
-    from transformers import LlamaForCausalLM
-
-    return LlamaForCausalLM(
-        HFLlamaConfig(
-            hidden_size=64,
-            intermediate_size=172,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=256,
-            max_position_embeddings=128,
-        )
-    )
-
-
-def _hf_gpt2() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    return GPT2LMHeadModel(
-        GPT2Config(n_layer=4, n_head=2, n_embd=32, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0)
-    )
-
-
-def _hf_gemma2() -> nn.Module:
-    """Alternating sliding-window and full attention, soft-capped logits, a tied head: a
-    forward that differs from Llama's in the ways a hand-written stage would miss."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    return Gemma2ForCausalLM(
-        Gemma2Config(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-            vocab_size=128,
-            sliding_window=3,
-            max_position_embeddings=64,
-        )
-    )
-
-
-BUILDERS = {
-    "gpt": lambda: GPT(GPTConfig.preset("gpt-tiny", n_layer=4)),
-    "llama": lambda: Llama(LlamaConfig.preset("llama-tiny", n_layers=4)),
-    "hf-llama": _hf_llama,
-    "hf-gpt2": _hf_gpt2,
-    "hf-gemma2": _hf_gemma2,
-}
 
 
 @pytest.fixture(scope="module")
@@ -96,12 +44,16 @@ def _keys(folder: Path) -> set[str]:
 
 
 def _run_all(folder: Path, stages: int, **kwargs) -> tuple[torch.Tensor, list]:
-    """Build every stage on its own fresh model (as each rank does) and chain them."""
+    """Build every stage on its own fresh model (as each rank does) and chain them; only
+    the stage's own tensors ever leave meta."""
     x, builds = IDS.to(kwargs.get("device", "cpu")), []
     for rank in range(stages):
         model = empty_model(folder)
         plan = bigviz.plan_pipeline(model, stages)
         built = build_stage_module(model, folder, plan, rank, **kwargs)
+        held = {id(t) for t in (*built.module.parameters(), *built.module.buffers())}
+        others = [n for n, p in model.named_parameters() if id(p) not in held and not p.is_meta]
+        assert not others, f"stage {rank} materialised other stages' tensors: {others[:5]}"
         with torch.no_grad():
             x = built.module(x)
         builds.append(built)
@@ -113,19 +65,26 @@ def test_stages_chained_give_the_models_logits_and_load_only_their_tensors(check
     folder, want = checkpoints[name]
     logits, builds = _run_all(folder, 3, split="wrap")
     assert torch.equal(logits, want)
-    keys = _keys(folder)
+    filled = _filled(folder)  # model tensor -> the checkpoint keys it is read from
     plan = builds[0].plan
     assert plan.n_stages == 3 and assert_shards(folder)
     for rank, built in enumerate(builds):
         assert built.method == "wrap" and built.rank == rank
-        expected = {t for t in plan.tensors_of(rank) if t in keys}  # its units' tensors + shared ties
+        expected = {t for t in plan.tensors_of(rank) if t in filled}  # its units' tensors + shared ties
         assert set(built.loaded) == expected, f"rank {rank}"
-        assert built.nbytes == sum(bigviz.CheckpointIndex.open(folder)[k].nbytes for k in expected)
+        index = bigviz.CheckpointIndex.open(folder)
+        assert built.nbytes == sum(index[k].nbytes for t in expected for k in filled[t])
         assert not any(p.is_meta for p in built.module.parameters())
     loaded = [set(b.loaded) for b in builds]
-    assert set.union(*loaded) == keys  # together the ranks load the checkpoint ...
+    assert set.union(*loaded) == set(filled)  # together the ranks load the checkpoint ...
     twice = (loaded[0] & loaded[2]) | (loaded[0] & loaded[1]) | (loaded[1] & loaded[2])
     assert twice == {s.leader for s in plan.shared}  # ... and only tied tensors twice
+
+
+def _filled(folder: Path) -> dict[str, tuple[str, ...]]:
+    """Every model tensor the checkpoint fills, with the keys it is read (or fused) from."""
+    plan = check_checkpoint(empty_model(folder), folder)
+    return {load.name: load.keys for load in plan.loads}
 
 
 def assert_shards(folder: Path) -> bool:
@@ -248,3 +207,49 @@ def test_a_layout_without_its_calls_says_which_one_is_missing():
         layout.embed(None, torch.zeros(1, 2, dtype=torch.long))
     with pytest.raises(TypeError, match="'my-family' stage layout has no run_block"):
         layout.run_block(nn.Identity(), torch.zeros(1, 2, 4), {})
+
+
+# ---- each rank's memory: its stage, not the model ---------------------------------------
+_MEASURE_RANK = """
+import json, sys, torch, bigviz
+from bigviz.distributed import build_stage_module, empty_model
+from bigviz.modeling.process_memory import PeakMemory
+folder, rank, dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+model = empty_model(folder)
+plan = bigviz.plan_pipeline(model, 2, dtype=getattr(torch, dtype))
+with PeakMemory(("RssAnon",), interval=0.001) as peak:
+    built = build_stage_module(model, folder, plan, rank, split="wrap", dtype=dtype)
+print(json.dumps({"anon": peak.above()["RssAnon"], "stage": plan.stage_bytes[rank], "model": sum(plan.stage_bytes)}))
+"""
+
+
+def _rank_memory(folder: Path, rank: int, dtype: str) -> dict[str, int]:
+    import json
+    import subprocess
+    import sys
+
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run(
+        [sys.executable, "-c", _MEASURE_RANK, str(folder), str(rank), dtype],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_each_rank_holds_its_stage_not_the_model(tmp_path):
+    """A transformers checkpoint cast to bfloat16 on load (so every loaded tensor is a new
+    anonymous copy): each rank's peak anonymous memory while its stage loads stays within its
+    stage's bytes, far from the model's (initialising the other stages' tensors as missing
+    keys costs them too)."""
+    torch.manual_seed(0)
+    model = hf_llama(4, hidden=512, ffn=1376, heads=8, vocab=8192)
+    model.save_pretrained(tmp_path / "llama", max_shard_size="10MB")
+    for rank in (0, 1):
+        got = _rank_memory(tmp_path / "llama", rank, "bfloat16")
+        assert got["stage"] < 0.6 * got["model"]
+        assert got["anon"] <= got["stage"] + 4 * 2**20, got  # its stage, plus a little

@@ -80,3 +80,13 @@ def test_planner_stage_mode(gpt):
     assert planner.pipeline_plan is None
     assert planner.view.colors == tuple(treemap(planner.plan).data[0].marker.colors)  # by device again
     assert "GPU 0" in planner.controls.legend.value and "stage 0" not in planner.controls.legend.value
+
+
+def test_the_legend_and_title_show_each_stages_run(gpt):
+    plan = bigviz.plan_pipeline(gpt, 2, batch_size=4, context_length=512, microbatches=2)
+    text = stage_legend_html(plan)
+    for s in range(2):
+        assert f"stage {s}: " in text
+    assert text.count("KV cache") == 2 and text.count("activations") == 2
+    assert "run: batch 4, 512 tokens" in treemap(plan).layout.title.text
+    assert plan.stage_frame()["kv_cache"].tolist() == list(plan.stage_kv)

@@ -66,7 +66,7 @@ def test_ten_lines_run_as_written_without_a_gpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["reasons", "workload"])
+@pytest.mark.parametrize("name", ["reasons", "workload", "pipeline"])
 def test_printed_examples_are_what_the_planner_says_today(name: str) -> None:
     tool = _tool()
     shown = tool.readme_block(name, README.read_text(encoding="utf-8"))

@@ -59,6 +59,27 @@ def workload_example() -> str:
     return _reason_lines([(name, reasons[name]) for name in ("model.layers.0", "model.layers.1", "lm_head")])
 
 
+def pipeline_example() -> str:
+    """The "Across machines" example: Llama 3.1 70B in bfloat16 on four 80 GiB ranks, 8 sequences of 8192
+    tokens in 4 micro-batches: the plan's stages with their run, and the longest context."""
+    import torch
+
+    import bigviz
+
+    model = bigviz.model_from_config(bigviz.config_path("llama-3.1-70b"))
+    run = dict(batch_size=8, microbatches=4, dtype=torch.bfloat16)
+    plan = bigviz.plan_pipeline(model, ["80GiB"] * 4, context_length=8192, **run)  # type: ignore[arg-type]
+    lines = [line for line in plan.summary().splitlines() if line.startswith(("PipelinePlan", "  run:", "  stage"))]
+    lines = [wrapped for line in lines for wrapped in _wrap(line)]
+    longest = bigviz.max_context(model, stages=["80GiB"] * 4, **run)  # type: ignore[arg-type]
+    return "\n".join([*lines, f"max_context(model, stages=['80GiB'] * 4, ...): {longest} tokens"])
+
+
+def _wrap(line: str) -> list[str]:
+    indent = " " * (len(line) - len(line.lstrip()) + 4)
+    return textwrap.wrap(line, WIDTH, subsequent_indent=indent, break_on_hyphens=False)
+
+
 def _reason_lines(rows: list[tuple[str, str]]) -> str:
     """``module  reason`` lines, reasons wrapped under themselves at the README's width."""
     width = max(len(module) for module, _ in rows) + 2
@@ -70,7 +91,11 @@ def _reason_lines(rows: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
-EXAMPLES: dict[str, Callable[[], str]] = {"reasons": reason_example, "workload": workload_example}
+EXAMPLES: dict[str, Callable[[], str]] = {
+    "reasons": reason_example,
+    "workload": workload_example,
+    "pipeline": pipeline_example,
+}
 
 
 def block_pattern(name: str) -> re.Pattern[str]:

@@ -43,6 +43,7 @@ from bigviz.checkpoint.errors import raise_problems
 from bigviz.checkpoint.index import CheckpointIndex, TensorInfo
 from bigviz.checkpoint.load_plan import module_matches
 from bigviz.checkpoint.safetensors_io import file_stamp
+from bigviz.core.dtypes import load_dtype
 
 __all__ = ["LazyWeights", "WeightStores", "map_file"]
 
@@ -102,7 +103,7 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         unknown = [k for k in self._names.values() if k not in self.index.entries]
         if unknown:
             raise KeyError(f"names map to keys the checkpoint lacks: {unknown[:10]}")
-        self.dtype = dtype
+        self.dtype = _checked_dtype(dtype)
         self._keep = tuple(keep_dtype)
         self._dtypes = dict(dtypes or {})
         self._closed = False
@@ -155,6 +156,13 @@ class LazyWeights(Mapping[str, torch.Tensor]):
     def nbytes(self, name: str) -> int:
         """Bytes of ``name`` as stored in the checkpoint (no read)."""
         return self.info(name).nbytes
+
+    def identity(self, name: str) -> tuple[int, int] | None:
+        """``(device, inode)`` of the file ``name`` is read from, as this object holds it open
+        (None once closed): a reader that opens the file by path checks it is still this one
+        (a path given to a new file by rename names another)."""
+        held = self._fds.get(self.info(name).file)
+        return None if held is None else (held[1][0], held[1][1])
 
     def prefetch(self, names: Iterable[str]) -> None:
         """Ask the kernel to read these tensors into the page cache.
@@ -269,6 +277,12 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         return raw.view(dtype).view(info.shape)
 
 
+def _checked_dtype(dtype: object) -> torch.dtype | None:
+    """``dtype`` as a torch dtype, floating only (:func:`~bigviz.core.dtypes.load_dtype`)."""
+    name = load_dtype(dtype)
+    return None if name is None else getattr(torch, name)
+
+
 def _libc_madvise() -> Callable[[int, int, int], int] | None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
@@ -338,6 +352,12 @@ class WeightStores(Mapping[str, torch.Tensor]):
     def info(self, name: str) -> TensorInfo:
         """The `TensorInfo` of ``name`` in the file store holding it."""
         return self._where[name].info(name)  # type: ignore[attr-defined]
+
+    def identity(self, name: str) -> tuple[int, int] | None:
+        """The file ``name`` is read from (see `LazyWeights.identity`); None for a store
+        that holds no files."""
+        held = getattr(self._where[name], "identity", None)
+        return None if held is None else held(name)
 
     def prefetch(self, names: Iterable[str]) -> None:
         """Page-cache hints, passed to each file store for its names."""

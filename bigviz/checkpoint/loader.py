@@ -35,7 +35,7 @@ from bigviz.checkpoint.convert import ConvertedWeights
 from bigviz.checkpoint.index import CheckpointIndex
 from bigviz.checkpoint.lazy import LazyWeights, WeightStores
 from bigviz.checkpoint.load_plan import LoadPlan, TensorLoad
-from bigviz.checkpoint.offload_folder import write_offload_folder
+from bigviz.checkpoint.offload_folder import offload_weights
 from bigviz.checkpoint.progress import byte_bar
 from bigviz.modeling.inventory import ModelInventory
 
@@ -154,10 +154,9 @@ def _disk_weights(
             model=model,
         )
         source = WeightStores([{load.name: weights[load.name] for load in plain}, converted])
-        written_index = write_offload_folder(source, folder)
-    names = {alias: load.name for load in written for alias in load.aliases}
-    dtypes = {alias: load.dtype for load in written for alias in load.aliases}
-    stores.append(LazyWeights(CheckpointIndex.open(written_index), names, dtypes=dtypes))
+        names = {alias: load.name for load in written for alias in load.aliases}
+        dtypes = {alias: load.dtype for load in written for alias in load.aliases}
+        stores.append(offload_weights(source, folder, names, dtypes=dtypes))  # what this write made, locked
     return folder
 
 

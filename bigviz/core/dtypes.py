@@ -29,6 +29,8 @@ __all__ = [
     "bits",
     "tensor_nbytes",
     "is_floating",
+    "load_dtype",
+    "LOADABLE_DTYPES",
     "from_safetensors",
     "to_safetensors",
     "SAFETENSORS_CODES",
@@ -82,6 +84,10 @@ DTYPE_SIZES: dict[str, float] = {d.name: d.bits / 8 for d in _TABLE}
 """Canonical name -> bytes per element (``0.5`` for 4-bit dtypes)."""
 FLOATING_DTYPES = frozenset(d.name for d in _TABLE if d.floating)
 """Canonical names of the floating dtypes (the ones a ``dtype=`` cast converts)."""
+
+_NOT_IN_TORCH = frozenset({"float6_e2m3", "float6_e3m2", "float4_e2m1"})  # sized and planned only
+LOADABLE_DTYPES = tuple(d.name for d in _TABLE if d.floating and d.name not in _NOT_IN_TORCH)
+"""The dtypes a loader's ``dtype=`` may cast floating weights to (floating, with a torch dtype)."""
 
 # Names users and other libraries write for the same dtypes.
 _ALIASES = {
@@ -147,6 +153,43 @@ def is_floating(dtype: object) -> bool:
         (True, False, True)
     """
     return DTYPES[canonical_dtype(dtype)].floating
+
+
+def load_dtype(dtype: object, *, name: str = "dtype") -> str | None:
+    """The canonical name of the dtype a loader casts floating weights to (None for None).
+
+    One check for every loader's ``dtype=``: a floating dtype torch has, given as a
+    ``torch.dtype`` or a name (``"bfloat16"``, ``"torch.float16"``, ``"fp16"``). A planner may
+    size a model in ``int8`` (a what-if); a load cannot cast floating weights to it (every
+    weight would become an integer, a layer of small weights all zeros).
+
+    Raises:
+        ValueError: quoting the value: not a dtype (``3``), an unknown name (``"float17"``),
+            or not floating (``torch.int8``).
+
+    Example:
+        >>> load_dtype("bf16"), load_dtype(None)
+        ('bfloat16', None)
+        >>> load_dtype("int8")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: dtype='int8' is not a floating dtype: ...
+    """
+    if dtype is None:
+        return None
+    choices = ", ".join(LOADABLE_DTYPES[:4]) + ", ..."
+    if not isinstance(dtype, str) and type(dtype).__name__ != "dtype":  # torch.dtype (numpy's too), or a name
+        raise ValueError(f"{name}={dtype!r} is not a dtype: give a floating dtype such as torch.bfloat16 or 'float16'")
+    try:
+        canonical = canonical_dtype(dtype)
+    except ValueError:
+        raise ValueError(f"{name}={dtype!r} is not a dtype bigviz knows: give a floating dtype ({choices})") from None
+    if canonical not in LOADABLE_DTYPES:
+        what = "has no torch dtype to load into" if DTYPES[canonical].floating else "is not a floating dtype"
+        raise ValueError(
+            f"{name}={dtype!r} {what}: a load casts every floating weight to it; give one of "
+            f"{', '.join(LOADABLE_DTYPES)} (a planner sizes other dtypes as a what-if)"
+        )
+    return canonical
 
 
 def from_safetensors(code: str) -> str:

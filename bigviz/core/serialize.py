@@ -35,6 +35,7 @@ __all__ = [
     "write_json_atomic",
     "write_text_atomic",
     "parse_json",
+    "DuplicateKeysError",
 ]
 
 
@@ -75,24 +76,74 @@ def write_json_atomic(data: Any, path: str | os.PathLike[str]) -> None:
     write_text_atomic(json.dumps(data, indent=2) + "\n", path)
 
 
+class DuplicateKeysError(ValueError):
+    """A JSON object naming one key more than once (JSON parsers keep the last silently).
+
+    Attributes:
+        duplicates: key -> every value it was given, in file order (at any depth).
+        doc: the document as JSON parsers read it (the last value of each key).
+    """
+
+    def __init__(self, message: str, duplicates: dict[str, list[Any]], doc: Any = None) -> None:
+        super().__init__(message)
+        self.duplicates = duplicates
+        self.doc = doc
+
+
+def _no_duplicates(found: dict[str, list[Any]]) -> Any:
+    """An ``object_pairs_hook`` that builds the dict and records keys given twice."""
+
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out = dict(pairs)
+        if len(out) != len(pairs):
+            counts: dict[str, list[Any]] = {}
+            for key, value in pairs:
+                counts.setdefault(key, []).append(value)
+            for key, values in counts.items():
+                if len(values) > 1:
+                    found.setdefault(key, []).extend(values)
+        return out
+
+    return hook
+
+
 def parse_json(text: str | bytes, where: object, what: str) -> Any:
     """Parse JSON, or raise ``ValueError`` naming ``where`` it came from: bad syntax, bad
-    UTF-8, or nesting so deep that Python's parser would raise ``RecursionError``.
+    UTF-8, nesting so deep that Python's parser would raise ``RecursionError``, or an object
+    naming a key twice (:class:`DuplicateKeysError`: JSON keeps the last one silently, so
+    which one was meant is unknown).
 
     Example:
         >>> parse_json("[" * 100_000, "x.json", "device map")
         Traceback (most recent call last):
         ...
         ValueError: x.json: JSON nested too deeply (Python's parser gives up); this is not a device map file
+        >>> parse_json('{"h.0": 0, "h.0": "cpu"}', "map.json", "device map")
+        Traceback (most recent call last):
+        ...
+        bigviz.core.serialize.DuplicateKeysError: map.json: key 'h.0' appears 2 times (0, 'cpu'); JSON keeps only the last: remove the duplicates
     """
+    duplicates: dict[str, list[Any]] = {}
     try:
-        return json.loads(text)
+        doc = json.loads(text, object_pairs_hook=_no_duplicates(duplicates))
     except RecursionError:
         raise ValueError(
             f"{where}: JSON nested too deeply (Python's parser gives up); this is not a {what} file"
         ) from None
     except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ValueError(f"{where}: not valid JSON ({err}); is this a {what} file?") from err
+    if duplicates:
+        shown = [f"key {k!r} appears {len(v)} times ({', '.join(_short(x) for x in v)})" for k, v in duplicates.items()]
+        more = f" and {len(shown) - 5} more" if len(shown) > 5 else ""
+        raise DuplicateKeysError(
+            f"{where}: {'; '.join(shown[:5])}{more}; JSON keeps only the last: remove the duplicates", duplicates, doc
+        )
+    return doc
+
+
+def _short(value: Any) -> str:
+    text = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _read_json(path: str | os.PathLike[str], what: str) -> Any:

@@ -33,7 +33,7 @@ from bigviz.core.dtypes import FLOATING_DTYPES
 from bigviz.modeling.meta import init_empty_weights
 from bigviz.models import MODEL_TYPES, from_config
 
-__all__ = ["read_config", "empty_model", "checkpoint_dtype"]
+__all__ = ["read_config", "empty_model", "checkpoint_dtype", "generation_config"]
 
 
 def _folder(checkpoint: str | Path) -> Path:
@@ -93,3 +93,29 @@ def checkpoint_dtype(checkpoint: str | Path | CheckpointIndex) -> str | None:
         if info.dtype in FLOATING_DTYPES:
             counts[info.dtype] += info.nbytes
     return counts.most_common(1)[0][0] if counts else None
+
+
+def generation_config(checkpoint: str | Path) -> Any:
+    """What single-process ``generate`` reads for this checkpoint: transformers'
+    ``GenerationConfig`` from ``generation_config.json`` (as ``from_pretrained`` loads it),
+    else the one the model's config implies; ``None`` for bigviz's models (their
+    ``generate`` knows no end-of-sequence token).
+
+    Example:
+        >>> import tempfile, pathlib, bigviz
+        >>> from bigviz.models import GPT, GPTConfig
+        >>> model = GPT(GPTConfig.preset("gpt-tiny"))
+        >>> folder = bigviz.save_sharded(model, pathlib.Path(tempfile.mkdtemp()) / "c",
+        ...                              config=model.config, progress=False)
+        >>> generation_config(folder) is None
+        True
+    """
+    config = read_config(checkpoint)
+    if config["model_type"] in MODEL_TYPES:
+        return None
+    from transformers import AutoConfig, GenerationConfig
+
+    folder = _folder(checkpoint)
+    if (folder / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(folder)
+    return GenerationConfig.from_model_config(AutoConfig.from_pretrained(folder))

@@ -22,14 +22,20 @@ import torch
 from torch import Tensor, nn
 
 from bigviz.checkpoint.index import CheckpointIndex
-from bigviz.checkpoint.load import execute_load_plan, inventory_of, load_checkpoint_in_model, plan_load
+from bigviz.checkpoint.load import (
+    execute_load_plan,
+    inventory_of,
+    load_checkpoint_in_model,
+    plan_load,
+    torch_load_dtype,
+)
 from bigviz.checkpoint.load_plan import LoadPlan, check_plan, plan_problems
 from bigviz.checkpoint.model_names import device_map_in_model_names
 from bigviz.core.devices import MISSING_DEVICE_FIX
 from bigviz.core.errors import DeviceMapError
 from bigviz.core.names import owner, parent
 from bigviz.engine.devices import DeviceLike, torch_device
-from bigviz.engine.dispatch import dispatch_inventory, execute_dispatch
+from bigviz.engine.dispatch import dispatch_inventory, execute_dispatch, refuse_dispatched
 from bigviz.engine.hooks import add_hook_to_module
 from bigviz.engine.offload_hooks import CpuOffload, UserCpuOffloadHook
 from bigviz.engine.weights import open_offload_folder
@@ -97,12 +103,14 @@ def load_checkpoint_and_dispatch(
         >>> with torch.device("meta"):
         ...     model = torch.nn.Linear(2, 2)
         >>> model = load_checkpoint_and_dispatch(model, folder, {"": "disk"})
-        >>> model(torch.ones(1, 2)).shape, model.weight.device.type
-        (torch.Size([1, 2]), 'meta')
+        >>> model(torch.ones(1, 2)).shape, model.weight.is_meta  # read at forward time
+        (torch.Size([1, 2]), True)
     """
     from bigviz.engine.resident import check_mode, settle_residency  # larger than RAM
 
-    check_mode(resident)  # before anything is read
+    refuse_dispatched(model, "load_checkpoint_and_dispatch")  # before anything is read
+    check_mode(resident)
+    dtype = torch_load_dtype(dtype)  # floating only, before planning with it
     inventory = inventory_of(model)  # ties made, then the model's one walk for this call
     mapping, made = resolve_device_map(
         inventory,
@@ -146,6 +154,7 @@ def load_checkpoint_and_dispatch(
         force_hooks=force_hooks,
         offload_folder=offload_folder,
         owned=stores,
+        stamps=index.stamps.values(),
     )
     settle_residency(model, resident=resident)
     return model.eval()
@@ -234,6 +243,7 @@ def cpu_offload(
         >>> model(torch.ones(1, 2)).shape
         torch.Size([1, 2])
     """
+    refuse_dispatched(model, "cpu_offload")
     inventory = ModelInventory.of(model)
     return dispatch_inventory(
         inventory,
@@ -269,9 +279,10 @@ def disk_offload(
     Example:
         >>> import torch, tempfile
         >>> model = disk_offload(torch.nn.Sequential(torch.nn.Linear(2, 2)), tempfile.mkdtemp())
-        >>> model(torch.ones(1, 2)).shape, model[0].weight.device.type
-        (torch.Size([1, 2]), 'meta')
+        >>> model(torch.ones(1, 2)).shape, model[0].weight.is_meta
+        (torch.Size([1, 2]), True)
     """
+    refuse_dispatched(model, "disk_offload")  # before the folder is opened
     inventory = ModelInventory.of(model)
     weights = open_offload_folder(offload_dir) if inventory.has_meta() else None  # an earlier disk_offload's
     stores = [weights] if weights is not None else []

@@ -13,7 +13,8 @@ in the map, else the CPU):
                memory-mapped pages (no copy); a GPU gets them via pinned staging buffers
 =============  ==========================================================================
 
-Offloaded tensors sit on ``meta`` between forwards. One hook per offloaded entry fetches
+Offloaded tensors sit on ``meta`` between forwards (``is_meta``; their ``.device`` says where they
+run: :class:`~bigviz.engine.weights.Offloaded`). One hook per offloaded entry fetches
 all its tensors; the next entry is fetched while the current one computes (``prefetch``).
 
 Example:
@@ -23,8 +24,8 @@ Example:
     >>> expected = model(x)
     >>> with tempfile.TemporaryDirectory() as folder:
     ...     _ = dispatch_model(model, {"0": "cpu", "1": "cpu", "2": "disk"}, offload_folder=folder)
-    ...     torch.equal(model(x), expected), model[2].weight.device.type
-    (True, 'meta')
+    ...     torch.equal(model(x), expected), model[2].weight.is_meta, model[2].weight.device.type
+    (True, True, 'cpu')
 """
 
 from __future__ import annotations
@@ -39,16 +40,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from bigviz.checkpoint.offload_folder import offload_problems
+from bigviz.checkpoint.offload_folder import offload_problems, offload_weights
 from bigviz.core.dispatch_plan import DispatchPlan
-from bigviz.core.errors import DeviceMapError
+from bigviz.core.errors import BigvizError, DeviceMapError
 from bigviz.engine.binding import Binding, BoundUnit, bind, called_modules
 from bigviz.engine.devices import torch_device
 from bigviz.engine.hooks import GUARDED_METHODS, add_hook_to_module, remove_hook_from_module
-from bigviz.engine.offload_hooks import AlignDevicesHook, ForwardLock, OffloadHook
+from bigviz.engine.mapped import MappedFiles
+from bigviz.engine.offload_hooks import AlignDevicesHook, CpuOffload, ForwardLock, OffloadHook
 from bigviz.engine.prefetch import CpuFetcher, CudaFetcher, Fetcher
 from bigviz.engine.scheduler import Scheduler
-from bigviz.engine.weights import as_slot_value, open_offload_folder, pin, set_slot, write_offload_folder
+from bigviz.engine.weights import as_slot_value, pin, set_slot
 from bigviz.modeling.inventory import ModelInventory
 from bigviz.planning.chain import dispatch_plan_for
 
@@ -59,6 +61,8 @@ __all__ = [
     "DispatchOptions",
     "DispatchState",
     "DEFAULT_SKIP_KEYS",
+    "refuse_dispatched",
+    "AlreadyDispatchedError",
 ]
 
 DEFAULT_SKIP_KEYS: tuple[str, ...] = ("cache", "past_key_values")
@@ -89,6 +93,7 @@ class DispatchState:
         scheduler: The prefetch scheduler (``scheduler.order``: recorded execution order).
         owned: Stores opened by the dispatch (closed by ``remove_hooks``).
         lock: Held by a forward of the model (threads calling it take turns).
+        mapped: The files its CPU weights are memory-mapped from, checked before each forward.
     """
 
     device_map: dict[str, int | str]
@@ -98,6 +103,7 @@ class DispatchState:
     scheduler: Scheduler | None = None
     owned: list[Any] = field(default_factory=list)
     lock: ForwardLock = field(default_factory=ForwardLock)  # one forward at a time, whatever the thread
+    mapped: MappedFiles | None = None
 
     def close(self) -> None:
         """Detach remaining unit hooks, stop prefetching and close the files opened."""
@@ -111,6 +117,9 @@ class DispatchState:
             if close is not None:
                 close()
         self.owned.clear()
+        if self.mapped is not None:
+            self.mapped.close()
+            self.mapped = None
 
 
 class _RootHook(AlignDevicesHook):
@@ -122,6 +131,8 @@ class _RootHook(AlignDevicesHook):
 
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         self.state.lock.acquire(self)  # first: another thread's forward finishes before this one starts
+        if self.state.mapped is not None:
+            self.state.mapped.verify()  # a truncated shard under zero-copy CPU weights: an error, not SIGBUS
         return super().pre_forward(module, *args, **kwargs)
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
@@ -158,6 +169,45 @@ def _explain_meta_error(error: BaseException, idle: list[BoundUnit]) -> None:
         "device that computes, or pass preload_module_classes=[<the parent's class name>] so the "
         "parent fetches them."
     )
+
+
+class AlreadyDispatchedError(BigvizError, ValueError):
+    """A model (or a module in it) that a dispatch already hooked, given to a dispatch again."""
+
+
+_DISPATCH_HOOKS = (AlignDevicesHook, OffloadHook, CpuOffload)
+
+
+def refuse_dispatched(model: nn.Module, entry: str) -> None:
+    """The one guard of every dispatching entry point, run before anything is read, opened or
+    moved: a model already dispatched (by bigviz or accelerate: its modules carry their
+    hooks) is refused. Dispatching it again would stack hooks on hooks, and leak the first
+    dispatch's open files and prefetch threads.
+
+    Raises:
+        AlreadyDispatchedError: naming the entry point and where the model is hooked.
+
+    Example:
+        >>> import torch
+        >>> model = dispatch_model(torch.nn.Sequential(torch.nn.Linear(2, 2)), {"": "cpu"}, force_hooks=True)
+        >>> refuse_dispatched(model, "cpu_offload")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        bigviz.engine.dispatch.AlreadyDispatchedError: cpu_offload: this model is already dispatched ...
+    """
+    hooked = []
+    for name, module in model.named_modules():
+        hook = getattr(module, "_hf_hook", None)
+        hooks = getattr(hook, "hooks", (hook,)) if hook is not None else ()
+        ours = getattr(module, "_bigviz_dispatch", None) is not None
+        if ours or any(isinstance(h, _DISPATCH_HOOKS) or type(h).__module__.startswith("accelerate.") for h in hooks):
+            hooked.append(repr(name) if name else "the model itself")
+    if hooked:
+        shown = ", ".join(hooked[:4]) + (f" and {len(hooked) - 4} more modules" if len(hooked) > 4 else "")
+        raise AlreadyDispatchedError(
+            f"{entry}: this model is already dispatched (hooks on {shown}); dispatching it again would stack "
+            "hooks and leave the first dispatch's files and threads open. Call bigviz.remove_hooks(model) "
+            "first (weights go back where they were before), then dispatch it again"
+        )
 
 
 def dispatch_model(
@@ -250,8 +300,7 @@ def dispatch_inventory(
 ) -> nn.Module:
     """`dispatch_model` on a model's inventory: plan (one validation pass: names, devices,
     coverage, all problems at once, before anything moves), then execute."""
-    if getattr(inventory.model, "_bigviz_dispatch", None) is not None:
-        raise ValueError("dispatch_model: this model is already dispatched; call bigviz.remove_hooks(model) first")
+    refuse_dispatched(inventory.model, "dispatch_model")
     plan = dispatch_plan_for(
         inventory,
         device_map,
@@ -281,12 +330,16 @@ def execute_dispatch(
     force_hooks: bool = False,
     offload_folder: str | Path | None = None,
     owned: Sequence[Any] = (),
+    stamps: Iterable[tuple[int, ...]] = (),
 ) -> nn.Module:
     """Carry out a checked dispatch plan on ``inventory``'s model: bind it (every problem
     raised at once, before anything moves), write or pin what streams from memory, place the
     resident tensors, and hook the units. Returns the model, with ``hf_device_map`` set.
 
     ``owned`` are stores the dispatch closes on ``remove_hooks`` (a load's disk weights).
+    ``stamps``: the files' stamps when a load opened them (a checkpoint index's), so that the
+    files under zero-copy CPU weights are compared with those (:class:`MappedFiles`); a model
+    with such weights is hooked even on one device, for that check.
     """
     model = inventory.model
     options = DispatchOptions(
@@ -301,8 +354,12 @@ def execute_dispatch(
     binding = _checked_binding(inventory, plan, options, stores)
     state = DispatchState(dict(plan.device_map), options, plan, owned=list(owned))
     _materialise(binding, options, state)
-    if len(set(plan.device_map.values())) > 1 or binding.units or force_hooks:
+    mapped = MappedFiles.of(model, stamps)
+    if len(set(plan.device_map.values())) > 1 or binding.units or force_hooks or len(mapped):
+        state.mapped = mapped if len(mapped) else None
         _attach(inventory, binding, state)
+    else:
+        mapped.close()
     model.hf_device_map = dict(plan.device_map)
     return model
 
@@ -342,8 +399,7 @@ def _materialise(binding: Binding, options: DispatchOptions, state: DispatchStat
     new_sources: dict[str, Mapping[str, Tensor]] = {}
     if binding.to_write:
         assert options.offload_folder is not None  # checked in _checked_binding
-        write_offload_folder(binding.to_write, options.offload_folder)
-        store = open_offload_folder(options.offload_folder)
+        store = offload_weights(binding.to_write, options.offload_folder)  # what this write made, locked
         state.owned.append(store)
         new_sources.update(dict.fromkeys(binding.to_write, store))
     if binding.to_pin:

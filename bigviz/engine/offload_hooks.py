@@ -34,7 +34,7 @@ from bigviz.engine.hooks import ModelHook
 from bigviz.modeling.budgets import default_execution_device
 from bigviz.engine.scheduler import Scheduler
 from bigviz.engine.binding import BoundUnit
-from bigviz.engine.weights import as_slot_value, set_slot
+from bigviz.engine.weights import as_slot_value, get_slot, meta_like, set_slot
 
 __all__ = [
     "AlignDevicesHook",
@@ -190,8 +190,8 @@ class OffloadHook(ModelHook):
         >>> unit.sources = {k: {"weight": torch.eye(2), "bias": torch.zeros(2)} for k in unit.slots}
         >>> hook = OffloadHook(unit, Scheduler([unit], CpuFetcher(), prefetch=False))
         >>> _ = hook.init_hook(layer)
-        >>> layer.weight.device
-        device(type='meta')
+        >>> layer.weight.is_meta, layer.weight.device  # no data; used on the CPU
+        (True, device(type='cpu'))
     """
 
     no_grad = True
@@ -227,8 +227,7 @@ class OffloadHook(ModelHook):
         for key, slots in self.unit.slots.items():
             # the flags the model declares (some kernels choose their path by requires_grad,
             # nn.MultiheadAttention even under no_grad): the same numbers as in memory
-            grad = self.unit.placeholders[(id(slots[0][0]), slots[0][1])][1].requires_grad
-            value = as_slot_value(tensors[key], slots[0][2], requires_grad=grad)
+            value = as_slot_value(tensors[key], slots[0][2], requires_grad=self.unit.grads.get(key, False))
             for slot in slots:
                 set_slot(slot, value)
         return args, kwargs
@@ -236,7 +235,7 @@ class OffloadHook(ModelHook):
     def _needs_guard(self, args: tuple, kwargs: dict) -> bool:
         if not torch.is_grad_enabled():
             return False
-        if any(p.requires_grad for _, p in self.unit.placeholders.values()):
+        if any(self.unit.grads.values()):
             return True
         return any_tensor((args, kwargs), lambda t: t.requires_grad, skip_keys=self.skip_keys)
 
@@ -259,7 +258,14 @@ class OffloadHook(ModelHook):
             self.lock.release(self)
 
     def detach_hook(self, module: nn.Module) -> nn.Module:
-        """Put back in memory (on the CPU) the weights that were in memory before dispatch."""
+        """Put back in memory (on the CPU) the weights that were in memory before dispatch;
+        the others go back to plain ``meta`` (no longer reporting an execution device)."""
+        for slot, placeholder in self.unit.placeholders.values():
+            if get_slot(slot) is placeholder:
+                plain = self.restored.get((id(placeholder), "meta"))
+                if plain is None:
+                    plain = self.restored[(id(placeholder), "meta")] = meta_like(placeholder, slot[2])
+                set_slot(slot, plain)
         for key in self.unit.materialised:
             store = self.unit.sources[key]
             for slot in self.unit.slots[key]:

@@ -39,11 +39,12 @@ import ctypes
 import errno
 import mmap
 import os
+import stat
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import Tensor
 
@@ -55,6 +56,11 @@ __all__ = [
     "FileSpan",
     "FileMaps",
     "file_span",
+    "span_identity",
+    "can_open",
+    "open_file",
+    "held_descriptor",
+    "identity",
     "StreamingFetcher",
     "StreamStats",
     "populate",
@@ -67,17 +73,21 @@ PAGE = mmap.PAGESIZE
 MADV_DONTNEED = 4
 MADV_POPULATE_READ = 22  # Linux 5.14+
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_SHARED_MEMORY = ("/dev/shm/", "/memfd:", "/SYSV")  # shared memory shows as deleted files: not a checkpoint
 
 
 @dataclass(frozen=True)
 class FileSpan:
     """Where a memory-mapped tensor's bytes are: ``path[offset:offset + length]``, mapped at
-    ``address``."""
+    ``address``; ``device`` and ``inode``: the file the mapping holds (``/proc/self/maps``:
+    0 when unknown), which ``path`` may no longer name (a file replaced by rename)."""
 
     path: str
     offset: int
     length: int
     address: int
+    device: int = 0
+    inode: int = 0
 
 
 class FileMaps:
@@ -99,36 +109,121 @@ class FileMaps:
                     parts = line.split(maxsplit=5)
                     if len(parts) == 6 and parts[5].startswith("/"):
                         start, end = (int(x, 16) for x in parts[0].split("-"))
-                        rows.append((start, end, int(parts[2], 16), parts[5].rstrip("\n")))
-        except OSError:
+                        major, minor = (int(x, 16) for x in parts[3].split(":"))
+                        path, identity = parts[5].rstrip("\n"), (os.makedev(major, minor), int(parts[4]))
+                        rows.append((start, end, int(parts[2], 16), path, identity))
+        except (OSError, ValueError):
             pass  # not Linux: nothing is file-backed as far as we can tell
         rows.sort()
         self._rows, self._starts = rows, [r[0] for r in rows]
+        self._held: dict[tuple[int, int], str | None] = {}
 
-    def find(self, address: int) -> tuple[int, int, int, str] | None:
-        """``(start, end, file offset, path)`` of the mapping holding ``address``, or None."""
+    def held(self, want: tuple[int, int]) -> str | None:
+        """:func:`held_descriptor` of ``want``, looked up once per snapshot."""
+        if want not in self._held:
+            self._held[want] = held_descriptor(want)
+        return self._held[want]
+
+    def find(self, address: int) -> tuple[int, int, int, str, tuple[int, int]] | None:
+        """``(start, end, file offset, path, (device, inode))`` of the mapping holding
+        ``address``, or None."""
         i = bisect.bisect_right(self._starts, address) - 1
         if i >= 0 and address < self._rows[i][1]:
             return self._rows[i]
         return None
 
 
-def file_span(tensor: Tensor, maps: FileMaps | None = None) -> FileSpan | None:
+def file_span(tensor: Tensor, maps: FileMaps | None = None, *, deleted: bool = False) -> FileSpan | None:
     """Where ``tensor``'s bytes lie in a file it is memory-mapped from; None when it is not
     (anonymous memory, another device, empty, not contiguous, or not Linux).
+
+    A file replaced by rename or removed since it was mapped counts when this process still
+    holds a descriptor on it (it can be read), or with ``deleted`` (only its mapping leads to
+    it then); shared memory (``/dev/shm``, ``memfd``) never counts.
 
     Args:
         tensor: A tensor.
         maps: A snapshot of the mappings (default: a new one; pass one for many lookups).
+        deleted: Count files that no path or descriptor leads to any more.
     """
     if tensor.device.type != "cpu" or tensor.numel() == 0 or not tensor.is_contiguous():
         return None
     address = tensor.data_ptr()
     row = (maps if maps is not None else FileMaps()).find(address)
-    if row is None or row[3].endswith(" (deleted)") or address + nbytes(tensor) > row[1]:
+    if row is None or address + nbytes(tensor) > row[1]:
         return None
-    start, _end, offset, path = row
-    return FileSpan(path, offset + address - start, nbytes(tensor), address)
+    start, _end, offset, path, (device, inode) = row
+    if path.endswith(" (deleted)"):  # replaced or removed since mapped
+        path = path.removesuffix(" (deleted)")
+        if path.startswith(_SHARED_MEMORY):
+            return None
+        if not deleted and (maps if maps is not None else FileMaps()).held((device, inode)) is None:
+            return None
+    return FileSpan(path, offset + address - start, nbytes(tensor), address, device, inode)
+
+
+def identity(st: os.stat_result) -> tuple[int, int]:
+    """``(device, inode)``: which file a descriptor or path is, whatever it is called now."""
+    return st.st_dev, st.st_ino
+
+
+def span_identity(span: FileSpan) -> tuple[int, int] | None:
+    """``(device, inode)`` of the file ``span`` maps; None where ``/proc/self/maps`` gave none."""
+    return (span.device, span.inode) if span.inode else None
+
+
+def can_open(span: FileSpan) -> bool:
+    """Whether the file ``span`` maps can still be opened (by its path, or through a
+    descriptor this process holds on it: see :func:`open_file`)."""
+    try:
+        os.close(open_file(span.path, span_identity(span)))
+    except OSError:
+        return False
+    return True
+
+
+def open_file(path: str, want: tuple[int, int] | None, flags: int = 0, *, name: str | None = None) -> int:
+    """A descriptor open on the file ``want`` (``(device, inode)``; None: whatever ``path``
+    names), read-only with ``flags``: ``path`` itself while it names that file, else a
+    descriptor this process already holds on it (:func:`held_descriptor`).
+
+    Raises:
+        OSError: ``path`` names another file now and no descriptor holds the one wanted,
+            naming ``name`` (default: ``path``).
+    """
+    fd = os.open(path, os.O_RDONLY | flags)
+    if want is None or os.fstat(fd).st_ino == want[1]:  # the inode alone: /proc/self/maps and stat may
+        return fd  # name a file's device differently (overlayfs); a replacement cannot share the inode
+    os.close(fd)
+    held = held_descriptor(want)
+    if held is not None:
+        with contextlib.suppress(OSError):
+            fd = os.open(held, os.O_RDONLY | flags)
+            if identity(os.fstat(fd)) == want:
+                return fd
+            os.close(fd)
+    raise OSError(
+        errno.ESTALE,
+        f"{name or path}: replaced since the model mapped it, and nothing holds the file it mapped any "
+        "more; load the model again",
+    )
+
+
+def held_descriptor(want: tuple[int, int]) -> str | None:
+    """``/proc/self/fd/N`` for a descriptor of this process open on the file ``want``
+    (``(device, inode)``), or None. Opening that path opens the same file, whatever its name
+    now (renamed, moved away or unlinked)."""
+    try:
+        numbers = os.listdir("/proc/self/fd")
+    except OSError:
+        return None
+    for number in numbers:
+        path = f"/proc/self/fd/{number}"
+        with contextlib.suppress(OSError):
+            st = os.stat(path)
+            if stat.S_ISREG(st.st_mode) and identity(st) == want:
+                return path
+    return None
 
 
 class _Libc:
@@ -229,7 +324,7 @@ def merge_spans(spans: Sequence[FileSpan], *, gap: int = PAGE) -> list[FileSpan]
     Example:
         >>> a, b = FileSpan("f", 0, 100, 1000), FileSpan("f", 120, 50, 1120)
         >>> merge_spans([b, a])
-        [FileSpan(path='f', offset=0, length=170, address=1000)]
+        [FileSpan(path='f', offset=0, length=170, address=1000, device=0, inode=0)]
     """
     out: list[FileSpan] = []
     for span in sorted(spans, key=lambda s: (s.path, s.address)):
@@ -237,7 +332,7 @@ def merge_spans(spans: Sequence[FileSpan], *, gap: int = PAGE) -> list[FileSpan]
         same = last is not None and last.path == span.path and span.address - last.address == span.offset - last.offset
         if last is not None and same and span.address <= last.address + last.length + gap:
             end = max(last.address + last.length, span.address + span.length)
-            out[-1] = FileSpan(last.path, last.offset, end - last.address, last.address)
+            out[-1] = replace(last, length=end - last.address)
         else:
             out.append(span)
     return out

@@ -68,7 +68,16 @@ from torch import Tensor, nn
 from bigviz.core.streaming import DEFAULT_DEPTH
 from bigviz.checkpoint.probe import ALIGN  # O_DIRECT: offsets, lengths and addresses, multiples of it
 from bigviz.checkpoint.progress import byte_bar
-from bigviz.engine.readahead import FileMaps, FileSpan, StreamingFetcher, file_span, prefault
+from bigviz.engine.readahead import (
+    FileMaps,
+    FileSpan,
+    StreamingFetcher,
+    can_open,
+    file_span,
+    open_file,
+    prefault,
+    span_identity,
+)
 
 __all__ = [
     "ResidentReport",
@@ -171,7 +180,7 @@ def _cpu_tensors(model: nn.Module) -> Iterator[tuple[nn.Module, str, str, Tensor
     for module in model.modules():
         for kind, table in (("param", module._parameters), ("buffer", module._buffers)):
             for attr, tensor in table.items():
-                if tensor is not None and tensor.device.type == "cpu":
+                if tensor is not None and tensor.device.type == "cpu" and not tensor.is_meta:  # offloaded: no data
                     yield module, attr, kind, tensor
 
 
@@ -180,7 +189,7 @@ def mapped_bytes(model: nn.Module) -> int:
     seen: dict[tuple[int, int], int] = {}
     maps = FileMaps()
     for _, _, _, tensor in _cpu_tensors(model):
-        span = file_span(tensor, maps)
+        span = file_span(tensor, maps, deleted=True)
         if span is not None:
             seen[(span.address, span.length)] = span.length
     return sum(seen.values())
@@ -197,7 +206,9 @@ def make_resident(model: nn.Module, *, readers: int = 4, progress: bool = True, 
     """
     copies: dict[tuple[int, int, torch.dtype, tuple[int, ...]], Tensor] = {}
     maps = FileMaps()
-    todo = [(m, a, k, t, s) for m, a, k, t in _cpu_tensors(model) if (s := file_span(t, maps)) is not None]
+    todo = [
+        (m, a, k, t, s) for m, a, k, t in _cpu_tensors(model) if (s := file_span(t, maps, deleted=True)) is not None
+    ]
     unique: dict[tuple[int, int], FileSpan] = {(s.address, s.length): s for *_, s in todo}
     start = time.perf_counter()
     with byte_bar(sum(s.length for s in unique.values()), "resident", enabled=progress) as bar:
@@ -221,7 +232,9 @@ _CHUNK = 16 * 2**20  # a multiple of ALIGN
 class _Piece:
     """One read of a span's copy: file bytes ``[offset, offset + upto)`` into ``address``
     (``need`` of them belong to the span); with ``O_DIRECT``, ``offset``, ``length`` (the room
-    at ``address``) and ``address`` are multiples of ``ALIGN``."""
+    at ``address``) and ``address`` are multiples of ``ALIGN``. ``identity``: the file
+    (``(device, inode)``) the bytes must come from, which ``path`` may no longer name (a file
+    replaced by rename: then a descriptor held on it is read); ``name``: the file in messages."""
 
     path: str
     offset: int
@@ -229,6 +242,8 @@ class _Piece:
     upto: int
     need: int
     address: int
+    identity: tuple[int, int] | None = None
+    name: str = ""
 
 
 def _read_all(
@@ -246,17 +261,32 @@ def _read_all(
     out: dict[tuple[int, int], Tensor] = {}
     pieces: list[_Piece] = []
     for span in sorted(spans, key=lambda s: (s.path, s.offset)):
+        if not can_open(span):  # replaced by rename and no descriptor left on it: only the mapping has it
+            out[(span.address, span.length)] = _copy_mapped(span)
+            done(span.length)  # type: ignore[operator]
+            continue
         head, size = block_room(span.offset, span.length, direct=direct)
         raw = torch.empty(size + ALIGN, dtype=torch.uint8)
         base = -raw.data_ptr() % ALIGN
         out[(span.address, span.length)] = raw[base + head : base + head + span.length]
-        pieces += pieces_of(span.path, span.offset, span.length, raw.data_ptr() + base, direct=direct)
+        address = raw.data_ptr() + base
+        pieces += pieces_of(
+            span.path, span.offset, span.length, address, direct=direct, identity=span_identity(span), name=span.path
+        )
     direct_bytes = 0
     with ThreadPoolExecutor(max(1, readers), thread_name_prefix="bigviz-resident") as pool:
         for need, was_direct in pool.map(lambda piece: _read_piece(piece, direct), pieces):
             direct_bytes += need if was_direct else 0
             done(need)  # type: ignore[operator]
     return out, direct_bytes
+
+
+def _copy_mapped(span: FileSpan) -> Tensor:
+    """A copy of ``span``'s bytes read through its memory mapping (page faults: the slow way,
+    for a file that no path or descriptor leads to any more)."""
+    copy = torch.empty(span.length, dtype=torch.uint8)
+    ctypes.memmove(copy.data_ptr(), span.address, span.length)
+    return copy
 
 
 def block_room(offset: int, length: int, *, direct: bool) -> tuple[int, int]:
@@ -267,15 +297,26 @@ def block_room(offset: int, length: int, *, direct: bool) -> tuple[int, int]:
     return head, (-(-(head + length) // ALIGN) * ALIGN if direct else length)
 
 
-def pieces_of(path: str, offset: int, length: int, address: int, *, direct: bool) -> list[_Piece]:
+def pieces_of(
+    path: str,
+    offset: int,
+    length: int,
+    address: int,
+    *,
+    direct: bool,
+    identity: tuple[int, int] | None = None,
+    name: str = "",
+) -> list[_Piece]:
     """The reads that put file bytes ``[offset, offset + length)`` at ``address + head``
-    (:func:`block_room`), ``_CHUNK`` bytes each; ``address`` is a multiple of ``ALIGN``."""
+    (:func:`block_room`), ``_CHUNK`` bytes each; ``address`` is a multiple of ``ALIGN``;
+    ``identity``: the file they must come from (see :class:`_Piece`)."""
     head, size = block_room(offset, length, direct=direct)
     out = []
     for i in range(0, size, _CHUNK):
         upto = min(_CHUNK, head + length - i)
+        need = upto - (head if i == 0 else 0)
         out.append(
-            _Piece(path, offset - head + i, min(_CHUNK, size - i), upto, upto - (head if i == 0 else 0), address + i)
+            _Piece(path, offset - head + i, min(_CHUNK, size - i), upto, need, address + i, identity, name or path)
         )
     return out
 
@@ -296,7 +337,7 @@ def _read_into(piece: _Piece, flags: int) -> None:
     last one may end past the file, and is then short."""
     view = memoryview((ctypes.c_char * piece.length).from_address(piece.address)).cast("B")
     ask = piece.length if flags else piece.upto
-    fd = os.open(piece.path, os.O_RDONLY | flags)
+    fd = open_file(piece.path, piece.identity, flags, name=piece.name)  # the file mapped, even if renamed since
     try:
         if not flags and hasattr(os, "posix_fadvise"):  # no kernel read-ahead past the piece: it would stay cached
             with contextlib.suppress(OSError):
@@ -306,7 +347,7 @@ def _read_into(piece: _Piece, flags: int) -> None:
             n = os.preadv(fd, [view[got:ask]], piece.offset + got)
             if n <= 0:
                 raise OSError(
-                    f"{piece.path}: short read at byte {piece.offset + got}: the file is shorter than when "
+                    f"{piece.name or piece.path}: short read at byte {piece.offset + got}: the file is shorter than when "
                     "the model was loaded (changed or truncated since); restore it, or load the model again"
                 )
             got += n
@@ -315,6 +356,18 @@ def _read_into(piece: _Piece, flags: int) -> None:
                 os.posix_fadvise(fd, piece.offset, piece.length, os.POSIX_FADV_DONTNEED)  # whole pages
     finally:
         os.close(fd)
+
+
+def _watch_what_is_still_mapped(model: nn.Module, state: object) -> None:
+    """After the copy, only the files of what is still mapped are checked before a forward
+    (a file whose weights were copied may change: nothing reads it any more)."""
+    from bigviz.engine.mapped import MappedFiles
+
+    old = getattr(state, "mapped", None)
+    if old is None:
+        return
+    state.mapped = MappedFiles.of(model, old.stamps()) or None  # type: ignore[attr-defined]
+    old.close()
 
 
 def settle_residency(
@@ -358,6 +411,7 @@ def settle_residency(
     copied = None
     if mode == "copy":
         copied = make_resident(model, readers=readers, progress=progress) if mapped else None
+        _watch_what_is_still_mapped(model, state)
         scheduler = getattr(state, "scheduler", None)
         if streaming and scheduler is not None and state.options.main_device.type == "cpu":
             scheduler.fetcher.close()

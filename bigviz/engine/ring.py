@@ -12,7 +12,10 @@ read-ahead: process memory stays at the ring's size whatever the units' sizes.
 
 Reads use ``O_DIRECT`` (the disk writes straight into the ring; the page cache is never
 involved, so nothing resident is evicted and nothing needs dropping); where the filesystem
-refuses it, buffered reads dropped from the page cache behind them.
+refuses it, buffered reads dropped from the page cache behind them. They go to the very file
+the model mapped (its device and inode, as the store holding it open says): a shard replaced
+by rename while the model runs is still read from the file the model opened, as in every other
+streaming mode, and a shard truncated or rewritten in place is refused by the store's check.
 
 Why not read into the page cache (``madvise(MADV_POPULATE_READ)`` on the mapped file, then
 drop the pages: :class:`~bigviz.engine.readahead.StreamingFetcher`)? Measured on this
@@ -64,7 +67,16 @@ from torch import Tensor
 from bigviz.core.streaming import RING_AHEAD
 from bigviz.engine.binding import BoundUnit as Unit
 from bigviz.engine.prefetch import Handle, _run_now
-from bigviz.engine.readahead import FileMaps, StreamStats, Where, file_span, mapped_where, unit_tensors
+from bigviz.engine.readahead import (
+    FileMaps,
+    FileSpan,
+    StreamStats,
+    Where,
+    file_span,
+    mapped_where,
+    span_identity,
+    unit_tensors,
+)
 from bigviz.engine.resident import ALIGN, _read_piece, block_room, pieces_of
 
 __all__ = ["RingFetcher", "ring_capacity"]
@@ -100,6 +112,7 @@ class _Extent:
     head: int
     size: int
     views: dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]]
+    identity: tuple[int, int] | None = None  # the file mapped, read even if renamed since
 
 
 @dataclass
@@ -324,7 +337,9 @@ class RingFetcher:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.readers, thread_name_prefix="bigviz-ring")
         address = buffer.data_ptr() + at
-        for piece in pieces_of(extent.path, extent.offset, extent.length, address, direct=True):
+        for piece in pieces_of(
+            extent.path, extent.offset, extent.length, address, direct=True, identity=extent.identity
+        ):
             read.futures.append(self._pool.submit(_read_piece, piece, self.direct))
 
     def _give_up(self, read: _Read) -> None:
@@ -344,6 +359,7 @@ class RingFetcher:
         maps = FileMaps() if maps is None else maps
         spans = {key: file_span(t, maps) for key, t in tensors.items()}
         kept = frozenset(key for key in tensors if spans[key] is None)
+        files = _identities(unit, spans)
         groups: list[list] = []  # [path, first byte, end byte, keys]
         for key, span in sorted(
             ((k, s) for k, s in spans.items() if s is not None), key=lambda i: (i[1].path, i[1].offset)
@@ -352,6 +368,7 @@ class RingFetcher:
             if (
                 last is not None
                 and last[0] == span.path
+                and files[last[3][0]] == files[key]
                 and span.offset <= last[2] + MERGE_GAP
                 and (
                     max(last[2], span.offset + span.length) - last[1] <= MERGE_MOST
@@ -370,7 +387,7 @@ class RingFetcher:
                 span, tensor = spans[key], tensors[key]
                 offset = head + span.offset - first  # type: ignore[union-attr]
                 views[key] = (offset, span.length, tensor.dtype, tuple(tensor.shape))  # type: ignore[union-attr]
-            extents.append(_Extent(path, first, end - first, head, size, views))
+            extents.append(_Extent(path, first, end - first, head, size, views, files[keys[0]]))
         layout = _Layout(mapped_where(tensors, kept), extents, kept)
         self._layouts[id(unit)] = layout
         return layout
@@ -384,3 +401,18 @@ class RingFetcher:
         self._queue.clear()
         self._live.clear()
         self._ring = None
+
+
+def _identities(unit: Unit, spans: Mapping[str, FileSpan | None]) -> dict[str, tuple[int, int] | None]:
+    """Key -> the file (``(device, inode)``) its bytes must be read from: as the store that
+    holds the file open says (a :class:`~bigviz.checkpoint.lazy.LazyWeights`), else as the
+    memory mapping says. Reads go to that file even after its path was given to another one
+    (a shard replaced by rename while the model runs)."""
+    out: dict[str, tuple[int, int] | None] = {}
+    for store, keys in unit.keys_by_source():
+        held = getattr(store, "identity", None)
+        for key in keys:
+            span = spans.get(key)
+            if span is not None:
+                out[key] = (held(key) if held is not None else None) or span_identity(span)
+    return out

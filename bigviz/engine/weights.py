@@ -24,9 +24,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 
 from bigviz.core.names import join
 
@@ -37,6 +39,11 @@ __all__ = [
     "set_slot",
     "get_slot",
     "meta_like",
+    "Offloaded",
+    "OffloadedParameter",
+    "OffloadedBuffer",
+    "OffloadedWeightError",
+    "offloaded_placeholder",
     "nbytes",
     "pin",
     "find_source",
@@ -72,7 +79,7 @@ class TensorGroup:
 
     @property
     def is_meta(self) -> bool:
-        return self.tensor.device.type == "meta"
+        return self.tensor.is_meta  # an offloaded placeholder reports another device: see `Offloaded`
 
 
 def tensor_groups(model: nn.Module, *, ties: Iterable[Iterable[str]] = ()) -> list[TensorGroup]:
@@ -164,10 +171,124 @@ def meta_like(tensor: Tensor, kind: str) -> Tensor:
         >>> meta_like(torch.zeros(2, 3), "param").device
         device(type='meta')
     """
-    if tensor.device.type == "meta":
+    if tensor.device.type == "meta" and not isinstance(tensor, Offloaded):
         return tensor
-    placeholder = torch.empty_like(tensor, device="meta")
+    placeholder = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
     return as_slot_value(placeholder, kind, requires_grad=tensor.requires_grad)
+
+
+class OffloadedWeightError(RuntimeError):
+    """An offloaded weight was computed with outside its module's forward (it holds no data
+    then: the result would be garbage)."""
+
+
+class Offloaded:
+    """What an offloaded tensor is between forwards: a ``meta`` tensor (no data) that reports
+    the device it will be used on.
+
+    Model code places its inputs by a child's weight (Llama 4:
+    ``input_ids.to(self.embed_tokens.weight.device)``, Mllama's ``pixel_values``, transformers'
+    ``model.device`` in ``generate``). A plain ``meta`` placeholder sends the inputs to ``meta``,
+    and ``F.embedding`` of ``meta`` ids with real weights returns uninitialised memory, no
+    error. So ``.device`` gives the execution device, while ``is_meta`` stays true (nothing is
+    in memory: the weight is fetched when its module runs). And computing with it outside that
+    forward, beside tensors that hold data, is refused naming the weight
+    (:class:`OffloadedWeightError`) instead of giving garbage: a parent reading a child's
+    weight without calling the child. Operations on ``meta`` tensors alone (sizing, planning)
+    work as on any ``meta`` tensor.
+    """
+
+    _bigviz_device: torch.device | None = None
+    _bigviz_name: str = ""
+    _bigviz_unit: str = ""
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        found = self.__dict__.get("_bigviz_device")
+        return found if found is not None else torch._C.TensorBase.device.__get__(self)  # type: ignore[attr-defined]
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not kwargs and len(args) == 1:  # an attribute or a method of the placeholder alone: no data met
+            ours = [args[0]] if isinstance(args[0], Offloaded) else []
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args)
+        else:
+            leaves = tree_leaves((args, kwargs or {}))
+            ours = [t for t in leaves if isinstance(t, Offloaded)]
+            if any(isinstance(t, Tensor) and not t.is_meta for t in leaves):
+                raise _used_outside(func, ours)
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **(kwargs or {}))
+        if not ours:
+            return out
+        # what is derived from it (``weight.T``, ``weight.detach()``, a chunk) is the same no-data weight
+        if type(out) is Tensor:
+            return _derived(out, ours[0])
+        if type(out) in (tuple, list):
+            return type(out)(_derived(t, ours[0]) if type(t) is Tensor else t for t in out)
+        return out  # torch.Size, dtypes, numbers: as they are
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+        return (
+            f"{type(self).__name__}({self._bigviz_name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"runs on {self.device}, no data between forwards: offloaded with {self._bigviz_unit!r})"
+        )
+
+
+class OffloadedParameter(Offloaded, nn.Parameter):
+    """An offloaded parameter between forwards (see :class:`Offloaded`)."""
+
+
+class OffloadedBuffer(Offloaded, Tensor):
+    """An offloaded buffer between forwards (see :class:`Offloaded`)."""
+
+
+def offloaded_placeholder(tensor: Tensor, kind: str, *, device: torch.device, name: str, unit: str) -> Tensor:
+    """The placeholder an offloaded ``tensor`` (named ``name``, fetched by unit ``unit``)
+    holds between forwards: on ``meta``, reporting ``device`` (see :class:`Offloaded`).
+
+    Example:
+        >>> import torch
+        >>> w = offloaded_placeholder(torch.zeros(2, 3), "param", device=torch.device("cpu"), name="w", unit="")
+        >>> w.device, w.is_meta, isinstance(w, torch.nn.Parameter)
+        (device(type='cpu'), True, True)
+        >>> torch.ones(3) @ w.T  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        bigviz.engine.weights.OffloadedWeightError: offloaded weight 'w' was used ...
+    """
+    meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+    cls = OffloadedParameter if kind == "param" else OffloadedBuffer
+    out = Tensor._make_subclass(cls, meta, kind == "param" and tensor.requires_grad and meta.is_floating_point())
+    out._bigviz_device, out._bigviz_name, out._bigviz_unit = device, name, unit  # type: ignore[attr-defined]
+    return out
+
+
+def _derived(tensor: Tensor, source: Offloaded) -> Tensor:
+    """``tensor`` (computed from ``source`` alone) as an offloaded placeholder too, so that it
+    is refused beside real data as ``source`` is (no graph: there is nothing to differentiate)."""
+    if not tensor.is_meta:
+        return tensor
+    out = Tensor._make_subclass(OffloadedBuffer, tensor.detach(), False)
+    out._bigviz_device, out._bigviz_name, out._bigviz_unit = (  # type: ignore[attr-defined]
+        source._bigviz_device,
+        source._bigviz_name,
+        source._bigviz_unit,
+    )
+    return out
+
+
+def _used_outside(func: Any, placeholders: list[Offloaded]) -> OffloadedWeightError:
+    names = ", ".join(repr(p._bigviz_name) for p in placeholders) or "an offloaded weight"
+    units = sorted({p._bigviz_unit for p in placeholders})
+    what = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+    return OffloadedWeightError(
+        f"offloaded weight {names} was used (by {what}) outside the forward of {', '.join(map(repr, units))}, "
+        "where it is fetched: between forwards it is on meta and holds no data, so the result would be "
+        "garbage. A module's code reads it without calling the module that owns it: pass "
+        "preload_module_classes=[<that module's class name>] so it fetches its children's weights, or keep "
+        "that module on a device that computes"
+    )
 
 
 def nbytes(tensor: Tensor) -> int:

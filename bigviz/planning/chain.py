@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from bigviz.checkpoint.index import CheckpointIndex
-from bigviz.checkpoint.load import inventory_of, plan_load
+from bigviz.checkpoint.load import inventory_of, plan_load, torch_load_dtype
 from bigviz.checkpoint.load_plan import LoadPlan
 from bigviz.checkpoint.model_names import device_map_in_model_names
 from bigviz.core.devicemap import complete_computed, complete_tied, device_map_problems, key_problems
@@ -272,6 +272,8 @@ def dispatch_plan(
           from disk: 1 unit, 160 B (<model>)
     """
     inventory = inventory_of(model) if checkpoint is not None else ModelInventory.of(model)
+    if checkpoint is not None:
+        dtype = torch_load_dtype(dtype)  # what it loads in: floating only, before planning with it
     mapping, made = resolve_device_map(
         inventory,
         device_map,
