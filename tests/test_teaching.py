@@ -123,3 +123,28 @@ def test_bandwidths_are_read_as_sizes_per_second():
     assert parse_bandwidth("200MiB/s") == 200 * 2**20 and parse_bandwidth("1GB/s") == 1e9 and parse_bandwidth(5) == 5.0
     with pytest.raises(ValueError, match="more than 0"):
         parse_bandwidth(0)
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(1, 1), (2, 5), (4, 1), (4, 8), (7, 3)])
+def test_a_drawn_schedule_has_the_bubble_of_the_formula(stages, microbatches):
+    """Every stage runs every micro-batch once, in order, one slot after the stage before;
+    the idle slots counted are the formula's bubble (p-1)/(m+p-1)."""
+    from bigviz.core.pipeline import pipeline_bubble
+    from bigviz.teaching import draw_schedules, schedule
+
+    rows = schedule(stages, microbatches)
+    slots = microbatches + stages - 1
+    for s, row in enumerate(rows):
+        assert len(row) == slots and [j for j in row if j is not None] == list(range(microbatches))
+        assert row.index(0) == s  # a micro-batch reaches stage s after the s stages before it
+    idle = sum(x is None for row in rows for x in row)
+    assert idle / (stages * slots) == pytest.approx(pipeline_bubble(stages, microbatches))
+    fig = draw_schedules(stages, [microbatches])
+    assert f"= {stages - 1}/{slots} =" in fig.axes[0].get_title(loc="left")
+
+
+def test_a_schedule_refuses_nonsense():
+    from bigviz.teaching import schedule
+
+    with pytest.raises(ValueError, match="stages=0"):
+        schedule(0, 2)

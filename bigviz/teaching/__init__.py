@@ -10,6 +10,8 @@ rest of bigviz so that a notebook's numbers come from code that is checked:
 * :class:`~bigviz.teaching.timeline.ForwardTimeline`: when each block was called, had its
   weights and finished, and how long the computing thread was blocked (neither on a core nor
   waiting for one), with :func:`~bigviz.teaching.timeline.draw_timelines` to draw them.
+* :func:`~bigviz.teaching.schedule.draw_schedules`: notebook 09's pipeline bubble, each
+  stage's work and idle slots for a number of micro-batches.
 * :mod:`bigviz.teaching.machine`: the Linux facts those need (``/proc`` read counters and
   scheduler times, the kernel's read-ahead of the disk, dropping a checkpoint's pages from the
   page cache); elsewhere they answer "unknown" instead of failing.
@@ -27,6 +29,7 @@ from bigviz.teaching.machine import (
     read_ahead_kib,
     thread_times,
 )
+from bigviz.teaching.schedule import draw_schedules, schedule
 from bigviz.teaching.slow_disk import Read, SlowDisk
 from bigviz.teaching.timeline import BlockMarks, ForwardTimeline, draw_timelines
 
@@ -36,6 +39,8 @@ __all__ = [
     "ForwardTimeline",
     "BlockMarks",
     "draw_timelines",
+    "schedule",
+    "draw_schedules",
     "disk_read_bytes",
     "thread_times",
     "mount_of",
