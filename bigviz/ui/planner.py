@@ -48,6 +48,7 @@ from bigviz.ui.figure import FigureView
 from bigviz.ui.palette import chip, legend_html
 from bigviz.core.cost import plan_cost, preset_budgets
 from bigviz.ui.presets import DTYPE_CHOICES, cost_html
+from bigviz.ui.context_chart import context_chart_svg, context_curves
 from bigviz.ui.report import dispatch_html, report_fragment, save_html, table_html, usage_html
 from bigviz.ui.run import describe_error, run_plan
 from bigviz.ui.stages import StageControls, stage_legend_html
@@ -458,14 +459,21 @@ class Planner:
             else stage_legend_html(self._stages)
         )
         self.stage_controls.show(self._stages)
-        c.usage.value = usage_html(plan) + "".join(
-            f"<div style='font-size:11px;color:#555'>{html.escape(n)}</div>" for n in plan.notes
+        c.usage.value = (
+            usage_html(plan)
+            + "".join(f"<div style='font-size:11px;color:#555'>{html.escape(n)}</div>" for n in plan.notes)
+            + self._context_chart(plan)
         )
         c.cost.value = cost_html(self.cost())
         c.fit.value = self._fit_html()
         c.table.value = table_html(plan, max_rows=TABLE_ROWS)
         self._show_dispatch()
         c.overrides.value = self._overrides_html()
+
+    def _context_chart(self, plan: DevicePlan) -> str:
+        """Memory against context under the bars, for a planned run (this placement kept)."""
+        curves = context_curves(self.state, plan)
+        return context_chart_svg(curves) if curves is not None and curves.devices else ""
 
     def _show_dispatch(self) -> None:
         """Fill the Dispatch tab when it is open (a slider move re-plans in milliseconds; the
