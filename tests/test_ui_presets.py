@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from torch import nn
 
@@ -22,7 +24,7 @@ GiB = 2**30
         ("A100 80 GB", 1, 80),
         ("2x A100 80 GB", 2, 80),
         ("8x A100 80 GB", 8, 80),
-        ("H100 80 GB", 1, 80),
+        ("H100 80 GB", 1, 81559 / 1024),  # what nvidia-smi reports: 81,559 MiB, not 80 GiB
         ("H200 141 GB", 1, 140),
         ("CPU-only laptop", 0, None),
     ],
@@ -48,6 +50,20 @@ def test_every_preset_plans_a_model():
         plan = bigviz.plan(model, budgets, strategy="sequential")
         first = 0 if 0 in budgets else ("mps" if "mps" in budgets else "cpu")
         assert (plan.main_device, plan.device_map) == (first, {"": first}), name
+
+
+def test_preset_names_say_what_they_hold_in_binary_units():
+    """Issue 28: "RAM 340 GB" held 340 GiB; every size a name states is what the preset holds."""
+    for name, budgets in HARDWARE_PRESETS.items():
+        ram = re.search(r"RAM (\d+) GiB", name)
+        if ram and name.startswith("CPU-only"):
+            continue  # the laptop's RAM, of which the preset gives the model 14 GiB (named too)
+        if ram:
+            assert budgets["cpu"] == int(ram.group(1)) * GiB, name
+        held = re.search(r": ([\d.]+) GiB", name)
+        if held:
+            assert abs(budgets[0] - float(held.group(1)) * GiB) < 0.05 * GiB, name
+        assert " GB)" not in name or "unified" in name, name  # a decimal "GB" only in the name sold
 
 
 def test_unknown_or_ambiguous_preset_lists_the_names():
