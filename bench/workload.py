@@ -1,5 +1,5 @@
 """KV cache and activations: bigviz's predictions against a measured generate, and what
-accelerate's weights-only map leaves for the run.
+transformers' weights-only map (``from_pretrained(device_map="auto")``) leaves for the run.
 
     python bench/workload.py            # prints a markdown section (about a minute here)
 
@@ -7,9 +7,11 @@ accelerate's weights-only map leaves for the run.
    disk, run through ``generate``, and measured: the bytes of the cache's storages per device
    against ``plan.kv_cache``, and the prefill's peak of live tensors (a TorchDispatchMode
    tracker, the cache's storages left out) against ``plan.activations``.
-2. Will it fit: shipped configs on meta, planned by accelerate's ``infer_auto_device_map``
-   (weights only, with its default margins) and by bigviz with the run; the run's KV cache and
-   activations are then charged on accelerate's map to show where it runs out of memory.
+2. Will it fit: shipped configs on meta, placed as ``from_pretrained(device_map="auto")`` places
+   them (transformers' ``_get_device_map``: accelerate's ``get_balanced_memory``, then
+   ``infer_auto_device_map`` under those budgets; weights only) and planned by bigviz with the
+   run and 1.5 GiB of headroom per GPU (CUDA context, allocator, workspaces); the run's KV cache
+   and activations are then charged on transformers' map to show whether it runs out of memory.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from bigviz.models import build  # noqa: E402
 
 BATCH, PROMPT, NEW, WINDOW = 2, 40, 4, 16
 GiB = 2**30
+HEADROOM = 3 * GiB // 2  # per GPU: the CUDA context, the allocator's fragmentation, cuBLAS and attention workspaces
 
 
 def tiny_models() -> dict[str, tuple[str, torch.nn.Module]]:
@@ -338,7 +341,7 @@ def _accuracy_row(name: str, layout: str, model: torch.nn.Module, inputs: dict[s
 def will_it_fit() -> list[str]:
     import logging
 
-    from accelerate import infer_auto_device_map
+    from accelerate.utils import get_balanced_memory, infer_auto_device_map
 
     logging.getLogger("accelerate").setLevel(logging.ERROR)  # "Device 0 is not available": we plan for it
 
@@ -349,14 +352,16 @@ def will_it_fit() -> list[str]:
         ("qwen2.5-72b", 1, 32768, {0: 80 * GiB, 1: 80 * GiB, "cpu": 340 * GiB}),
     ]
     rows = [
-        "| model, run | hardware | accelerate's map: free after weights | the run needs there | "
-        "bigviz plan | longest context (no offload) |",
+        "| model, run | hardware | transformers' map: free after weights | the run needs there | "
+        f"bigviz plan, {format_size(HEADROOM)} headroom per GPU | longest context (no offload, headroom) |",
         "|---|---|---|---|---|---:|",
     ]
     for name, batch, context, budgets in cases:
         model = bigviz.resolve_model(bigviz.config_path(name))
         no_split = list(model._no_split_modules)
-        acc_map = infer_auto_device_map(model, max_memory=dict(budgets), no_split_module_classes=no_split)
+        # as from_pretrained(device_map="auto") does (transformers' _get_device_map): balance, then fill
+        balanced = get_balanced_memory(model, max_memory=dict(budgets), no_split_module_classes=no_split)
+        acc_map = infer_auto_device_map(model, max_memory=balanced, no_split_module_classes=no_split)
         acc_map = {k: ("cpu" if v == "cpu" else v) for k, v in acc_map.items()}
         weights = bigviz.plan(model, budgets, overrides=acc_map)  # accelerate's placement, weights only
         on_acc = bigviz.plan(
@@ -367,15 +372,24 @@ def will_it_fit() -> list[str]:
             context_length=context,
         )  # its run, budgets lifted
         gpus = [d for d in budgets if isinstance(d, int)]
+        offloaded_by_hf = sum(weights.offloaded_bytes().values())
         free = ", ".join(f"{device_label(d)} {format_size(weights.usage_of(d).free)}" for d in gpus)
-        need = ", ".join(
-            f"{device_label(d)} {format_size(on_acc.usage_of(d).kv_cache + on_acc.usage_of(d).activations)}"
-            for d in gpus
-        )
-        ours = bigviz.plan(model, budgets, batch_size=batch, context_length=context)
+        needs = {d: on_acc.usage_of(d).kv_cache + on_acc.usage_of(d).activations for d in gpus}
+        need = ", ".join(f"{device_label(d)} {format_size(n)}" for d, n in needs.items())
+        short = [d for d in gpus if needs[d] > weights.usage_of(d).free]
+        tight = [d for d in gpus if d not in short and needs[d] + HEADROOM > weights.usage_of(d).free]
+        need += (
+            f" (out of memory on {', '.join(device_label(d) for d in short)})"
+            if short
+            else f" (less than {format_size(HEADROOM)} to spare on {', '.join(device_label(d) for d in tight)})"
+            if tight
+            else " (fits, headroom kept)"
+        ) + (f"; it offloads {format_size(offloaded_by_hf)}" if offloaded_by_hf else "")
+        reserve = {d: HEADROOM for d in gpus}
+        ours = bigviz.plan(model, budgets, batch_size=batch, context_length=context, reserve=reserve)
         offloaded = sum(ours.offloaded_bytes().values())
         verdict = "fits on the GPUs" if not offloaded else f"offloads {format_size(offloaded)} to fit"
-        longest = bigviz.max_context(model, budgets, batch)
+        longest = bigviz.max_context(model, budgets, batch, reserve=reserve)
         hardware = " + ".join(f"{format_size(b)}" for d, b in budgets.items() if isinstance(d, int))
         rows.append(f"| {name}, {batch} x {context:,} | {hardware} | {free} | {need} | {verdict} | {longest:,} |")
     return rows
@@ -391,9 +405,11 @@ def main() -> None:
         f"tensors without the cache).\n"
     )
     with tempfile.TemporaryDirectory() as folder:
-        for line in accuracy(Path(folder)):
-            print(line, flush=True)
-    print("\nShipped configs on meta (bf16): accelerate's weights-only map against the run it must hold.\n")
+        print("\n".join(accuracy(Path(folder))))
+    print(
+        "\nShipped configs on meta (bf16): the weights-only map of from_pretrained(device_map='auto') against "
+        "the run it must hold.\n"
+    )
     print("\n".join(will_it_fit()))
 
 

@@ -52,6 +52,7 @@ from bigviz.checkpoint.loader import execute_load
 from bigviz.checkpoint.offload_folder import offload_problems
 from bigviz.core.devicemap import check_keys
 from bigviz.core.devices import execution_device, torch_name
+from bigviz.core.sizes import format_count
 from bigviz.core.dtypes import load_dtype
 from bigviz.modeling.inventory import ModelInventory, tie_model
 from bigviz.core.errors import ArgumentTypeError
@@ -112,7 +113,7 @@ class LoadResult:
     def summary(self) -> str:
         """A few human-readable lines: counts, and everything ignored, renamed or tied."""
         lines = [
-            f"loaded {len(self.loaded)} tensors ({self.bytes_loaded / 2**20:.1f} MiB)"
+            f"loaded {format_count(len(self.loaded), 'tensor')} ({self.bytes_loaded / 2**20:.1f} MiB)"
             + (f", {len(self.disk)} left on disk" if self.disk else "")
         ]
         if self.renamed_prefix:
@@ -166,7 +167,7 @@ def load_checkpoint_in_model(
             under float16 and bfloat16.
         key_mapping: extra checkpoint key renamings (regex -> replacement), as
             ``from_pretrained(key_mapping=...)`` takes them (transformers models).
-        progress: show a tqdm progress bar over bytes.
+        progress: show a progress bar over bytes once the work has run for a second.
 
     A transformers model's checkpoint keys are converted with transformers' own rules
     (renamed modules, experts stored one by one but fused in the model): see

@@ -45,7 +45,7 @@ from bigviz.core.devicemap import device_of
 from bigviz.core.devices import device_label, normalize_device, tie_home, torch_name
 from bigviz.core.dtypes import is_floating
 from bigviz.core.names import is_prefix, owner
-from bigviz.core.sizes import format_size
+from bigviz.core.sizes import format_count, format_size
 from bigviz.modeling.budgets import absent_device_problems
 from bigviz.modeling.inventory import ModelTensor
 
@@ -189,7 +189,7 @@ class LoadPlan:
         where = f" from {self.checkpoint!r}" if self.checkpoint else " from the checkpoint"
         total = sum(load.nbytes for load in self.loads)
         lines = [
-            f"LoadPlan: {_count(len(self.loads), 'tensor')} ({format_size(total)}){where}"
+            f"LoadPlan: {format_count(len(self.loads), 'tensor')} ({format_size(total)}){where}"
             + (f" ({self.format})" if self.format else "")
         ]
         by_device: dict[str, list[TensorLoad]] = {}
@@ -201,7 +201,7 @@ class LoadPlan:
                 kept = sum(load.in_place for load in loads)
                 how = f" (read in place: {kept}; written once to the offload folder: {len(loads) - kept})"
             lines.append(
-                f"  {_label(device)}: {_count(len(loads), 'tensor')}, "
+                f"  {_label(device)}: {format_count(len(loads), 'tensor')}, "
                 f"{format_size(sum(load.nbytes for load in loads))}{how}"
             )
         lines += self._notes()
@@ -222,11 +222,11 @@ class LoadPlan:
                 for load in self.loads
                 if load.source_dtype and load.source_dtype != str(load.dtype).removeprefix("torch.")
             )
-            lines.append(f"  {_count(n, 'cast')} ({', '.join(f'{a} -> {b}' for a, b in casts)})")
+            lines.append(f"  {format_count(n, 'cast')} ({', '.join(f'{a} -> {b}' for a, b in casts)})")
         if self.prefix:
             lines.append(f"  prefix {self.prefix!r} {self.prefix_action} to match the model")
         renamed = [c for c in self.conversions if c.is_rename]
-        lines += [f"  renamed {_count(len(renamed), 'checkpoint key')} (read in place)"] if renamed else []
+        lines += [f"  renamed {format_count(len(renamed), 'checkpoint key')} (read in place)"] if renamed else []
         lines += [f"  converted {c.describe()}" for c in self.conversions if not c.is_rename]
         lines += [f"  computed by the model: {load.name}" for load in self.computed]
         lines += [f"  {name} filled by its tie to {src}" for name, src in self.filled_by_tie]
@@ -259,10 +259,6 @@ class LoadPlan:
             for load in (*self.loads, *self.computed)
         ]
         return pd.DataFrame(rows, columns=columns)
-
-
-def _count(n: int, what: str) -> str:
-    return f"{n} {what}" + ("" if n == 1 else "s")
 
 
 def _label(device: str) -> str:

@@ -36,6 +36,7 @@ from bigviz.checkpoint.index import CheckpointIndex
 from bigviz.checkpoint.lazy import LazyWeights, WeightStores
 from bigviz.checkpoint.load_plan import LoadPlan, TensorLoad
 from bigviz.checkpoint.offload_folder import offload_weights
+from bigviz.checkpoint.progress import byte_bar
 from bigviz.modeling.inventory import ModelInventory
 
 __all__ = ["Executed", "execute_load"]
@@ -66,7 +67,7 @@ def execute_load(
         inventory: the model's inventory (its slots are filled).
         index: the checkpoint the plan was made from.
         plan: the load plan.
-        progress: show a tqdm progress bar over bytes.
+        progress: show a progress bar over bytes once the work has run for a second.
         inplace: copy into tensors that hold data already (their objects and devices stay).
     """
     slots = _Slots(inventory, [*plan.loads, *plan.computed])
@@ -87,8 +88,6 @@ def execute_load(
 def _materialise(
     slots: _Slots, index: CheckpointIndex, plan: LoadPlan, *, progress: bool, inplace: bool, model: torch.nn.Module
 ) -> int:
-    from tqdm.auto import tqdm
-
     todo = [load for load in plan.loads if load.device != "disk"]
     plain = [load for load in todo if not load.fused]
     sources = {key for load in todo if load.fused for key in load.keys}
@@ -96,9 +95,7 @@ def _materialise(
     nbytes = 0
     with (
         LazyWeights(index, names) as weights,
-        tqdm(
-            total=sum(load.nbytes for load in todo), unit="B", unit_scale=True, desc="loading", disable=not progress
-        ) as bar,
+        byte_bar(sum(load.nbytes for load in todo), "loading", enabled=progress) as bar,
     ):
         for load in plain:
             nbytes += slots.fill(load, _convert(weights[load.name], load), inplace=inplace)

@@ -28,7 +28,7 @@ from bigviz.core.devices import Device, device_label, streamed_devices
 from bigviz.core.hardware import DISK_BANDWIDTH, LINK_BANDWIDTH, find_bandwidth
 from bigviz.core.names import owner
 from bigviz.core.offload_units import UnitRule, unit_table
-from bigviz.core.sizes import format_size
+from bigviz.core.sizes import format_count, format_size
 from bigviz.core.stream_plan import MachineFacts, StreamOptions, StreamPlan, make_stream_plan
 from bigviz.core.errors import UsageError
 
@@ -375,7 +375,8 @@ class DevicePlan:
     def summary(self) -> str:
         """A few lines a person reads: per-device use against budget."""
         lines = [
-            f"DevicePlan ({self.strategy}, {len(self.placements)} units, execution on {device_label(self.main_device)})"
+            f"DevicePlan ({self.strategy}, {format_count(len(self.placements), 'unit')}, "
+            f"execution on {device_label(self.main_device)})"
         ]
         for u in self.usage:
             budget = format_size(u.budget)

@@ -164,8 +164,9 @@ def make_plan(tree: SizeTree, max_memory: Mapping[Any, object], options: PlanOpt
     if state.run is not None:
         check_run_fits(usage, bool(overrides))
     notes += _warnings(usage, main)
+    capped = {g: _share_name(options.strategy) for g in budgets if caps[g] < budgets[g]}
     return DevicePlan(
-        _placements(tree, state),
+        _placements(tree, state, capped),
         usage,
         options.strategy,
         main,
@@ -390,13 +391,15 @@ def _accept(
     state.promised.update({f: (device, b) for f, b in promises.items()})
 
 
-def _write(tree: SizeTree, name: str, device: Device, size: int, why: Why) -> str:
+def _write(
+    tree: SizeTree, name: str, device: Device, size: int, why: Why, capped: Mapping[Device, str] | None = None
+) -> str:
     """A placement's reason as a person reads it."""
     code = why[0]
     if code == "fits":
-        return _write_fits(tree, name, device, size, *why[1:])
+        return _write_fits(tree, name, device, size, *why[1:], capped=capped or {})
     if code == "run":  # a workload's cache and activations, where they live
-        return _write(tree, name, device, size, why[1]) + run_text(*why[2:])
+        return _write(tree, name, device, size, why[1], capped) + run_text(*why[2:])
     if code == "tied":
         return f"tied to {why[1]}, which is on {device_label(device)}"
     if code == "override":
@@ -416,14 +419,21 @@ def _write_fits(
     here: Device | None,
     need: int,
     free: int,
+    *,
+    capped: Mapping[Device, str],
 ) -> str:
-    where = f"{room_text(size, room)} of {format_size(left)} left on {device_label(device)}"
+    on = f"of {device_label(device)}'s {capped[device]}" if device in capped else f"on {device_label(device)}"
+    where = f"{room_text(size, room)} of {format_size(left)} left {on}"
     text = f"streamed in from {device_label(device)} at forward time ({where})" if streamed else f"fits: {where}"
     if extra:
         text += f", with {format_size(extra)} kept for the modules tied to it"
     if here is None:
         return text
-    return f"{_what(tree, name)} did not fit {device_label(here)} ({format_size(need)} needed, {format_size(free)} left): {text}"
+    of = f" of its {capped[here]}" if here in capped else ""
+    return (
+        f"{_what(tree, name)} did not fit {device_label(here)} ({format_size(need)} needed, "
+        f"{format_size(free)} left{of}): {text}"
+    )
 
 
 def _follower_unit_bytes(tree: SizeTree, follower: str, leader: str, no_split: frozenset[str]) -> int:
@@ -518,13 +528,19 @@ def _spread_streamed(tree: SizeTree, state: _Pass, ties: _Ties, main: Device) ->
     return moved
 
 
-def _placements(tree: SizeTree, state: _Pass) -> tuple[Placement, ...]:
-    """The placements of the pass that became the plan, their reasons written."""
+def _share_name(strategy: str) -> str:
+    """What a balanced strategy lets a GPU fill, as the reasons name it."""
+    return f"{'balanced' if strategy == 'auto' else strategy} share"
+
+
+def _placements(tree: SizeTree, state: _Pass, capped: Mapping[Device, str]) -> tuple[Placement, ...]:
+    """The placements of the pass that became the plan, their reasons written (room on a GPU
+    a balanced strategy caps is said to be left of its share, not of its budget: ``capped``)."""
     out = []
     for placed in state.placed:
         name, device, size, override, tied_to = placed[:5]
         node = tree.nodes.get(name)
-        reason = _write(tree, name, device, size, placed[5:])
+        reason = _write(tree, name, device, size, placed[5:], capped)
         out.append(
             Placement(
                 name,
