@@ -188,7 +188,7 @@ def test_a_bad_request_under_torchrun_is_said_once_and_every_rank_exits(generate
         *_generate_args(folder, 2, "--out", str(tmp_path / "missing" / "tokens.pt"), "--timeout", "60"),
         code=2,
     )
-    assert out.count("the folder") == 1 and "does not exist; create it first" in out, out[-3000:]
+    assert out.count("the folder") == 1 and "does not exist: create it first" in out, out[-3000:]
     assert " tensors, " not in out and not (tmp_path / "missing").exists()  # no rank loaded its stage
 
 
