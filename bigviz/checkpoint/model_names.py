@@ -25,7 +25,7 @@ from bigviz.checkpoint.load_plan import LoadOptions, match_checkpoint, resolve_v
 from bigviz.core.names import owner
 from bigviz.modeling.inventory import ModelInventory
 
-__all__ = ["checkpoint_dtypes", "device_map_in_model_names"]
+__all__ = ["checkpoint_dtypes", "checkpoint_packed", "device_map_in_model_names"]
 
 
 def checkpoint_dtypes(
@@ -48,6 +48,32 @@ def checkpoint_dtypes(
     view = checkpoint_view_of(inventory, CheckpointIndex.open(checkpoint), None)
     plan = match_checkpoint(inventory.tensors, view.entries, LoadOptions(strict=False))
     return {alias: view.entries[load.key].dtype for load in plan.loads for alias in load.aliases}
+
+
+def checkpoint_packed(
+    model: torch.nn.Module | ModelInventory, checkpoint: str | Path | CheckpointIndex
+) -> dict[str, tuple[int, str]]:
+    """Model tensor name -> (bytes as stored, format) for each weight a checkpoint stores
+    quantized and that stays packed in memory once loaded (torchao, bitsandbytes; an FP8 weight
+    is dequantized, so it takes its dtype's bytes); headers only.
+
+    Example:
+        >>> import tempfile, torch, pathlib
+        >>> from bigviz.checkpoint.save import save_sharded
+        >>> folder = save_sharded(torch.nn.Linear(2, 2), pathlib.Path(tempfile.mkdtemp()) / "c", progress=False)
+        >>> checkpoint_packed(torch.nn.Linear(2, 2), folder)
+        {}
+    """
+    inventory = inventory_of(model)
+    view = checkpoint_view_of(inventory, CheckpointIndex.open(checkpoint), None)
+    plan = match_checkpoint(inventory.tensors, view.entries, LoadOptions(strict=False))
+    out: dict[str, tuple[int, str]] = {}
+    for load in plan.loads:
+        conversion = view.source_of.get(load.key)
+        rule = getattr(conversion, "rule", None)
+        if getattr(rule, "stores_packed", False):
+            out.update(dict.fromkeys(load.aliases, (view.entries[load.key].nbytes, str(rule.kind))))  # type: ignore[union-attr]
+    return out
 
 
 def device_map_in_model_names(

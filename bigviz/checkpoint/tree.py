@@ -72,16 +72,19 @@ def tree_from_checkpoint(
 
 def _model_tree(index: CheckpointIndex, model: torch.nn.Module) -> SizeTree:
     """The model's tree, each tensor the checkpoint holds in the checkpoint's dtype."""
-    from bigviz.checkpoint.model_names import checkpoint_dtypes
+    from bigviz.checkpoint.model_names import checkpoint_dtypes, checkpoint_packed
+    from bigviz.checkpoint.quantized import quantization_config
     from bigviz.modeling.inventory import ModelInventory
 
     inventory = ModelInventory.of(model)
     tree = inventory.tree()
     stored = checkpoint_dtypes(inventory, index)
+    packed = checkpoint_packed(inventory, index) if quantization_config(index) is not None else {}
     specs = [
         replace(spec, dtype=canonical_dtype(stored[name])) if name in stored else spec
         for name, spec in tree.tensors.items()
     ]
+    specs = [replace(s, stored=packed[s.name][0], quant=packed[s.name][1]) if s.name in packed else s for s in specs]
     classes = {name: node.class_name for name, node in tree.nodes.items()}
     return SizeTree.build(specs, classes, tree.ties, containers=tree.containers)
 

@@ -25,9 +25,11 @@ from bigviz.checkpoint.index import CheckpointIndex
 from bigviz.checkpoint.load import execute_load_plan, inventory_of, load_checkpoint_in_model, plan_load
 from bigviz.checkpoint.load_plan import LoadPlan, check_plan, plan_problems
 from bigviz.checkpoint.model_names import device_map_in_model_names
+from bigviz.checkpoint.quantized import packed_on_disk, prepare_for_checkpoint
 from bigviz.core.devices import MISSING_DEVICE_FIX
 from bigviz.core.errors import DeviceMapError
 from bigviz.core.names import owner, parent
+from bigviz.core.quant import QuantConfig, with_stored
 from bigviz.engine.devices import DeviceLike, torch_device
 from bigviz.engine.dispatch import dispatch_inventory, execute_dispatch
 from bigviz.engine.hooks import add_hook_to_module
@@ -35,6 +37,7 @@ from bigviz.engine.offload_hooks import CpuOffload, UserCpuOffloadHook
 from bigviz.engine.weights import open_offload_folder
 from bigviz.modeling.budgets import default_execution_device
 from bigviz.modeling.inventory import ModelInventory
+from bigviz.modeling.quant import as_quant_config, torch_dtype
 from bigviz.planning.chain import INVALID_MAP, dispatch_plan_for, map_problems, resolve_device_map
 
 __all__ = ["load_checkpoint_and_dispatch", "cpu_offload", "cpu_offload_with_hook", "disk_offload"]
@@ -56,6 +59,7 @@ def load_checkpoint_and_dispatch(
     force_hooks: bool = False,
     strict: bool = True,
     resident: str = "auto",
+    quantization: object = None,
 ) -> nn.Module:
     """Plan (if asked), load ``checkpoint`` into ``model`` and dispatch it; returns it in eval mode.
 
@@ -84,6 +88,13 @@ def load_checkpoint_and_dispatch(
             into process memory and its disk units streamed through reused buffers; one that
             fits keeps zero-copy memory maps. ``"copy"`` / ``"map"`` force either
             (:func:`~bigviz.engine.resident.settle_residency`).
+        quantization: ``"int8"`` (torchao, one scale per row) or ``"int4"`` (bitsandbytes 4-bit),
+            or a `~bigviz.core.quant.QuantConfig` or transformers' ``TorchAoConfig`` /
+            ``BitsAndBytesConfig``: the linear layers' weights are quantized while they load,
+            one at a time (the float model is never in memory), planned in their packed bytes,
+            and offloaded and streamed packed (disk units are written once, packed, to
+            ``offload_folder``). A checkpoint stored quantized (its ``config.json`` says how)
+            needs none: it loads as stored. Needs ``pip install 'bigviz[quant]'``.
 
     Raises:
         ValueError: a GPU named by the map is absent, or the map does not fit the model
@@ -103,6 +114,9 @@ def load_checkpoint_and_dispatch(
     from bigviz.engine.resident import check_mode, settle_residency  # larger than RAM
 
     check_mode(resident)  # before anything is read
+    config = as_quant_config(quantization)
+    checkpoint = CheckpointIndex.open(checkpoint)  # headers read once for this call
+    prepare_for_checkpoint(model, checkpoint, config, dtype=torch_dtype(dtype))  # quantized layers, on meta
     inventory = inventory_of(model)  # ties made, then the model's one walk for this call
     mapping, made = resolve_device_map(
         inventory,
@@ -112,16 +126,23 @@ def load_checkpoint_and_dispatch(
         no_split_module_classes=no_split_module_classes,
         preload_module_classes=preload_module_classes,
         offload_buffers=offload_buffers,
+        quantization=config,
     )
     if mapping is None:
         load_checkpoint_in_model(
-            inventory, checkpoint, None, dtype=dtype, offload_folder=offload_folder, strict=strict, progress=False
+            inventory,
+            checkpoint,
+            None,
+            dtype=dtype,
+            offload_folder=offload_folder,
+            strict=strict,
+            progress=False,
+            quantization=config,
         )
         return model.eval()
-    checkpoint = CheckpointIndex.open(checkpoint)  # headers read once for this call
     mapping = device_map_in_model_names(inventory, checkpoint, mapping)  # a map planned from headers
     index, loads, canonical = _checked_plans(
-        inventory, checkpoint, mapping, dtype=dtype, strict=strict, offload_folder=offload_folder
+        inventory, checkpoint, mapping, dtype=dtype, strict=strict, offload_folder=offload_folder, quantization=config
     )
     result = execute_load_plan(inventory, index, loads, progress=False)
     inventory = inventory.refreshed()  # same structure, the tensors the load put in
@@ -136,6 +157,7 @@ def load_checkpoint_and_dispatch(
         preload_module_classes=preload_module_classes,
         offload_buffers=offload_buffers,
         prefetch=prefetch,
+        tree=with_stored(inventory.tree(), packed_on_disk(loads)),  # streamed packed: sized packed
     )
     stores = [result.disk] if result.disk is not None else []
     execute_dispatch(
@@ -159,6 +181,7 @@ def _checked_plans(
     dtype: Any,
     strict: bool,
     offload_folder: str | Path | None,
+    quantization: QuantConfig | None = None,
 ) -> tuple[CheckpointIndex, LoadPlan, dict[str, Any]]:
     """The one validation pass of a load-and-dispatch: the device map (names, devices this
     machine has, coverage) and the checkpoint (keys, shapes, files), every problem in one
@@ -172,6 +195,7 @@ def _checked_plans(
         offload_folder=offload_folder,
         strict=strict,
         check=False,
+        quantization=quantization,
     )
     if problems and not plan_problems(loads, strict=strict, map_checked=True)[0]:
         DeviceMapError.check(problems, INVALID_MAP, fix=MISSING_DEVICE_FIX)

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from bigviz.checkpoint.offload_folder import offload_problems
+from bigviz.checkpoint.packed_weights import PackedWeights, flatten
 from bigviz.core.dispatch_plan import DispatchPlan
 from bigviz.core.errors import DeviceMapError
 from bigviz.engine.binding import Binding, BoundUnit, bind, called_modules
@@ -342,8 +343,10 @@ def _materialise(binding: Binding, options: DispatchOptions, state: DispatchStat
     new_sources: dict[str, Mapping[str, Tensor]] = {}
     if binding.to_write:
         assert options.offload_folder is not None  # checked in _checked_binding
-        write_offload_folder(binding.to_write, options.offload_folder)
-        store = open_offload_folder(options.offload_folder)
+        flat, recipes = flatten(binding.to_write)  # a quantized weight is written packed: its parts
+        write_offload_folder(flat, options.offload_folder)
+        store: Mapping[str, Tensor] = open_offload_folder(options.offload_folder)
+        store = PackedWeights(store, recipes) if recipes else store
         state.owned.append(store)
         new_sources.update(dict.fromkeys(binding.to_write, store))
     if binding.to_pin:

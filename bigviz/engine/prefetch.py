@@ -40,11 +40,14 @@ import torch
 from torch import Tensor
 
 from bigviz.engine.binding import BoundUnit
+from bigviz.engine.packed import PART, expand, packed_of, parts, rebuild
 from bigviz.engine.weights import nbytes
+from bigviz.modeling.packed import split
 
 __all__ = ["FetchError", "Handle", "Fetcher", "CpuFetcher", "CudaFetcher"]
 
 _ALIGN = 64  # bytes: every staged tensor starts on a cache-line boundary
+_PLAIN = (Tensor, torch.nn.Parameter)
 
 
 class FetchError(RuntimeError):
@@ -176,16 +179,19 @@ _pages = _Pages()
 
 def _page_in(store: Mapping[str, Tensor], tensors: Mapping[str, Tensor]) -> None:
     """Make the cold ones of ``tensors`` (read from ``store``) resident, from this thread."""
-    cold = [key for key, tensor in tensors.items() if not _pages.resident(tensor)]
+    flat = expand(tensors, {k: p for k, t in tensors.items() if (p := split(t)) is not None})  # packed: its parts
+    cold = [key for key, tensor in flat.items() if not _pages.resident(tensor)]
     if cold:
-        _hint(store, cold)  # the kernel starts reading every cold tensor at once ...
+        _hint(store, list(dict.fromkeys(key.split(PART)[0] for key in cold)))  # the kernel reads them all at once ...
         for key in cold:
-            _pages.populate(tensors[key])  # ... and this waits for (and maps) each in turn
+            _pages.populate(flat[key])  # ... and this waits for (and maps) each in turn
 
 
 def _cast(unit: BoundUnit, key: str, tensor: Tensor) -> Tensor:
     want = unit.dtypes.get(key)
-    return tensor if want is None or tensor.dtype == want else tensor.to(want)
+    if want is None or tensor.dtype == want or (type(tensor) not in _PLAIN and split(tensor) is not None):
+        return tensor  # (a packed weight has the dtype of its format: never cast)
+    return tensor.to(want)
 
 
 class CpuFetcher:
@@ -280,14 +286,20 @@ class CudaFetcher:
             slot, buffer, offset = None, None, 0
             try:
                 for store, keys in unit.keys_by_source():
-                    sources = {key: _read(store, key) for key in keys}
+                    packs = {key: p for key in keys if (p := packed_of(store, key)) is not None}  # parts, unbuilt
+                    plain = {key: _read(store, key) for key in keys if key not in packs}
+                    packs |= {key: p for key, t in plain.items() if (p := split(t)) is not None}
+                    sources = {k: t for k, t in plain.items() if k not in packs} | parts(packs)
                     _page_in(store, sources)  # read at disk speed, not page fault by page fault
+                    moved = {}
                     for key, source in sources.items():
                         if not source.is_pinned():
                             if buffer is None:
                                 slot, buffer = self._ring.acquire()
                             source, offset = _stage(source, buffer, offset)
-                        out[key] = _cast(unit, key, source.to(self.device, non_blocking=True))
+                        moved[key] = source.to(self.device, non_blocking=True)
+                    # a packed weight's parts go as they are; it is built (FP8: dequantized) on the GPU
+                    out |= {key: _cast(unit, key, t) for key, t in rebuild(moved, packs).items()}
             finally:  # even after a failed read: the buffer is reused only once copies finish
                 event = torch.cuda.Event()
                 event.record(self.stream)

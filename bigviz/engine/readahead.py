@@ -49,7 +49,9 @@ from torch import Tensor
 
 from bigviz.engine.prefetch import Handle, _cast, _read
 from bigviz.engine.binding import BoundUnit as Unit
+from bigviz.engine.packed import packed_of, parts
 from bigviz.engine.weights import nbytes
+from bigviz.modeling.packed import Packed, split
 
 __all__ = [
     "FileSpan",
@@ -121,8 +123,8 @@ def file_span(tensor: Tensor, maps: FileMaps | None = None) -> FileSpan | None:
         tensor: A tensor.
         maps: A snapshot of the mappings (default: a new one; pass one for many lookups).
     """
-    if tensor.device.type != "cpu" or tensor.numel() == 0 or not tensor.is_contiguous():
-        return None
+    if tensor.device.type != "cpu" or tensor.numel() == 0 or split(tensor) is not None or not tensor.is_contiguous():
+        return None  # (a packed weight is several tensors: see unit_parts)
     address = tensor.data_ptr()
     row = (maps if maps is not None else FileMaps()).find(address)
     if row is None or row[3].endswith(" (deleted)") or address + nbytes(tensor) > row[1]:
@@ -218,6 +220,25 @@ def unit_tensors(unit: Unit) -> dict[str, Tensor]:
     for store, keys in unit.keys_by_source():
         out.update({key: _cast(unit, key, _read(store, key)) for key in keys})
     return out
+
+
+def unit_parts(unit: Unit) -> tuple[dict[str, Tensor], dict[str, Packed]]:
+    """What a unit reads as plain tensors: :func:`unit_tensors`, but each packed (quantized)
+    weight as its parts (unbuilt: views of the mapped files), under ``key + PART + part``; and
+    the packed weights, to build once the parts are read (:func:`bigviz.engine.packed.rebuild`)."""
+    out: dict[str, Tensor] = {}
+    packs: dict[str, Packed] = {}
+    for store, keys in unit.keys_by_source():
+        for key in keys:
+            packed = packed_of(store, key)
+            if packed is None:
+                tensor = _cast(unit, key, _read(store, key))
+                packed = split(tensor)
+                if packed is None:
+                    out[key] = tensor
+                    continue
+            packs[key] = packed
+    return out | parts(packs), packs
 
 
 def merge_spans(spans: Sequence[FileSpan], *, gap: int = PAGE) -> list[FileSpan]:

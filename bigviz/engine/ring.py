@@ -64,8 +64,10 @@ from torch import Tensor
 from bigviz.core.streaming import RING_AHEAD
 from bigviz.engine.binding import BoundUnit as Unit
 from bigviz.engine.prefetch import Handle, _run_now
-from bigviz.engine.readahead import FileMaps, StreamStats, Where, file_span, mapped_where, unit_tensors
+from bigviz.engine.packed import rebuild
+from bigviz.engine.readahead import FileMaps, StreamStats, Where, file_span, mapped_where, unit_parts
 from bigviz.engine.resident import ALIGN, _read_piece, block_room, pieces_of
+from bigviz.modeling.packed import Packed
 
 __all__ = ["RingFetcher", "ring_capacity"]
 
@@ -130,6 +132,7 @@ class _Read:
     placed: list[tuple[Tensor, int] | None]
     futures: list[Future] = field(default_factory=list)
     own: Tensor | None = None  # extents that did not fit in the ring
+    packs: Mapping[str, Packed] = field(default_factory=dict)  # packed weights: built from their parts once read
     busy: bool = False
     gone: bool = False  # released or given up: its ring bytes may be read over
 
@@ -204,7 +207,7 @@ class RingFetcher:
         sizes, maps = [], FileMaps()  # /proc/self/maps parsed once for all of them
         for unit in units:
             try:
-                sizes.append(self._layout(unit, unit_tensors(unit), maps).size)
+                sizes.append(self._layout(unit, unit_parts(unit)[0], maps).size)
             except Exception:  # noqa: BLE001 - its fetch will fail, naming the unit (FetchError)
                 continue
         largest = max(sizes, default=0)
@@ -216,7 +219,7 @@ class RingFetcher:
         """Queue ``unit``'s reads behind those already started (readers do them as the ring
         has room, background or not)."""
         try:
-            tensors = unit_tensors(unit)
+            tensors, packs = unit_parts(unit)  # a packed weight's parts are read, not the weight
             layout = self._layout(unit, tensors)
         except Exception as exc:
             future: Future = Future()
@@ -229,7 +232,7 @@ class RingFetcher:
             self._give_up(read)
         if self.capacity is None:
             self.capacity = ring_capacity(layout.size)
-        read = _Read(unit, layout, next(self._clock), tensors, [None] * len(layout.extents))
+        read = _Read(unit, layout, next(self._clock), tensors, [None] * len(layout.extents), packs=packs)
         self._reads[id(unit)] = read
         self._queue.extend((read, i) for i in range(len(layout.extents)))
         self.stats.units_read += 1
@@ -277,7 +280,7 @@ class RingFetcher:
             for key, (offset, length, dtype, shape) in extent.views.items():
                 out[key] = buffer[base + offset : base + offset + length].view(dtype).view(shape)
         read.busy = True
-        return out
+        return rebuild(out, read.packs)  # packed weights built over their parts in the ring
 
     def _pump(self) -> None:
         """Place queued extents, in start order, while the ring has room; start their reads."""

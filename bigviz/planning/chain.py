@@ -37,9 +37,11 @@ from bigviz.core.dispatch_plan import DispatchPlan, make_dispatch_plan
 from bigviz.core.errors import DeviceMapError
 from bigviz.core.offload_units import UnitRule
 from bigviz.core.plan import STRATEGIES, DevicePlan
+from bigviz.core.quant import quantized_tree, with_stored
 from bigviz.core.tree import SizeTree
 from bigviz.modeling.budgets import absent_device_problems, available_devices
 from bigviz.modeling.inventory import ModelInventory
+from bigviz.modeling.quant import as_quant_config, quant_targets
 
 __all__ = ["load_plan", "dispatch_plan", "dispatch_plan_for", "map_problems", "resolve_device_map"]
 
@@ -150,9 +152,10 @@ def resolve_device_map(
     dtype: Any = None,
     preload_module_classes: Collection[str] | None = None,
     offload_buffers: bool = False,
+    quantization: object = None,
 ) -> tuple[dict[str, Any] | None, DevicePlan | None]:
     """``(map, plan)`` from what a user passes as ``device_map``: a strategy name (planned
-    now), a `DevicePlan`, a dict, or None."""
+    now, with the weights sized as ``quantization`` packs them), a `DevicePlan`, a dict, or None."""
     if device_map is None:
         return None, None
     if isinstance(device_map, str):
@@ -168,6 +171,7 @@ def resolve_device_map(
             dtype=dtype,
             preload_module_classes=preload_module_classes,
             offload_buffers=offload_buffers,
+            quantization=quantization,
         )
         return dict(made.device_map), made
     if isinstance(device_map, DevicePlan):
@@ -185,6 +189,7 @@ def load_plan(
     strict: bool = True,
     keep_in_fp32_modules: Sequence[str] | None = None,
     key_mapping: Mapping[str, str] | None = None,
+    quantization: object = None,
 ) -> LoadPlan:
     """The load plan of ``checkpoint`` into ``model``: for each model tensor, the checkpoint
     key(s), file, byte offsets, stored and loaded dtype, conversion and target device; made
@@ -196,8 +201,9 @@ def load_plan(
         checkpoint: a weights file, an index file or a folder.
         device_map: a dict, a `DevicePlan`, or None (everything to the CPU). A map planned
             from checkpoint headers is translated into the model's names.
-        dtype, offload_folder, strict, keep_in_fp32_modules, key_mapping: as for
-            `bigviz.load_checkpoint_in_model`.
+        dtype, offload_folder, strict, keep_in_fp32_modules, key_mapping, quantization: as for
+            `bigviz.load_checkpoint_in_model` (``quantization="int8"``: each targeted weight's
+            load reads the float tensor and packs it; its bytes are the packed ones).
 
     Raises:
         CheckpointError: listing every missing key, unexpected key, shape mismatch, bad
@@ -226,6 +232,7 @@ def load_plan(
         strict=strict,
         keep_in_fp32_modules=keep_in_fp32_modules,
         key_mapping=key_mapping,
+        quantization=as_quant_config(quantization),
     )[1]
 
 
@@ -241,6 +248,7 @@ def dispatch_plan(
     offload_buffers: bool = False,
     prefetch: bool = True,
     dtype: torch.dtype | str | None = None,
+    quantization: object = None,
 ) -> DispatchPlan:
     """The dispatch plan of ``device_map`` on ``model``: the offload units a dispatch fetches
     (the module each hook sits on, where its weights are stored, the tensors and buffers it
@@ -257,6 +265,7 @@ def dispatch_plan(
         main_device, no_split_module_classes, preload_module_classes, offload_buffers,
         prefetch: as for `bigviz.dispatch_model`.
         dtype: the dtype the checkpoint loads in (with ``checkpoint``).
+        quantization: ``"int8"``/``"int4"`` (or a config): the units' weights sized packed.
 
     Nothing is read but checkpoint headers, and the devices need not exist here: a plan for
     a machine you do not have is fine (executing it checks them).
@@ -272,6 +281,7 @@ def dispatch_plan(
           from disk: 1 unit, 160 B (<model>)
     """
     inventory = inventory_of(model) if checkpoint is not None else ModelInventory.of(model)
+    config = as_quant_config(quantization)
     mapping, made = resolve_device_map(
         inventory,
         device_map,
@@ -280,15 +290,20 @@ def dispatch_plan(
         no_split_module_classes=no_split_module_classes,
         preload_module_classes=preload_module_classes,
         offload_buffers=offload_buffers,
+        quantization=config,
     )
     if mapping is None:
         raise ValueError("dispatch_plan: give a device_map (a strategy such as 'auto', a dict or a DevicePlan)")
     tree = inventory.tree()
+    if config is not None:
+        tree = quantized_tree(tree, config, quant_targets(inventory, config))
     if checkpoint is not None:
         checkpoint = CheckpointIndex.open(checkpoint)  # headers read once for this call
         mapping = device_map_in_model_names(inventory, checkpoint, mapping)
-        loads = plan_load(inventory, checkpoint, mapping, dtype=dtype, check=False)[1]
+        loads = plan_load(inventory, checkpoint, mapping, dtype=dtype, check=False, quantization=config)[1]
         tree = tree.with_dtype(None, {a: str(x.dtype).removeprefix("torch.") for x in loads.loads for a in x.aliases})
+        packed = {a: (x.nbytes, x.operation) for x in loads.loads if _packs(x) for a in x.aliases}
+        tree = with_stored(tree, packed)
     if made is not None and made.rule is not None:
         main_device = made.main_device if main_device is None else main_device
         no_split_module_classes = made.rule.blocks if no_split_module_classes is None else no_split_module_classes
@@ -303,3 +318,8 @@ def dispatch_plan(
         prefetch=prefetch,
         machine=False,
     )
+
+
+def _packs(load: Any) -> bool:
+    """A load that puts a packed weight in memory (its bytes are the packed ones)."""
+    return bool(getattr(getattr(load.conversion, "rule", None), "stores_packed", False))

@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection, Mapping
 from typing import Any, TypedDict
 from dataclasses import replace
@@ -24,12 +25,16 @@ import torch.nn as nn
 from bigviz.core.devicemap import device_of, validate_device_map
 from bigviz.core.devices import Device, device_label, streamed_devices
 from bigviz.core.names import is_prefix
+from bigviz.core.errors import PlanError
 from bigviz.core.plan import DevicePlan, PlanOptions
 from bigviz.core.planner import check_no_split, is_no_split, make_plan
+from bigviz.core.quant import QuantConfig, default_targets, quantized_tree
 from bigviz.core.tree import SizeTree
 from bigviz.core.workload import Workload
 from bigviz.modeling.budgets import get_max_memory
+from bigviz.checkpoint.quantized import quantization_config
 from bigviz.modeling.inventory import ModelInventory
+from bigviz.modeling.quant import as_quant_config, quant_targets
 from bigviz.planning.models import ModelLike, as_tree, default_no_split, inventory_or_none, resolve_model
 from bigviz.planning.workload import device_type, workload_bytes
 
@@ -55,6 +60,7 @@ def plan(
     activations: Mapping[str, int] | None = None,
     preload_module_classes: Collection[str] | None = None,
     offload_buffers: bool = False,
+    quantization: object = None,
 ) -> DevicePlan:
     """Plan where every module goes, with bytes and a reason for each placement.
 
@@ -82,6 +88,12 @@ def plan(
         preload_module_classes, offload_buffers: as the dispatch will use them: the room kept
             for streamed weights is computed from the offload units the engine will fetch
             (:mod:`bigviz.core.offload_units`).
+        quantization: ``"int8"`` or ``"int4"`` (or a `~bigviz.core.quant.QuantConfig`, or
+            transformers' ``TorchAoConfig`` / ``BitsAndBytesConfig``): the linear layers'
+            weights sized as the quantizer stores them (values, scales, zero points; the
+            modules it keeps in high precision as they are), exactly what
+            ``load_checkpoint_and_dispatch(..., quantization=...)`` puts in memory. A checkpoint
+            stored quantized is sized as stored without it.
 
     Example:
         >>> import torch.nn as nn
@@ -92,6 +104,7 @@ def plan(
     model = resolve_model(model)
     model = ModelInventory.of(model) if isinstance(model, nn.Module) else model  # one walk for the call
     tree = as_tree(model, dtype, special_dtypes)
+    tree = _quantized(model, tree, as_quant_config(quantization))
     if no_split_module_classes is not None:  # yours: a typo would split every block silently
         no_split_module_classes = _as_names(no_split_module_classes)
         check_no_split(tree, no_split_module_classes)
@@ -120,6 +133,21 @@ def plan(
     )
     result = make_plan(tree, budgets, options)
     return keep_direct_reads_resident(result, inventory, tree, budgets, options)
+
+
+def _quantized(model: ModelLike, tree: SizeTree, config: QuantConfig | None) -> SizeTree:
+    """``tree`` with the weights ``config`` packs in their packed bytes (the model's rule when
+    there is a model, else the one for names and shapes alone)."""
+    if config is None:
+        return tree
+    if isinstance(model, (str, os.PathLike)) and quantization_config(os.fspath(model)) is not None:
+        raise PlanError(
+            f"quantization={config.method!r}: {os.fspath(model)!r} is already stored quantized; plan it "
+            "without quantization= (it is sized as stored)"
+        )
+    inventory = inventory_or_none(model)
+    targets = quant_targets(inventory, config) if inventory is not None else default_targets(tree, config)
+    return quantized_tree(tree, config, [t for t in targets if t in tree.tensors])
 
 
 class UnitKnobs(TypedDict):
