@@ -42,6 +42,7 @@ _EXPORTS: dict[str, str] = {
     "load_max_memory": "bigviz.core.serialize",
     "plan_cost": "bigviz.core.cost",
     "preset_budgets": "bigviz.core.cost",
+    "QuantConfig": "bigviz.core.quant",
     "PipelinePlan": "bigviz.core.pipeline",
     "PipelineError": "bigviz.core.pipeline",
     # modeling: the bridge from nn.Module

@@ -229,7 +229,9 @@ def packed_view(view: CheckpointView, index: CheckpointIndex) -> CheckpointView:
         infos = [view.entries[k] for k in keys.values()]
         for key in keys.values():
             entries.pop(key, None)
-        nbytes = sum(i.nbytes for i in infos)
+        nbytes = sum(
+            i.nbytes for role, i in zip(keys, infos) if role not in _NOT_HELD and "quant_state." not in role
+        )  # what memory holds
         entries[name] = TensorInfo(name, dtype, shape, nbytes, infos[0].file)
         conversion = Conversion(tuple(keys.values()), (name,), rule.kind, (shape,), dtype, rule.roles, rule)
         source_of[name] = conversion
@@ -238,6 +240,9 @@ def packed_view(view: CheckpointView, index: CheckpointIndex) -> CheckpointView:
 
 
 Group = tuple[dict[str, str], PackedRule, tuple[int, ...], str]
+_NOT_HELD = frozenset({"weight_format", "activation_scale", "input_scale"})
+"""Parts read but not kept (bitsandbytes' layout flag, static activation scales a CPU does not
+use); a 4-bit quant state's JSON (``quant_state.bitsandbytes__nf4``) becomes attributes too."""
 
 
 def _groups(method: str, qc: Mapping[str, Any], view: CheckpointView, index: CheckpointIndex) -> dict[str, Group]:

@@ -17,12 +17,12 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bigviz.checkpoint.index import CheckpointIndex
+from bigviz.checkpoint.index import CheckpointIndex, TensorInfo
 from bigviz.checkpoint.sharding import unique_tensors
 from bigviz.core.names import join
 from bigviz.core.dtypes import canonical_dtype
@@ -61,13 +61,34 @@ def tree_from_checkpoint(
     if model is not None:
         tree = _model_tree(index, model)
     else:
-        names = natural_order(index.keys())
+        entries, packed = _entries(index)
+        names = natural_order(entries)
         specs = [
-            TensorSpec(info.name, info.numel, canonical_dtype(info.dtype), info.shape)
-            for info in (index.entries[n] for n in names)
+            TensorSpec(info.name, info.numel, canonical_dtype(info.dtype), info.shape, stored=packed.get(info.name))
+            for info in (entries[n] for n in names)
         ]
         tree = SizeTree.build(specs, ties=_pickled_ties(index))
     return tree.with_dtype(canonical_dtype(dtype)) if dtype is not None else tree
+
+
+def _entries(index: CheckpointIndex) -> tuple[Mapping[str, TensorInfo], dict[str, int]]:
+    """The checkpoint's tensors as a model sees them: a weight stored quantized is one tensor
+    in its logical shape (its parts grouped), sized as it lives in memory (packed, or for
+    FP8, dequantized); and the packed ones' bytes."""
+    from bigviz.checkpoint.quantized import quantization_config
+
+    if quantization_config(index) is None:
+        return index.entries, {}
+    from bigviz.checkpoint.convert import CheckpointView
+    from bigviz.checkpoint.quantized import packed_view
+
+    view = packed_view(CheckpointView(dict(index.entries)), index)
+    packed = {
+        name: info.nbytes
+        for name, info in view.entries.items()
+        if getattr(getattr(view.source_of.get(name), "rule", None), "stores_packed", False)
+    }
+    return view.entries, packed
 
 
 def _model_tree(index: CheckpointIndex, model: torch.nn.Module) -> SizeTree:

@@ -30,7 +30,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Packed", "is_packed", "split", "stored_nbytes", "clone", "release_module_state", "packed_kind"]
+__all__ = [
+    "Packed",
+    "is_packed",
+    "split",
+    "stored_nbytes",
+    "clone",
+    "held_bytes",
+    "release_module_state",
+    "packed_kind",
+]
 
 
 @dataclass(frozen=True)
@@ -187,6 +196,28 @@ def clone(tensor: Tensor) -> Tensor:
     if packed is None:
         return tensor.clone()
     return packed.build({part: t.clone() for part, t in packed.parts.items()})
+
+
+def held_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of weights each device holds now (``"cpu"``, ``"cuda:0"``, ...), each tensor once,
+    a packed weight by its parts (what a quantized model really takes); tensors on ``meta``
+    (offloaded) hold none.
+
+    Example:
+        >>> held_bytes(torch.nn.Linear(4, 2))
+        {'cpu': 40}
+    """
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for tensor in table.values():
+                if tensor is None or id(tensor) in seen or tensor.is_meta:
+                    continue
+                seen.add(id(tensor))
+                where = str(tensor.device)
+                out[where] = out.get(where, 0) + stored_nbytes(tensor, module=module)
+    return out
 
 
 def release_module_state(module: nn.Module) -> None:
