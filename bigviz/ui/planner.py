@@ -126,7 +126,7 @@ class Planner:
         self._plan: DevicePlan = self.state.replan()
         self._error = ""
         self._quiet = False
-        self._layouts: dict[str | None, TreemapLayout] = {}
+        self._layouts: dict[tuple[str | None, tuple[str, ...]], TreemapLayout] = {}
         self.last_update_s = 0.0
         self.last_run: Any = None
         layout = self._layout()
@@ -372,6 +372,8 @@ class Planner:
             bar.value, bar.description = step, f"{step}/3"
             self.controls.run_result.value = html.escape(message)
 
+        if self.state.quantization is not None:
+            kwargs.setdefault("quantization", self.state.quantization)
         model, self.last_run = run_plan(
             self.plan, model, checkpoint, dtype=self.state.dtype, progress=progress, **kwargs
         )
@@ -522,8 +524,14 @@ class Planner:
         items = "".join(f"<li><code>{html.escape(m)}</code> on {chip(d)}</li>" for m, d in self.state.overrides.items())
         return f"<ul>{items}</ul>"
 
+    def keep_unquantized(self, *modules: str) -> None:
+        """With the dtype ``int8`` / ``int4``: keep ``modules`` in high precision (their weights
+        are not quantized; e.g. ``planner.keep_unquantized("model.layers.0")``), and re-plan."""
+        self.state.keep_unquantized(modules)
+        self.refresh()
+
     def _layout(self) -> TreemapLayout:
-        key = self.state.dtype
+        key = (self.state.dtype, self.state.unquantized)
         if key not in self._layouts:
             self._layouts[key] = layout_of(self.state.tree)
         return self._layouts[key]

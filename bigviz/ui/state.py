@@ -23,6 +23,7 @@ from typing import Any
 from bigviz.core.plan import STRATEGIES, DevicePlan, PlanOptions
 from bigviz.core.planner import PlanError, check_no_split, make_plan
 from bigviz.core.dtypes import canonical_dtype, itemsize
+from bigviz.core.quant import QUANT_METHODS, QuantConfig, default_targets, quantized_tree
 from bigviz.core.tree import SizeTree
 from bigviz.core.errors import DeviceMapError
 from bigviz.core.devices import Device, device_label, normalize_device
@@ -60,6 +61,8 @@ class PlannerState:
     workload: Workload = field(default_factory=Workload)
     run_specs: Callable[[str], RunSpec] | None = field(default=None, repr=False)
     position_limit: int | None = None
+    quant_targets: Callable[[QuantConfig], list[str]] | None = field(default=None, repr=False)
+    unquantized: tuple[str, ...] = ()
     _trees: dict[str | None, SizeTree] = field(default_factory=dict, repr=False)
     _specs: dict[str, RunSpec] = field(default_factory=dict, repr=False)
 
@@ -95,6 +98,7 @@ class PlannerState:
         if not isinstance(model, SizeTree):  # a module, or a checkpoint whose config.json tells its layout
             state.run_specs = lambda device_type: model_run_spec(model, tree, device_type=device_type)
             state.position_limit = _position_limit(model)
+        state.quant_targets = _targets_of(model, tree)
         state.set_dtype(None if dtype is None else str(dtype))
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
@@ -103,10 +107,34 @@ class PlannerState:
     # ---- the plan ------------------------------------------------------------------
     @property
     def tree(self) -> SizeTree:
-        """The size tree at the chosen dtype (cached per dtype)."""
+        """The size tree at the chosen dtype (cached per dtype); ``int8`` / ``int4``: the linear
+        layers' weights as the quantizer packs them (:mod:`bigviz.core.quant`), but those of
+        the modules in ``unquantized``."""
         if self.dtype not in self._trees:
-            self._trees[self.dtype] = self.base_tree.with_dtype(self.dtype)
+            config = self.quantization
+            if config is None:
+                self._trees[self.dtype] = self.base_tree.with_dtype(self.dtype)
+            else:
+                targets = self.quant_targets or (lambda c: default_targets(self.base_tree, c))
+                self._trees[self.dtype] = quantized_tree(self.base_tree, config, targets(config))
         return self._trees[self.dtype]
+
+    @property
+    def quantization(self) -> QuantConfig | None:
+        """The quantization the dtype choice means (``int8``, ``int4``), else None."""
+        if self.dtype not in QUANT_METHODS:
+            return None
+        return QuantConfig(self.dtype, modules_to_not_convert=self.unquantized)  # type: ignore[arg-type]
+
+    def keep_unquantized(self, modules: Collection[str]) -> None:
+        """Keep ``modules`` in high precision when the dtype is ``int8`` / ``int4`` (a per-module
+        override: e.g. a sensitive first block kept in bf16)."""
+        unknown = [m for m in modules if m not in self.base_tree.nodes]
+        if unknown:
+            raise ValueError(f"keep_unquantized: {unknown} name no module of this model")
+        self.unquantized = tuple(dict.fromkeys(modules))
+        for method in QUANT_METHODS:
+            self._trees.pop(method, None)
 
     def options(self, workload: Workload | None = None) -> PlanOptions:
         workload = workload or self.workload
@@ -270,3 +298,15 @@ class PlannerState:
             have = ", ".join(self.overrides) or "none"
             raise ValueError(f"{module!r} has no override (overrides: {have})")
         del self.overrides[module]
+
+
+def _targets_of(model: Any, tree: SizeTree) -> Callable[[QuantConfig], list[str]]:
+    """Which weights a quantization packs, by the model's rule (its linear layers; a checkpoint
+    planned from headers alone: by names and shapes)."""
+    from bigviz.planning.models import inventory_or_none
+    from bigviz.modeling.quant import quant_targets
+
+    inventory = inventory_or_none(model)
+    if inventory is None:
+        return lambda config: default_targets(tree, config)
+    return lambda config: [t for t in quant_targets(inventory, config) if t in tree.tensors]
