@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from bigviz.checkpoint.tree import natural_order
 from bigviz.modeling.packed import Packed, split
 
 __all__ = ["Recipe", "PackedWeights", "flatten", "PART_SEP"]
@@ -159,7 +160,7 @@ def flatten(tensors: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str,
     """
     flat: dict[str, Tensor] = {}
     recipes: dict[str, Recipe] = {}
-    for name in tensors:
+    for name in natural_order(tensors):  # a module's tensors side by side in the files: one read each
         value = tensors[name]
         packed = split(value)
         if packed is None:

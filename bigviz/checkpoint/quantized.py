@@ -294,6 +294,9 @@ def _torchao_groups(plain: Mapping[str, TensorInfo], index: CheckpointIndex) -> 
 
 def _torchao_builder(described: Mapping[str, Any]) -> Builder:
     def build(parts: Mapping[str, Tensor], dtype: torch.dtype | None) -> Tensor:
+        from bigviz.modeling.quant import quiet_torchao
+
+        quiet_torchao()
         from torchao.prototype.safetensors.safetensors_utils import object_from_dict
 
         data = {**described["_data"], **parts}

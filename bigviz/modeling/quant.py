@@ -52,6 +52,7 @@ __all__ = [
     "quantize_weight",
     "replace_linear",
     "torch_dtype",
+    "quiet_torchao",
     "QuantizationUnavailable",
 ]
 
@@ -73,6 +74,25 @@ def require(library: str, why: str) -> None:
             f"{why} needs the {library} package, which is not installed: {_INSTALL} "
             f"(or pip install {library}); nothing was loaded"
         )
+
+
+def quiet_torchao() -> None:
+    """Import torchao without its import-time noise: it logs a warning, with the file's absolute
+    path, for each prebuilt kernel library this machine cannot load (CUDA ones on a CPU), and
+    torch warns about an enum it registers. Neither concerns the CPU kernels bigviz uses."""
+    if "torchao" in sys.modules:
+        return
+    import logging
+
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        import torchao  # noqa: F401
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def as_quant_config(value: object) -> QuantConfig | None:
@@ -257,6 +277,7 @@ def quantize_weight(weight: Tensor, config: QuantConfig, *, placeholder: Tensor 
     """
     if config.method == "int8":
         require("torchao", "quantization='int8'")
+        quiet_torchao()
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
         holder = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
