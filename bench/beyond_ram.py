@@ -4,6 +4,7 @@
     python bench/beyond_ram.py --only auto      # one scenario (disk, auto, accelerate; repeatable)
     python bench/beyond_ram.py --small          # ~300 MB, the same code path, under a minute
     python bench/beyond_ram.py --report bench/_work/beyond-ram-results.json   # a saved run's table
+    python bench/beyond_ram.py --quantize int8  # also int8 weights, all-disk and "auto" (issue 25)
 
 The checkpoint: a bigviz GPT (``n_embd`` 6144: blocks of 1.81 GB) about ``--ram-multiple``
 times this machine's RAM, written block by block (one block's tensors in RAM at a time),
@@ -23,6 +24,13 @@ it at the end). Then, page cache dropped before each measurement, side by side:
   read-ahead depth, compute measured above, the floor's bandwidth and the probe's);
 - accelerate, ``device_map="auto"``, the same budget and an offload folder (it rewrites what
   does not fit its budget, ~15 GB: left out, with a message, when the disk lacks the room).
+
+With ``--quantize int8`` (or ``int4``), the same two bigviz scenarios again with the weights
+quantized while loading (``load_checkpoint_and_dispatch(..., quantization="int8")``): the
+planner sizes them packed, the blocks it puts on disk are written once, packed, to an offload
+folder (about a quarter of their float32 bytes) and streamed from there; the later forwards are
+compared with the float32 ones of the same run and with the time to read the packed bytes at
+the floor's speed (or the compute, when that is slower).
 
 Every scenario runs in a fresh process; its anonymous RAM (RssAnon) peak is reported. A guard
 kills a scenario when the machine's available memory falls under 1 GiB. Ratios against the
@@ -381,6 +389,11 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             out["dispatch_s"] = time.perf_counter() - start
             out["map"] = {str(k): str(v) for k, v in getattr(model, "hf_device_map", {}).items()}
             state = getattr(model, "_bigviz_dispatch", None)
+            if spec.get("quantization"):  # what is streamed and held, packed (not the float32 shape's bytes)
+                from bigviz.modeling.packed import held_bytes
+
+                out["streamed_bytes"] = sum(u.nbytes for u in getattr(state, "units", []) if u.storage == "disk")
+                out["resident_bytes"] = held_bytes(model).get("cpu", 0)
             if getattr(state, "scheduler", None) is not None:
                 out["depth"] = state.scheduler.depth  # units read ahead (for the prediction)
                 out["ring"] = getattr(state.scheduler.fetcher, "capacity", None)  # CPU streaming: its ring
@@ -434,8 +447,13 @@ def _dispatch(spec: dict[str, Any], model: Any) -> Any:
     if spec["engine"] == "bigviz":
         import bigviz
 
+        quantized = (
+            {"quantization": spec["quantization"], "offload_folder": spec["offload"]}
+            if spec.get("quantization")
+            else {}
+        )
         return bigviz.load_checkpoint_and_dispatch(
-            model, spec["ckpt"], device_map, max_memory=budget, resident=spec.get("resident", "auto")
+            model, spec["ckpt"], device_map, max_memory=budget, resident=spec.get("resident", "auto"), **quantized
         )
     import accelerate
 
@@ -687,6 +705,8 @@ def _scenario_rows(
             f"{where}failed in {r.get('phase', '?')}: `{r['error']}` |"
         ]
     resident, streamed, _ = split_bytes(shape, r.get("map", {}))
+    if "streamed_bytes" in r:  # quantized: the packed bytes
+        resident, streamed = r["resident_bytes"], r["streamed_bytes"]
     split = f"resident {gb(resident)}, streamed {gb(streamed)}"
     first = r["first_s"] + r["dispatch_s"]
     copy = r.get("copy")
@@ -780,12 +800,37 @@ def _goals(
             f"- bigviz auto, anonymous RAM peak {auto['anon_peak'] / GiB:.2f} GiB against the cpu budget "
             f"{shape.cpu_budget / GiB:.1f} GiB + 2 GiB: {'met' if over <= 2 * GiB else 'not met'}"
         )
+    lines += _quantized_goals(results, bandwidth, compute, shape)
     if compute:
         lines.append(
             f"- compute, weights in RAM: one block {compute['block_s'] * 1e3:.0f} ms, the head "
             f"{compute['head_s'] * 1e3:.0f} ms; all blocks + head "
             f"{(shape.n_layer * compute['block_s'] + compute['head_s']):.1f} s per forward"
         )
+    return lines
+
+
+def _quantized_goals(
+    results: dict[str, dict[str, Any]], bandwidth: float | None, compute: dict[str, Any], shape: Shape
+) -> list[str]:
+    """Issue 25: later forwards with packed weights against float32's, and against the time to
+    read the packed bytes at the floor's speed (or the compute, when slower)."""
+    lines = []
+    for name, r in results.items():
+        base = results.get(name.rsplit(" ", 1)[0], {})
+        if "streamed_bytes" not in r or "next_s" not in r:
+            continue
+        later = max(r[k] for k in ("next_s", "third_s") if k in r)
+        if "next_s" in base:
+            ratio_fp32 = later / max(base[k] for k in ("next_s", "third_s") if k in base)
+            lines.append(f"- {name}, slower later forward / float32's: **{ratio_fp32:.2f}x** (goal <= 0.35x)")
+        if bandwidth:
+            read = r["streamed_bytes"] / bandwidth
+            work = shape.n_layer * compute.get("block_s", 0) + compute.get("head_s", 0) if compute else 0.0
+            lines.append(
+                f"- {name}, slower later forward / max(read the packed {gb(r['streamed_bytes'])} at the floor's "
+                f"speed {read:.1f} s, float32 compute {work:.1f} s): **{later / max(read, work):.2f}x** (goal <= 1.1x)"
+            )
     return lines
 
 
@@ -810,10 +855,13 @@ def parse_args() -> argparse.Namespace:
         "--only",
         action="append",
         default=[],
-        choices=["disk", "auto", "accelerate"],
+        choices=["disk", "auto", "accelerate", "quantized"],
         help="run only these scenarios (repeatable)",
     )
     parser.add_argument("--no-results", action="store_true", help="do not write bench/RESULTS.md")
+    parser.add_argument(
+        "--quantize", choices=["int8", "int4"], help="also run bigviz all-disk and auto with quantized weights"
+    )
     parser.add_argument("--report", type=Path, help="print the report of a saved run (its -results.json)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -890,9 +938,17 @@ def measure(args: argparse.Namespace, shape: Shape, folder: Path) -> str | None:
         "bigviz auto": {"engine": "bigviz", "map": "auto", "paired": True},
         "accelerate auto": {"engine": "accelerate", "map": "auto"},
     }
+    if args.quantize:  # the same two bigviz runs with packed weights (issue 25)
+        scenarios[f"bigviz all-disk {args.quantize}"] = {
+            "engine": "bigviz",
+            "map": "disk",
+            "quantization": args.quantize,
+        }
+        scenarios[f"bigviz auto {args.quantize}"] = {"engine": "bigviz", "map": "auto", "quantization": args.quantize}
     results = {}
     for name, extra in scenarios.items():
         short = "accelerate" if extra["engine"] == "accelerate" else extra["map"]
+        short = "quantized" if extra.get("quantization") else short
         if extra["engine"] in args.skip or (args.only and short not in args.only):
             continue
         free = shutil.disk_usage(folder.parent).free  # a shared disk: what others left now

@@ -79,7 +79,11 @@ def _fp8_layout(model: torch.nn.Module, folder: Path, block: int = 128) -> Path:
     folder.mkdir()
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
     config = model.config.to_dict() | {"torch_dtype": "bfloat16", "architectures": ["LlamaForCausalLM"]}
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [block, block]}
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+    }
     (folder / "config.json").write_text(json.dumps(config))
     return folder
 
@@ -140,10 +144,17 @@ def _run(folder: Path, device_map: object, tmp_path: Path, **kwargs: object) -> 
 
 # ---- quantized while loading ----------------------------------------------------------------
 @pytest.mark.parametrize("method", ["int8", "int4"])
-@pytest.mark.parametrize("where", ["half", pytest.param("cpu", marks=pytest.mark.slow), pytest.param("disk", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "where", ["half", pytest.param("cpu", marks=pytest.mark.slow), pytest.param("disk", marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("resident", ["copy", pytest.param("map", marks=pytest.mark.slow)])
 def test_quantized_while_loading_equals_transformers_bit_for_bit(
-    folders: dict[str, Path], while_loading_refs: dict[str, torch.Tensor], tmp_path: Path, method: str, where: str, resident: str
+    folders: dict[str, Path],
+    while_loading_refs: dict[str, torch.Tensor],
+    tmp_path: Path,
+    method: str,
+    where: str,
+    resident: str,
 ) -> None:
     model, logits = _run(folders["float"], MAPS[where], tmp_path, quantization=method, resident=resident)
     assert torch.equal(logits, while_loading_refs[method])
@@ -190,7 +201,9 @@ def test_bigviz_gpt_quantized_while_loading_is_torchaos_own_quantize(tmp_path: P
     reference = bigviz.model_from_config(folder)
     bigviz.load_checkpoint_in_model(reference, folder, progress=False)
     kept = {"lm_head", "transformer.wte"}
-    quantize_(reference, Int8WeightOnlyConfig(), filter_fn=lambda m, n: isinstance(m, torch.nn.Linear) and n not in kept)
+    quantize_(
+        reference, Int8WeightOnlyConfig(), filter_fn=lambda m, n: isinstance(m, torch.nn.Linear) and n not in kept
+    )
     idx = torch.tensor([[66, 105, 103, 32, 109]])
     with torch.no_grad():
         assert torch.equal(model(idx)[0], reference(idx)[0])
@@ -295,8 +308,12 @@ def _with_config(folder: Path, target: Path, change: dict) -> Path:
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq", "mxfp4", "quanto", "compressed-tensors"])
-def test_a_quantization_without_a_cpu_path_is_refused_naming_it(folders: dict[str, Path], tmp_path: Path, method: str) -> None:
-    folder = _with_config(folders["float"], tmp_path / "c", {"quantization_config": {"quant_method": method, "bits": 4}})
+def test_a_quantization_without_a_cpu_path_is_refused_naming_it(
+    folders: dict[str, Path], tmp_path: Path, method: str
+) -> None:
+    folder = _with_config(
+        folders["float"], tmp_path / "c", {"quantization_config": {"quant_method": method, "bits": 4}}
+    )
     model = bigviz.model_from_config(folders["float"])
     with pytest.raises(CheckpointError, match=f"quant_method '{method}'") as err:
         bigviz.load_checkpoint_and_dispatch(model, folder, {"": "cpu"})
@@ -327,7 +344,9 @@ def test_a_missing_library_is_named_before_anything_loads(
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a)
+    )
     model = bigviz.model_from_config(folders["float"])
     with pytest.raises(ImportError, match=r"bitsandbytes package.*pip install 'bigviz\[quant\]'"):
         bigviz.load_checkpoint_and_dispatch(model, folders["float"], {"": "cpu"}, quantization="int4")
@@ -338,7 +357,9 @@ def test_a_missing_library_is_named_before_anything_loads(
 
 def test_quantizing_a_checkpoint_stored_quantized_is_refused(folders: dict[str, Path]) -> None:
     with pytest.raises(CheckpointError, match="already stored quantized"):
-        bigviz.load_checkpoint_in_model(bigviz.model_from_config(folders["torchao"]), folders["torchao"], quantization="int8")
+        bigviz.load_checkpoint_in_model(
+            bigviz.model_from_config(folders["torchao"]), folders["torchao"], quantization="int8"
+        )
     with pytest.raises(bigviz.PlanError, match="already stored quantized"):
         bigviz.plan(folders["torchao"], {"cpu": "1GiB"}, quantization="int8")
 
@@ -372,12 +393,35 @@ def test_nothing_is_written_outside_the_offload_folder(folders: dict[str, Path],
     assert made and all(Path(p).is_relative_to(tmp_path / "offload") for p in made)
 
 
-def test_the_cli_plans_a_quantized_what_if(folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_the_cli_plans_a_quantized_what_if(
+    folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     from bigviz.cli import main
 
     out = tmp_path / "map.json"
-    assert main(["plan", str(folders["float"]), "--max-memory", "cpu=60KiB", "--quantize", "int8", "--out", str(out)]) == 0
+    assert (
+        main(["plan", str(folders["float"]), "--max-memory", "cpu=60KiB", "--quantize", "int8", "--out", str(out)]) == 0
+    )
     text = capsys.readouterr().out
     assert "int8 (torchao" in text
     expected = bigviz.plan(folders["float"], {"cpu": "60KiB"}, quantization="int8").device_map
     assert bigviz.load_device_map(out) == expected
+
+
+@pytest.mark.slow
+def test_quantizing_while_loading_never_holds_the_float_model(tmp_path: Path) -> None:
+    """40 float32 layers of 4 MiB quantized one at a time: the process's anonymous memory grows
+    by about the int8 bytes (the float32 temporaries do not pile up between them)."""
+    from bigviz.modeling.process_memory import PeakMemory
+
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(40)])
+    folder = bigviz.save_sharded(layers, tmp_path / "ckpt", progress=False)
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(40)])
+    int8 = 39 * (1024 * 1024 + 5 * 1024)  # the last layer stays float32 (mapped: not anonymous)
+    with PeakMemory(("RssAnon",)) as peak:
+        bigviz.load_checkpoint_and_dispatch(model, folder, {"": "cpu"}, quantization="int8")
+    grew = peak.peak["RssAnon"] - peak.base["RssAnon"]
+    assert held_bytes(model)["cpu"] == int8 + 1024 * 1024 * 4
+    assert grew < 1.3 * int8 + 16 * 2**20, f"{grew / 2**20:.0f} MiB for {int8 / 2**20:.0f} MiB of int8"

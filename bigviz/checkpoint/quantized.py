@@ -52,6 +52,7 @@ from bigviz.checkpoint.packed_weights import PackedWeights, Recipe
 from bigviz.checkpoint.safetensors_io import read_header
 from bigviz.core.quant import QuantConfig, packed_nbytes, prequantized_format
 from bigviz.core.serialize import parse_json
+from bigviz.modeling.process_memory import release_free_heap
 
 __all__ = [
     "quantization_config",
@@ -220,7 +221,8 @@ def packed_view(view: CheckpointView, index: CheckpointIndex) -> CheckpointView:
     if qc is None or support_problems(qc, "", index):
         return view
     groups = _groups(_method(qc), qc, view, index)
-    if not groups:
+    problems = _unscaled(qc, view, groups)
+    if not groups and not problems:
         return view
     entries = dict(view.entries)
     source_of = dict(view.source_of)
@@ -236,7 +238,23 @@ def packed_view(view: CheckpointView, index: CheckpointIndex) -> CheckpointView:
         conversion = Conversion(tuple(keys.values()), (name,), rule.kind, (shape,), dtype, rule.roles, rule)
         source_of[name] = conversion
         conversions.append(conversion)
-    return CheckpointView(entries, tuple(conversions), source_of, view.problems)
+    return CheckpointView(entries, tuple(conversions), source_of, (*view.problems, *problems))
+
+
+def _unscaled(qc: Mapping[str, Any], view: CheckpointView, groups: Mapping[str, Any]) -> list[str]:
+    """Weights a stored-quantized checkpoint holds in a quantized dtype without the scales that
+    say how to read them: cast as they are, they would be garbage, so they are named."""
+    if _method(qc) != "fp8":
+        return []
+    grouped = {k for keys, *_ in groups.values() for k in keys.values()}
+    bare = [k for k, info in view.entries.items() if info.dtype.startswith("float8") and k not in grouped]
+    if not bare:
+        return []
+    shown = ", ".join(bare[:4]) + (f", ... ({len(bare)} in all)" if len(bare) > 4 else "")
+    return [
+        f"stored in float8 without their weight_scale_inv: {shown}; the checkpoint is incomplete "
+        "(copy its missing shards again), they cannot be read without their block scales"
+    ]
 
 
 Group = tuple[dict[str, str], PackedRule, tuple[int, ...], str]
@@ -328,7 +346,9 @@ def _fp8_dequantize(parts: Mapping[str, Tensor], dtype: torch.dtype | None) -> T
     what ``from_pretrained`` makes on a machine without an FP8 GPU."""
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-    return Fp8Dequantize(None)._dequantize_one(parts["weight"], parts["weight_scale_inv"], output_dtype=dtype)  # type: ignore[no-any-return]
+    weight = Fp8Dequantize(None)._dequantize_one(parts["weight"], parts["weight_scale_inv"], output_dtype=dtype)
+    release_free_heap()  # its float32 temporaries, as for quantizing
+    return weight  # type: ignore[no-any-return]
 
 
 def _bnb8_groups(plain: Mapping[str, TensorInfo]) -> dict[str, Group]:
@@ -410,7 +430,9 @@ def _quantize_builder(config: QuantConfig, placeholder: Tensor | None) -> Builde
 
         weight = parts["weight"]
         weight = weight.to(dtype) if dtype is not None and weight.dtype != dtype else weight
-        return quantize_weight(weight, config, placeholder=placeholder)
+        packed = quantize_weight(weight, config, placeholder=placeholder)
+        release_free_heap()  # the float temporaries: not left as holes between the packed weights
+        return packed
 
     return build
 

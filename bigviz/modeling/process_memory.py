@@ -29,9 +29,53 @@ import threading
 from collections.abc import Sequence
 from types import TracebackType
 
-__all__ = ["status_bytes", "rss", "rss_anon", "resident_bytes", "mapped_file_bytes", "max_rss", "PeakMemory"]
+__all__ = [
+    "status_bytes",
+    "rss",
+    "rss_anon",
+    "resident_bytes",
+    "mapped_file_bytes",
+    "max_rss",
+    "PeakMemory",
+    "release_free_heap",
+]
 
 FIELDS = ("VmRSS", "RssAnon")
+
+
+def release_free_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere a
+    no-op).
+
+    Why: glibc serves large allocations from its heap once a large block has been freed (its
+    mmap threshold rises to 32 MiB), so a loop that makes a big temporary and keeps a smaller
+    result (quantizing weights one by one: float temporaries, int8 results) leaves the freed
+    temporaries as holes between the results, counted in the process's memory: quantizing
+    gpt2-large to int8 peaked at 2.9x the int8 bytes without this, at their size with it.
+
+    Example:
+        >>> release_free_heap()
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+_TRIM: list[object] = []
+
+
+def _malloc_trim() -> object:
+    if not _TRIM:
+        fn = None
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            try:
+                fn = ctypes.CDLL(None).malloc_trim
+            except (OSError, AttributeError):  # not glibc (musl has none)
+                fn = None
+        _TRIM.append(fn)
+    return _TRIM[0]
 
 
 def status_bytes(*fields: str) -> dict[str, int]:

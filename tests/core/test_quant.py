@@ -64,7 +64,9 @@ def test_a_quantized_tree_sizes_the_targets_packed_and_leaves_the_rest() -> None
     assert q.tensors["h.0.proj.weight"].nbytes == 16 * 64 * 4  # not a target
     saved = sum(tree.tensors[t].nbytes - q.tensors[t].nbytes for t in targets)
     assert q.total("") == tree.total("") - saved
-    assert q.total("h.0") == tree.total("h.0") - (tree.tensors["h.0.fc.weight"].nbytes - q.tensors["h.0.fc.weight"].nbytes)
+    assert q.total("h.0") == tree.total("h.0") - (
+        tree.tensors["h.0.fc.weight"].nbytes - q.tensors["h.0.fc.weight"].nbytes
+    )
 
 
 def test_a_quantized_weight_keeps_its_packed_bytes_under_another_compute_dtype() -> None:
