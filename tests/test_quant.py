@@ -3,7 +3,9 @@
 Tiny Llamas (random weights, ``save_pretrained``) quantized by every path bigviz supports:
 while loading (``quantization="int8"``: torchao; ``"int4"``: bitsandbytes nf4), and stored
 quantized by transformers (torchao int8, bitsandbytes 8-bit and 4-bit) or written by hand in
-DeepSeek-V3's FP8 layout (transformers cannot quantize to FP8 without a GPU). Each one's logits
+DeepSeek-V3's FP8 layout (transformers cannot quantize to FP8 without a GPU), and a tiny gpt-oss
+with its experts in MXFP4 as gpt-oss ships them (written by hand too: transformers quantizes to
+MXFP4 only with its Triton kernels). Each one's logits
 are compared with transformers' own ``from_pretrained`` of the same configuration: the kernels
 are the same, so bit for bit.
 """
@@ -307,7 +309,7 @@ def _with_config(folder: Path, target: Path, change: dict) -> Path:
     return target
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq", "mxfp4", "quanto", "compressed-tensors"])
+@pytest.mark.parametrize("method", ["gptq", "awq", "hqq", "quanto", "compressed-tensors"])
 def test_a_quantization_without_a_cpu_path_is_refused_naming_it(
     folders: dict[str, Path], tmp_path: Path, method: str
 ) -> None:
@@ -425,3 +427,92 @@ def test_quantizing_while_loading_never_holds_the_float_model(tmp_path: Path) ->
     grew = peak.peak["RssAnon"] - peak.base["RssAnon"]
     assert held_bytes(model)["cpu"] == int8 + 1024 * 1024 * 4
     assert grew < 1.3 * int8 + 16 * 2**20, f"{grew / 2**20:.0f} MiB for {int8 / 2**20:.0f} MiB of int8"
+
+
+# ---- MXFP4 (gpt-oss) ------------------------------------------------------------------------------
+def _mxfp4_layout(model: torch.nn.Module, folder: Path) -> Path:
+    """gpt-oss's layout, by hand: each expert projection ``[experts, in, out]`` stored as
+    ``<proj>_blocks`` ``[experts, out, in / 32, 16]`` (two FP4 e2m1 codes a byte, low nibble
+    first) and ``<proj>_scales`` ``[experts, out, in / 32]`` (a power-of-two exponent + 127)."""
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import FP4_VALUES
+
+    codes = torch.tensor(FP4_VALUES)
+    state = {}
+    for key, value in model.state_dict().items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            rows = value.transpose(1, 2).contiguous()
+            groups = rows.reshape(*rows.shape[:-1], rows.shape[-1] // 32, 32)
+            exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=2**-100) / 6.0))
+            index = ((groups / torch.exp2(exponent)[..., None])[..., None] - codes).abs().argmin(-1).to(torch.uint8)
+            state[f"{key}_blocks"] = (index[..., 0::2] | (index[..., 1::2] << 4)).contiguous()
+            state[f"{key}_scales"] = (exponent + 127).to(torch.uint8).contiguous()
+        else:
+            state[key] = value.to(torch.bfloat16).contiguous()
+    folder.mkdir()
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    config = model.config.to_dict() | {"torch_dtype": "bfloat16", "architectures": ["GptOssForCausalLM"]}
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def mxfp4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    config = GptOssConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False,
+    )  # fmt: skip
+    return _mxfp4_layout(GptOssForCausalLM(config).eval(), tmp_path_factory.mktemp("mxfp4") / "gpt-oss")
+
+
+@pytest.mark.parametrize("where", ["cpu", "half", pytest.param("disk", marks=pytest.mark.slow)])
+def test_mxfp4_experts_load_as_transformers_dequantizes_them(mxfp4: Path, tmp_path: Path, where: str) -> None:
+    from transformers import GptOssForCausalLM
+
+    with torch.no_grad():
+        reference = GptOssForCausalLM.from_pretrained(mxfp4, device_map="cpu")(IDS[:, :6]).logits
+    for resident in ("map", "copy"):
+        model = bigviz.load_checkpoint_and_dispatch(
+            bigviz.model_from_config(mxfp4), mxfp4, MAPS[where], offload_folder=tmp_path / resident, resident=resident
+        )
+        with torch.no_grad():
+            assert torch.equal(model(IDS[:, :6]).logits, reference), (where, resident)
+        assert not (tmp_path / resident).exists()  # on disk, read from the checkpoint's own blocks
+
+
+def test_mxfp4_is_planned_from_its_headers_as_it_loads(mxfp4: Path) -> None:
+    plan = bigviz.plan(mxfp4, {"cpu": "1GiB"})
+    model = bigviz.load_checkpoint_and_dispatch(bigviz.model_from_config(mxfp4), mxfp4, plan)
+    assert held_bytes(model)["cpu"] == plan.usage_of("cpu").used  # dequantized: bfloat16 bytes
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == torch.bfloat16 and experts.gate_up_proj.shape == (4, 64, 128)
+    summary = str(bigviz.load_plan(bigviz.model_from_config(mxfp4), mxfp4))
+    assert "4 weights: mxfp4, dequantized" in summary
+
+
+def test_mxfp4_blocks_without_their_scales_are_named(mxfp4: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    state = load_file(mxfp4 / "model.safetensors")
+    del state["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_bytes((mxfp4 / "config.json").read_bytes())
+    model = bigviz.model_from_config(mxfp4)
+    with pytest.raises(CheckpointError, match="model.layers.1.mlp.experts.down_proj_blocks"):
+        bigviz.load_checkpoint_and_dispatch(model, folder, {"": "cpu"})
+    assert all(p.is_meta for p in model.parameters())

@@ -15,9 +15,13 @@ plan matches the model's ``weight`` and sizes it in its stored bytes:
   on ``"disk"`` they stay in the checkpoint's own files and are built at each fetch;
 * FP8 weights are dequantized to the compute dtype (transformers' own ``Fp8Dequantize``, as
   ``from_pretrained`` does on a machine without an FP8 GPU): once when they live in RAM, at
-  each fetch when they stream from disk (the disk then reads the FP8 bytes).
+  each fetch when they stream from disk (the disk then reads the FP8 bytes);
+* MXFP4 experts as gpt-oss ships them (``gate_up_proj_blocks`` and ``gate_up_proj_scales``:
+  two 4-bit values a byte, one power-of-two scale per 32) are dequantized the same way, with
+  transformers' own ``convert_moe_packed_tensors`` (what ``from_pretrained`` does on a CPU
+  without its Triton kernels).
 
-A ``quant_method`` bigviz cannot run here (GPTQ, AWQ, MXFP4, optimum-quanto, HQQ,
+A ``quant_method`` bigviz cannot run here (GPTQ, AWQ, optimum-quanto, HQQ,
 compressed-tensors, or a missing library) is refused before anything is read, naming it and
 what to do (:func:`support_problems`).
 
@@ -27,7 +31,7 @@ the compute dtype and packs it (:func:`bigviz.modeling.quant.quantize_weight`), 
 a time; a weight mapped to ``"disk"`` is written once, packed, to the offload folder.
 
 Example:
-    >>> support_problems({"quant_method": "gptq", "bits": 4}, "ckpt")[0][:72]
+    >>> support_problems({"quant_method": "gptq", "bits": 4}, "ckpt")[0][:73]
     "ckpt is stored quantized (config.json quantization_config: quant_method '"
 """
 
@@ -244,16 +248,22 @@ def packed_view(view: CheckpointView, index: CheckpointIndex) -> CheckpointView:
 def _unscaled(qc: Mapping[str, Any], view: CheckpointView, groups: Mapping[str, Any]) -> list[str]:
     """Weights a stored-quantized checkpoint holds in a quantized dtype without the scales that
     say how to read them: cast as they are, they would be garbage, so they are named."""
-    if _method(qc) != "fp8":
+    method = _method(qc)
+    if method not in ("fp8", "mxfp4"):
         return []
     grouped = {k for keys, *_ in groups.values() for k in keys.values()}
-    bare = [k for k, info in view.entries.items() if info.dtype.startswith("float8") and k not in grouped]
+    if method == "fp8":
+        bare = [k for k, info in view.entries.items() if info.dtype.startswith("float8") and k not in grouped]
+        what = "stored in float8 without their weight_scale_inv"
+    else:
+        bare = [k for k in view.entries if k.endswith(("_blocks", "_scales")) and k not in grouped]
+        what = "MXFP4 blocks or scales without their other half (or of a shape gpt-oss does not store)"
     if not bare:
         return []
     shown = ", ".join(bare[:4]) + (f", ... ({len(bare)} in all)" if len(bare) > 4 else "")
     return [
-        f"stored in float8 without their weight_scale_inv: {shown}; the checkpoint is incomplete "
-        "(copy its missing shards again), they cannot be read without their block scales"
+        f"{what}: {shown}; the checkpoint is incomplete (copy its missing shards again), they cannot be "
+        "read without their scales"
     ]
 
 
@@ -270,6 +280,8 @@ def _groups(method: str, qc: Mapping[str, Any], view: CheckpointView, index: Che
         return _torchao_groups(plain, index)
     if method == "fp8":
         return _fp8_groups(plain, qc)
+    if method == "mxfp4":
+        return _mxfp4_groups(plain)
     if method == "bitsandbytes":
         return _bnb8_groups(plain) if _bnb_bits(qc) == 8 else _bnb4_groups(plain, index, qc)
     return {}
@@ -348,6 +360,39 @@ def _fp8_dequantize(parts: Mapping[str, Tensor], dtype: torch.dtype | None) -> T
 
     weight = Fp8Dequantize(None)._dequantize_one(parts["weight"], parts["weight_scale_inv"], output_dtype=dtype)
     release_free_heap()  # its float32 temporaries, as for quantizing
+    return weight  # type: ignore[no-any-return]
+
+
+_MXFP4_BLOCKS = "_blocks"
+
+
+def _mxfp4_groups(plain: Mapping[str, TensorInfo]) -> dict[str, Group]:
+    """gpt-oss's experts: ``<proj>_blocks`` ``[experts, out, groups, 16]`` (uint8, two FP4
+    values a byte) and ``<proj>_scales`` ``[experts, out, groups]`` (uint8 exponents) are the
+    model's ``<proj>`` ``[experts, in, out]`` (``in = groups * 32``), dequantized to bfloat16 as
+    transformers does on a CPU."""
+    out: dict[str, Group] = {}
+    for key, info in plain.items():
+        if not key.endswith(_MXFP4_BLOCKS) or len(info.shape) != 4:
+            continue
+        weight = key.removesuffix(_MXFP4_BLOCKS)
+        scales = f"{weight}_scales"
+        if scales not in plain or tuple(plain[scales].shape) != tuple(info.shape[:-1]):
+            continue
+        experts, rows, groups, per = info.shape
+        keys = {"blocks": key, "scales": scales}
+        rule = PackedRule(tuple(keys), _mxfp4_dequantize, "mxfp4, dequantized", stores_packed=False)
+        out[weight] = (keys, rule, (experts, groups * per * 2, rows), "bfloat16")
+    return out
+
+
+def _mxfp4_dequantize(parts: Mapping[str, Tensor], dtype: torch.dtype | None) -> Tensor:
+    """transformers' own MXFP4 dequantization (``Mxfp4Dequantize``'s), so the experts equal
+    what ``from_pretrained`` makes on a CPU."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    weight = convert_moe_packed_tensors(parts["blocks"], parts["scales"], dtype=dtype or torch.bfloat16)
+    release_free_heap()
     return weight  # type: ignore[no-any-return]
 
 

@@ -292,6 +292,7 @@ PREQUANTIZED: dict[str, PrequantizedFormat] = {
         PrequantizedFormat("torchao", True, "torchao", "torchao tensor subclasses, run packed (torchao's kernels)"),
         PrequantizedFormat("bitsandbytes", True, "bitsandbytes", "bitsandbytes 8-bit and 4-bit, run packed"),
         PrequantizedFormat("fp8", True, "", "FP8 with block scales, dequantized to the compute dtype when fetched"),
+        PrequantizedFormat("mxfp4", True, "", "MXFP4 experts (gpt-oss), dequantized to the compute dtype when fetched"),
         PrequantizedFormat(
             "compressed-tensors",
             False,
@@ -308,8 +309,8 @@ def prequantized_format(quant_method: str) -> PrequantizedFormat:
     """What bigviz does with ``quant_method``: a known format, or a refusal saying what to do.
 
     Example:
-        >>> prequantized_format("fp8").runs, prequantized_format("gptq").runs
-        (True, False)
+        >>> prequantized_format("fp8").runs, prequantized_format("mxfp4").runs, prequantized_format("gptq").runs
+        (True, True, False)
         >>> prequantized_format("gptq").how[:40]
         'bigviz has no CPU path for gptq: load a '
     """
