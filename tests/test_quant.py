@@ -309,7 +309,7 @@ def _with_config(folder: Path, target: Path, change: dict) -> Path:
     return target
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq", "hqq", "quanto", "compressed-tensors"])
+@pytest.mark.parametrize("method", ["gptq", "awq", "hqq", "quanto", "bitnet"])
 def test_a_quantization_without_a_cpu_path_is_refused_naming_it(
     folders: dict[str, Path], tmp_path: Path, method: str
 ) -> None:
@@ -514,5 +514,88 @@ def test_mxfp4_blocks_without_their_scales_are_named(mxfp4: Path, tmp_path: Path
     (folder / "config.json").write_bytes((mxfp4 / "config.json").read_bytes())
     model = bigviz.model_from_config(mxfp4)
     with pytest.raises(CheckpointError, match="model.layers.1.mlp.experts.down_proj_blocks"):
+        bigviz.load_checkpoint_and_dispatch(model, folder, {"": "cpu"})
+    assert all(p.is_meta for p in model.parameters())
+
+
+# ---- compressed-tensors ---------------------------------------------------------------------------
+def _compressed_tensors_layout(model: torch.nn.Module, folder: Path, preset: str) -> Path:
+    """A weight-only compressed-tensors checkpoint (``W4A16``: int4 pack-quantized in groups of
+    128; ``W8A16``: int8 int-quantized), each linear weight compressed by the package's own
+    compressor from scales its ``calculate_qparams`` computes (what llm-compressor writes)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import save_file
+
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    scheme.format = "pack-quantized" if scheme.weights.num_bits == 4 else "int-quantized"
+    compressor = BaseCompressor.get_value_from_registry(scheme.format)
+    state = {}
+    for key, value in model.state_dict().items():
+        if not key.endswith("proj.weight"):
+            state[key] = value.to(torch.bfloat16).contiguous()
+            continue
+        weight = value.to(torch.bfloat16)
+        groups = weight.float().reshape(weight.shape[0], -1, scheme.weights.group_size)
+        scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+        local = {"weight": weight, "weight_scale": scale.to(torch.bfloat16), "weight_zero_point": zero}
+        for name, tensor in compressor.compress(local, scheme).items():
+            state[f"{key.removesuffix('weight')}{name}"] = tensor.contiguous()
+    folder.mkdir()
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    config = model.config.to_dict() | {"torch_dtype": "bfloat16", "architectures": ["LlamaForCausalLM"]}
+    quant = QuantizationConfig(
+        config_groups={"group_0": scheme},
+        format=scheme.format,
+        quantization_status=QuantizationStatus.COMPRESSED,
+        ignore=["lm_head"],
+    )
+    config["quantization_config"] = quant.model_dump(mode="json") | {"quant_method": "compressed-tensors"}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def compressed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    pytest.importorskip("compressed_tensors")
+    root = tmp_path_factory.mktemp("compressed")
+    return {p: _compressed_tensors_layout(_llama(hidden=128), root / p, p) for p in ("W4A16", "W8A16")}
+
+
+@pytest.mark.parametrize("preset", ["W4A16", "W8A16"])
+@pytest.mark.parametrize("where", ["cpu", "half", pytest.param("disk", marks=pytest.mark.slow)])
+def test_compressed_tensors_load_as_transformers_decompresses_them(
+    compressed: dict[str, Path], tmp_path: Path, preset: str, where: str
+) -> None:
+    reference = _transformers(compressed[preset])
+    for resident in ("map", "copy"):
+        _, logits = _run(compressed[preset], MAPS[where], tmp_path / resident, resident=resident)
+        assert torch.equal(logits, reference), (preset, where, resident)
+        assert not (tmp_path / resident / "offload").exists()  # on disk: read from the checkpoint's own files
+
+
+def test_compressed_tensors_are_planned_from_their_headers_as_they_load(compressed: dict[str, Path]) -> None:
+    folder = compressed["W4A16"]
+    plan = bigviz.plan(folder, {"cpu": "1GiB"})
+    model = bigviz.load_checkpoint_and_dispatch(bigviz.model_from_config(folder), folder, plan)
+    assert held_bytes(model)["cpu"] == plan.usage_of("cpu").used  # decompressed: bfloat16 bytes
+    assert model.model.layers[0].self_attn.q_proj.weight.shape == (128, 128)  # from weight_shape
+    assert "14 weights: compressed-tensors, decompressed" in str(
+        bigviz.load_plan(bigviz.model_from_config(folder), folder)
+    )
+
+
+def test_compressed_tensors_quantizing_activations_are_refused_naming_the_group(
+    compressed: dict[str, Path], tmp_path: Path
+) -> None:
+    config = json.loads((compressed["W8A16"] / "config.json").read_text())
+    group = config["quantization_config"]["config_groups"]["group_0"]
+    group["input_activations"] = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True, "strategy": "token"}
+    folder = _with_config(
+        compressed["W8A16"], tmp_path / "w8a8", {"quantization_config": config["quantization_config"]}
+    )
+    model = bigviz.model_from_config(compressed["W8A16"])
+    with pytest.raises(CheckpointError, match="group_0 quantize activations"):
         bigviz.load_checkpoint_and_dispatch(model, folder, {"": "cpu"})
     assert all(p.is_meta for p in model.parameters())

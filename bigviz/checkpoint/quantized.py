@@ -19,10 +19,14 @@ plan matches the model's ``weight`` and sizes it in its stored bytes:
 * MXFP4 experts as gpt-oss ships them (``gate_up_proj_blocks`` and ``gate_up_proj_scales``:
   two 4-bit values a byte, one power-of-two scale per 32) are dequantized the same way, with
   transformers' own ``convert_moe_packed_tensors`` (what ``from_pretrained`` does on a CPU
-  without its Triton kernels).
+  without its Triton kernels);
+* compressed-tensors weights (``weight_packed`` or ``weight``, ``weight_scale``,
+  ``weight_zero_point``, ``weight_shape``: int4 pack-quantized, int8 int-quantized, ...) are
+  decompressed by the compressed-tensors package, scheme and compressor chosen as transformers
+  chooses them (weight-only schemes: a scheme that quantizes activations is refused).
 
-A ``quant_method`` bigviz cannot run here (GPTQ, AWQ, optimum-quanto, HQQ,
-compressed-tensors, or a missing library) is refused before anything is read, naming it and
+A ``quant_method`` bigviz cannot run here (GPTQ, AWQ, optimum-quanto, HQQ, or a missing
+library) is refused before anything is read, naming it and
 what to do (:func:`support_problems`).
 
 **Quantized while loading** (``quantization="int8"`` / ``"int4"``): :func:`quantize_loads`
@@ -131,13 +135,15 @@ def support_problems(qc: Mapping[str, Any] | None, where: object, index: Checkpo
     known = prequantized_format(method)
     if not known.runs:
         return [f"{head}: {known.how}"]
-    if known.library and importlib.util.find_spec(known.library) is None:
+    if known.library and importlib.util.find_spec(known.library.replace("-", "_")) is None:
         return [
             f"{head}: loading it needs the {known.library} package, which is not installed: "
             f"pip install 'bigviz[quant]' (or pip install {known.library})"
         ]
     if method == "bitsandbytes" and _bnb_bits(qc) not in (4, 8):
         return [f"{head}: neither load_in_8bit nor load_in_4bit is set; re-save it with transformers"]
+    if method == "compressed-tensors":
+        return [f"{head}: {problem}" for problem in _ct_problems(qc)]
     if method == "torchao" and index is not None:
         types = sorted({t for t in _torchao_types(index) if t not in TORCHAO_CPU_TYPES})
         if types:
@@ -282,6 +288,8 @@ def _groups(method: str, qc: Mapping[str, Any], view: CheckpointView, index: Che
         return _fp8_groups(plain, qc)
     if method == "mxfp4":
         return _mxfp4_groups(plain)
+    if method == "compressed-tensors":
+        return _ct_groups(plain, index, qc)
     if method == "bitsandbytes":
         return _bnb8_groups(plain) if _bnb_bits(qc) == 8 else _bnb4_groups(plain, index, qc)
     return {}
@@ -394,6 +402,84 @@ def _mxfp4_dequantize(parts: Mapping[str, Tensor], dtype: torch.dtype | None) ->
     weight = convert_moe_packed_tensors(parts["blocks"], parts["scales"], dtype=dtype or torch.bfloat16)
     release_free_heap()
     return weight  # type: ignore[no-any-return]
+
+
+def _ct_problems(qc: Mapping[str, Any]) -> list[str]:
+    """What a compressed-tensors config asks that bigviz does not run: activations quantized at
+    run time (transformers runs them with the package's forward hooks), sparsity, transforms."""
+    out = []
+    groups = qc.get("config_groups") or {}
+    acts = sorted(
+        name
+        for name, group in (groups.items() if isinstance(groups, dict) else ())
+        if isinstance(group, dict) and (group.get("input_activations") or group.get("output_activations"))
+    )
+    if acts:
+        out.append(
+            f"config_groups {', '.join(acts)} quantize activations; bigviz runs weight-only compressed-tensors "
+            "schemes (W4A16, W8A16, ...): load it with transformers' from_pretrained"
+        )
+    for extra in ("sparsity_config", "transform_config"):
+        if qc.get(extra):
+            out.append(f"its {extra} is not supported by bigviz; load it with transformers' from_pretrained")
+    return out
+
+
+_CT_PARTS = ("weight_packed", "weight", "weight_scale", "weight_zero_point", "weight_global_scale", "weight_shape")
+
+
+def _ct_groups(plain: Mapping[str, TensorInfo], index: CheckpointIndex, qc: Mapping[str, Any]) -> dict[str, Group]:
+    """Each module with a ``weight_scale``: its stored parts (local names, as the compressor
+    takes them) into the module's ``weight``, in its logical shape (``weight_shape`` when packed)
+    and the scale's dtype (the dtype the model computes in)."""
+    out: dict[str, Group] = {}
+    modules = [k.removesuffix(".weight_scale") for k in plain if k.endswith(".weight_scale")]
+    packed = [f"{m}.weight_shape" for m in modules if f"{m}.weight_packed" in plain and f"{m}.weight_shape" in plain]
+    shapes = _tensor_shapes(index, packed)
+    build = functools.partial(_ct_decompress, json.dumps(dict(qc), sort_keys=True, default=str))
+    for module in modules:
+        keys = {part: f"{module}.{part}" for part in _CT_PARTS if f"{module}.{part}" in plain}
+        if "weight" in keys:
+            shape = plain[keys["weight"]].shape
+        elif f"{module}.weight_shape" in shapes:
+            shape = shapes[f"{module}.weight_shape"]
+        else:
+            continue  # no weight to build: reported by the load (its keys stay unexpected)
+        rule = PackedRule(tuple(keys), build, "compressed-tensors, decompressed", stores_packed=False)
+        out[f"{module}.weight"] = (keys, rule, shape, plain[keys["weight_scale"]].dtype)
+    return out
+
+
+def _tensor_shapes(index: CheckpointIndex, keys: Collection[str]) -> dict[str, tuple[int, ...]]:
+    """The shapes stored as small integer tensors (compressed-tensors' ``weight_shape``)."""
+    if not keys:
+        return {}
+    from bigviz.checkpoint.lazy import LazyWeights
+
+    with LazyWeights(index, {k: k for k in keys}) as weights:
+        return {key: tuple(int(d) for d in weights[key].tolist()) for key in keys}
+
+
+@functools.lru_cache(maxsize=8)
+def _ct_compressor(qc_json: str) -> tuple[Any, Any]:
+    """The scheme and compressor transformers' ``CompressedTensorsDequantize`` uses for the
+    dense layers of a checkpoint with this config."""
+    from compressed_tensors.compressors import BaseCompressor, ModelCompressor
+    from transformers.integrations.compressed_tensors import get_dense_scheme
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    config = ModelCompressor.from_compression_config(CompressedTensorsConfig.from_dict(json.loads(qc_json)))
+    quant = config.quantization_config
+    scheme = get_dense_scheme(quant)
+    return scheme, BaseCompressor.get_value_from_registry(scheme.format or quant.format)
+
+
+def _ct_decompress(qc_json: str, parts: Mapping[str, Tensor], dtype: torch.dtype | None) -> Tensor:
+    scheme, compressor = _ct_compressor(qc_json)
+    state = compressor.decompress(dict(parts), scheme) if "weight_scale" in parts else dict(parts)
+    weight = state["weight"]
+    release_free_heap()
+    return weight.to(dtype) if dtype is not None else weight  # type: ignore[no-any-return]
 
 
 def _bnb8_groups(plain: Mapping[str, TensorInfo]) -> dict[str, Group]:

@@ -295,10 +295,9 @@ PREQUANTIZED: dict[str, PrequantizedFormat] = {
         PrequantizedFormat("mxfp4", True, "", "MXFP4 experts (gpt-oss), dequantized to the compute dtype when fetched"),
         PrequantizedFormat(
             "compressed-tensors",
-            False,
+            True,
             "compressed-tensors",
-            "not supported by bigviz yet (transformers decompresses it with the compressed-tensors package); "
-            + _USE_FLOAT,
+            "weight-only compressed-tensors schemes, decompressed by the compressed-tensors package when fetched",
         ),
     )
 }

@@ -107,7 +107,14 @@ def _refused(call, model: torch.nn.Module, folder: Path, files: dict, *needles: 
     [
         ("gptq", {"quant_method": "gptq", "bits": 4, "group_size": 128}),
         ("gptq", {"quant_method": "awq", "bits": 4}),
-        ("compressed-tensors", {"quant_method": "compressed-tensors", "format": "pack-quantized"}),
+        (
+            "compressed-tensors",
+            {
+                "quant_method": "compressed-tensors",
+                "format": "pack-quantized",
+                "config_groups": {"g": {"targets": ["Linear"], "input_activations": {"num_bits": 8}}},
+            },
+        ),
         ("torchao", {"quant_method": "quanto", "weights": "int8"}),
         ("torchao", {"quant_method": "some-new-method"}),
         ("torchao", "int8"),  # not even an object
