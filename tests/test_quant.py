@@ -236,6 +236,15 @@ def test_a_stored_checkpoint_is_planned_from_its_headers_as_it_loads(
     assert held_bytes(model)["cpu"] == half.usage_of("cpu").used
     summary = str(bigviz.load_plan(bigviz.model_from_config(folders[stored]), folders[stored]))
     assert "14 weights: " in summary and "cast" not in summary
+    method = {"bnb8": "bitsandbytes", "bnb4": "bitsandbytes"}.get(stored, stored)
+    assert f"note: stored quantized ({method}): " in plan.summary()  # the format and the compute dtype named
+    assert "computed in " in plan.summary()
+
+
+def test_a_quantized_what_if_names_its_format_and_compute_dtype(folders: dict[str, Path]) -> None:
+    summary = bigviz.plan(folders["float"], {"cpu": "1GiB"}, quantization="int4").summary()
+    assert "note: quantized: 14 weights as int4 (bitsandbytes nf4" in summary and "computed in float32" in summary
+    assert "quantized" not in bigviz.plan(folders["float"], {"cpu": "1GiB"}).summary()
 
 
 def test_stored_in_blocks_on_disk_the_checkpoint_is_read_in_place(folders: dict[str, Path], tmp_path: Path) -> None:

@@ -132,7 +132,9 @@ def plan(
         **unit_knobs(inventory, tree, preload_module_classes, offload_buffers),
     )
     result = make_plan(tree, budgets, options)
-    return keep_direct_reads_resident(result, inventory, tree, budgets, options)
+    result = keep_direct_reads_resident(result, inventory, tree, budgets, options)
+    note = _quant_note(model, tree, as_quant_config(quantization))
+    return replace(result, notes=(*result.notes, note)) if note else result
 
 
 def _quantized(model: ModelLike, tree: SizeTree, config: QuantConfig | None) -> SizeTree:
@@ -148,6 +150,33 @@ def _quantized(model: ModelLike, tree: SizeTree, config: QuantConfig | None) -> 
     inventory = inventory_or_none(model)
     targets = quant_targets(inventory, config) if inventory is not None else default_targets(tree, config)
     return quantized_tree(tree, config, [t for t in targets if t in tree.tensors])
+
+
+def _quant_note(model: ModelLike, tree: SizeTree, config: QuantConfig | None) -> str:
+    """One line naming the quantization a plan sized, its packed bytes and the dtype the model
+    computes in ("" when none): a plan's bytes are only read right knowing the format."""
+    from bigviz.core.quant import prequantized_format
+    from bigviz.core.sizes import format_size
+
+    packed = [s for s in tree.tensors.values() if s.quant]
+    computed = sorted({s.dtype for s in packed}) or _dominant_dtype(tree)
+    in_dtype = f"computed in {', '.join(computed)}"
+    if config is not None:
+        size = format_size(sum(s.nbytes for s in packed))
+        return f"quantized: {len(packed)} weights as {config.describe()}, {size}; {in_dtype}"
+    qc = quantization_config(os.fspath(model)) if isinstance(model, (str, os.PathLike)) else None
+    if qc is None:
+        return ""
+    method = str(qc.get("quant_method", "")).lower().replace("_", "-")
+    held = f"{len(packed)} weights held packed ({format_size(sum(s.nbytes for s in packed))})" if packed else ""
+    return f"stored quantized ({method}): {held or prequantized_format(method).how}; {in_dtype}"
+
+
+def _dominant_dtype(tree: SizeTree) -> list[str]:
+    by_dtype: dict[str, int] = {}
+    for spec in tree.tensors.values():
+        by_dtype[spec.dtype] = by_dtype.get(spec.dtype, 0) + spec.nbytes
+    return [max(by_dtype, key=by_dtype.__getitem__)] if by_dtype else []
 
 
 class UnitKnobs(TypedDict):
