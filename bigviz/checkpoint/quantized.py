@@ -343,15 +343,15 @@ def _torchao_builder(described: Mapping[str, Any]) -> Builder:
     return build
 
 
+def _weights_with(plain: Mapping[str, TensorInfo], suffix: str) -> list[tuple[str, str, str]]:
+    """(module, its ``weight`` key, the key ending in ``suffix``) for each module that stores both."""
+    modules = [(k.removesuffix(suffix), k) for k in plain if k.endswith(suffix)]
+    return [(m, f"{m}.weight", k) for m, k in modules if f"{m}.weight" in plain]
+
+
 def _fp8_groups(plain: Mapping[str, TensorInfo], qc: Mapping[str, Any]) -> dict[str, Group]:
     out: dict[str, Group] = {}
-    for key in plain:
-        if not key.endswith(".weight_scale_inv"):
-            continue
-        module = key.removesuffix(".weight_scale_inv")
-        weight = f"{module}.weight"
-        if weight not in plain:
-            continue
+    for module, weight, key in _weights_with(plain, ".weight_scale_inv"):
         keys = {"weight": weight, "weight_scale_inv": key}
         for extra in ("activation_scale", "input_scale"):  # static activation scales: unused on a CPU
             if f"{module}.{extra}" in plain:
@@ -484,13 +484,7 @@ def _ct_decompress(qc_json: str, parts: Mapping[str, Tensor], dtype: torch.dtype
 
 def _bnb8_groups(plain: Mapping[str, TensorInfo]) -> dict[str, Group]:
     out: dict[str, Group] = {}
-    for key in plain:
-        if not key.endswith(".SCB"):
-            continue
-        module = key.removesuffix(".SCB")
-        weight = f"{module}.weight"
-        if weight not in plain:
-            continue
+    for module, weight, key in _weights_with(plain, ".SCB"):
         keys = {"weight": weight, "SCB": key}
         if f"{module}.weight_format" in plain:
             keys["weight_format"] = f"{module}.weight_format"  # always row-major now: read, not used

@@ -141,9 +141,10 @@ def test_keys_that_carry_a_quantization_role_are_recognised_in_every_layout() ->
 
 
 def test_stored_formats_bigviz_runs_and_those_it_refuses_saying_what_to_do() -> None:
-    for method in ("torchao", "bitsandbytes", "fp8"):
+    for method in ("torchao", "bitsandbytes", "fp8", "mxfp4", "compressed-tensors"):
         assert prequantized_format(method).runs
-    for method in ("gptq", "awq", "mxfp4", "quanto", "hqq", "compressed-tensors"):
+    assert prequantized_format("compressed-tensors").library == "compressed-tensors"  # named when missing
+    for method in ("gptq", "awq", "quanto", "hqq"):
         refused = prequantized_format(method)
-        assert not refused.runs and method in refused.how or "compressed" in refused.how
+        assert not refused.runs and method in refused.how
         assert "quantization='int8'" in refused.how  # what to do instead
