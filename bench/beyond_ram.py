@@ -4,7 +4,6 @@
     python bench/beyond_ram.py --only auto      # one scenario (disk, auto, accelerate; repeatable)
     python bench/beyond_ram.py --small          # ~300 MB, the same code path, under a minute
     python bench/beyond_ram.py --report bench/_work/beyond-ram-results.json   # a saved run's table
-    python bench/beyond_ram.py --quantize int8  # also int8 weights, all-disk and "auto" (issue 25)
 
 The checkpoint: a bigviz GPT (``n_embd`` 6144: blocks of 1.81 GB) about ``--ram-multiple``
 times this machine's RAM, written block by block (one block's tensors in RAM at a time),
@@ -20,22 +19,17 @@ it at the end). Then, page cache dropped before each measurement, side by side:
 - bigviz, ``device_map={"": "disk"}``: dispatch, first forward (16 tokens), the next;
 - bigviz, ``device_map="auto"``, ``max_memory={"cpu": 2/3 of RAM}``: the same; the resident
   part is read once into process memory (dispatch), disk blocks are streamed and dropped;
-  the next forward is compared with ``bigviz.core.streaming``'s prediction (the engine's
+  the next forward is compared with ``bigviz.core.cost``'s prediction (the engine's
   read-ahead depth, compute measured above, the floor's bandwidth and the probe's);
 - accelerate, ``device_map="auto"``, the same budget and an offload folder (it rewrites what
   does not fit its budget, ~15 GB: left out, with a message, when the disk lacks the room).
 
-With ``--quantize int8`` (or ``int4``), the same two bigviz scenarios again with the weights
-quantized while loading (``load_checkpoint_and_dispatch(..., quantization="int8")``): the
-planner sizes them packed, the blocks it puts on disk are written once, packed, to an offload
-folder (about a quarter of their float32 bytes) and streamed from there; the later forwards are
-compared with the float32 ones of the same run and with the time to read the packed bytes at
-the floor's speed (or the compute, when that is slower).
-
 Every scenario runs in a fresh process; its anonymous RAM (RssAnon) peak is reported. A guard
 kills a scenario when the machine's available memory falls under 1 GiB. Ratios against the
 issue's goals are taken within the run (this virtual disk varies a lot between runs). Prints a
-markdown table and appends it to bench/RESULTS.md (not with --small or --no-results); the raw
+markdown table and records it as bench/results/beyond_ram.md, the section of bench/RESULTS.md it
+reassembles (bench/records.py; the section it replaces goes to the diary, bench/history/; not with
+--small or --no-results); the raw
 figures go to ``bench/_work/beyond-ram-results.json``.
 
 The page cache is dropped with ``sync; echo 3 > /proc/sys/vm/drop_caches`` when run as root
@@ -45,6 +39,7 @@ The page cache is dropped with ``sync; echo 3 > /proc/sys/vm/drop_caches`` when 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -56,6 +51,7 @@ import time
 import warnings
 import zlib
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -120,8 +116,8 @@ def machine_ram() -> int:
 def choose_shape(args: argparse.Namespace, free: int) -> Shape | str:
     """The model to build, or a sentence saying why the bench must skip (the disk is short)."""
     if args.small:
-        base = dict(n_embd=512, n_head=8, vocab_size=8192, block_size=256)
-        target = _size(args.size or "300MB")
+        base = dict(n_embd=args.small_n_embd, n_head=max(1, args.small_n_embd // 64), vocab_size=8192, block_size=256)
+        target = _size(args.size) if args.size else int(_size(args.small_ram) * args.ram_multiple)
     else:
         base = dict(n_embd=args.n_embd, n_head=args.n_embd // 128, vocab_size=50257, block_size=1024)
         target = _size(args.size) if args.size else int(args.ram_multiple * machine_ram())
@@ -294,7 +290,7 @@ def drop_caches(files: list[Path], mode: str) -> str:
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
         return "global"
-    from bigviz.checkpoint.probe import drop_file_pages
+    from bigviz.osio.pages import drop_file_pages
 
     for path in files:
         drop_file_pages(path)
@@ -389,33 +385,54 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             out["dispatch_s"] = time.perf_counter() - start
             out["map"] = {str(k): str(v) for k, v in getattr(model, "hf_device_map", {}).items()}
             state = getattr(model, "_bigviz_dispatch", None)
-            if spec.get("quantization"):  # what is streamed and held, packed (not the float32 shape's bytes)
-                from bigviz.modeling.packed import held_bytes
-
-                out["streamed_bytes"] = sum(u.nbytes for u in getattr(state, "units", []) if u.storage == "disk")
-                out["resident_bytes"] = held_bytes(model).get("cpu", 0)
             if getattr(state, "scheduler", None) is not None:
                 out["depth"] = state.scheduler.depth  # units read ahead (for the prediction)
                 out["ring"] = getattr(state.scheduler.fetcher, "capacity", None)  # CPU streaming: its ring
-            if getattr(model, "_bigviz_residency", None) is not None:
-                out["residency"] = model._bigviz_residency.reason
-                copied = model._bigviz_residency.copied
+            if state is not None and getattr(state, "residency", None) is not None:
+                out["residency"] = bigviz.residency(model).reason
+                copied = bigviz.residency(model).copied
                 if copied is not None:
                     out["copy"] = {"bytes": copied.nbytes, "seconds": copied.seconds, "direct": copied.direct_bytes}
+            out["threads"] = torch.get_num_threads()
             for key in ("first_s", "next_s", "third_s"):
                 out["phase"] = key
                 if key != "first_s" and spec.get("paired"):
                     out[key[:-2] + "_floor_s"] = _paired_floor(spec, out["map"])
-                start = time.perf_counter()
-                with torch.no_grad():
+                timed = key == "next_s" and getattr(state, "scheduler", None) is not None
+                with bigviz.timeline(model) if timed else _nothing() as line, torch.no_grad():
+                    start = time.perf_counter()
                     model(idx)
-                out[key] = time.perf_counter() - start
+                    out[key] = time.perf_counter() - start
+                if line is not None:
+                    out["timeline"] = _timeline_data(line)
             out["phase"] = "done"
         except Exception as exc:  # what a peer does wrong is a result, not a crash of the bench
             out["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             out["failed_after_s"] = time.perf_counter() - start
     out["anon_peak"] = peak.peak["RssAnon"] - peak.base["RssAnon"]
     return out
+
+
+@contextlib.contextmanager
+def _nothing() -> Any:
+    yield None
+
+
+def _timeline_data(line: Any) -> dict[str, Any]:
+    """A forward's timeline as plain data, seconds from the forward's start (bigviz.timeline)."""
+    origin = line.bounds[-1][0]
+    units = [
+        {
+            "name": u.name,
+            "read": None if u.read_start is None else [u.read_start - origin, u.read_end - origin],
+            "wait": u.wait_start - origin,
+            "compute": [u.compute_start - origin, u.compute_end - origin],
+            "bytes": u.read_bytes,
+            "pieces": [[a - origin, b - origin] for a, b in u.pieces],
+        }
+        for u in line.forwards[-1]
+    ]
+    return {"summary": line.summary(), "units": units, "seconds": line.bounds[-1][1] - origin}
 
 
 def _paired_floor(spec: dict[str, Any], device_map: dict[str, str]) -> float:
@@ -447,13 +464,8 @@ def _dispatch(spec: dict[str, Any], model: Any) -> Any:
     if spec["engine"] == "bigviz":
         import bigviz
 
-        quantized = (
-            {"quantization": spec["quantization"], "offload_folder": spec["offload"]}
-            if spec.get("quantization")
-            else {}
-        )
         return bigviz.load_checkpoint_and_dispatch(
-            model, spec["ckpt"], device_map, max_memory=budget, resident=spec.get("resident", "auto"), **quantized
+            model, spec["ckpt"], device_map, max_memory=budget, resident=spec.get("resident", "auto")
         )
     import accelerate
 
@@ -483,7 +495,7 @@ def compute_child(spec: dict[str, Any]) -> dict[str, Any]:
         block = None  # its weights freed before the head is made
         head = torch.nn.Linear(config.n_embd, config.vocab_size, bias=False)
         head_s = _best(lambda: head(x))
-    return {"block_s": block_s, "head_s": head_s}
+    return {"block_s": block_s, "head_s": head_s, "threads": torch.get_num_threads()}
 
 
 def _best(fn: Any, repeat: int = 3) -> float:
@@ -575,6 +587,32 @@ def _proc_anon(pid: int) -> int:
     return 0
 
 
+def fractions(text: str) -> list[tuple[str, Fraction]]:
+    """``"0,1/4,1/2,2/3"`` -> labels and fractions of the RAM (checked: 0 <= f < 1)."""
+    out = []
+    for label in (t.strip() for t in text.split(",") if t.strip()):
+        value = Fraction(label)
+        if not 0 <= value < 1:
+            raise SystemExit(f"bench/beyond_ram.py: --fractions {label!r}: give fractions of the RAM in [0, 1)")
+        out.append((label, value))
+    return out
+
+
+def split_scenarios(text: str, shape: Shape) -> dict[str, dict[str, Any]]:
+    """The scenarios of one size: bigviz at each resident split (the 'cpu' budget a fraction of
+    the RAM; 0: ``{"": "disk"}``), then accelerate at 2/3 (its own offload folder)."""
+    scenarios: dict[str, dict[str, Any]] = {}
+    for label, value in fractions(text):
+        if value == 0:
+            scenarios["bigviz all-disk"] = {"engine": "bigviz", "map": "disk", "paired": True, "fraction": "0"}
+        else:
+            name = "bigviz auto" if label == "2/3" else f"bigviz auto {label}"
+            budget = int(shape.ram * value)
+            scenarios[name] = {"engine": "bigviz", "map": "auto", "paired": True, "budget": budget, "fraction": label}
+    scenarios["accelerate auto"] = {"engine": "accelerate", "map": "auto", "fraction": "2/3"}
+    return scenarios
+
+
 # --------------------------------------------------------------------------- report
 def split_bytes(shape: Shape, device_map: dict[str, str]) -> tuple[int, int, list[tuple[str, int, str]]]:
     """(resident, streamed, units in execution order) of a device map over this GPT."""
@@ -603,9 +641,9 @@ def predict(
     depth: int = 2,
     ring: int | None = None,
 ) -> Any:
-    """bigviz.core.streaming's prediction of a later forward, at the floor's bandwidth, with the
+    """bigviz.core.cost's prediction of a later forward, at the floor's bandwidth, with the
     engine's read-ahead (its ring's bytes when the CPU streams, else ``depth`` units)."""
-    from bigviz.core.streaming import UnitCost, predict_forward
+    from bigviz.core.cost import UnitCost, predict_forward
 
     resident, _, placed = split_bytes(shape, device_map)
     seconds = {"wte": 0.0, "block": compute["block_s"], "head": compute["head_s"]}
@@ -644,7 +682,103 @@ def report(
     for name, r in results.items():
         lines += _scenario_rows(name, r, shape, best, bandwidth, compute, floor.get("probe"))
     lines += ["", *_goals(shape, results, best, bandwidth, compute)]
+    lines += ["", *splits_table(shape, results, compute, bandwidth, best)]
     return "\n".join(lines)
+
+
+def timeline_svg(data: dict[str, Any], title: str, *, width: int = 900) -> str:
+    """One forward's timeline (``_timeline_data``) as an SVG picture: a row of reads and a row of
+    computes, a bar per streamed unit (resident blocks compute in the gaps of the lower row),
+    compute waiting on reads in red."""
+    seconds = max(data["seconds"], 1e-9)
+    left, right, row = 70, 10, 26
+    scale = (width - left - right) / seconds
+
+    def bar(t0: float, t1: float, y: int, colour: str, tip: str) -> str:
+        x, w = left + t0 * scale, max(1.0, (t1 - t0) * scale)
+        return (
+            f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row - 6}" fill="{colour}"><title>{tip}</title></rect>'
+        )
+
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{3 * row + 40}" font-family="sans-serif" font-size="12">',
+        f'<text x="{left}" y="14">{title}</text>',
+        f'<text x="4" y="{20 + row - 10}">disk</text><text x="4" y="{20 + 2 * row - 10}">compute</text>',
+    ]
+    for u in data["units"]:
+        for a, b in u.get("pieces") or ([u["read"]] if u["read"] is not None else []):
+            if b > 0:
+                parts.append(bar(max(0.0, a), b, 20, "#4a7ebb", f"read {u['name']}: {max(0.0, a):.2f}-{b:.2f} s"))
+        if u["compute"][0] - u["wait"] > 1e-3:
+            parts.append(bar(u["wait"], u["compute"][0], 20 + row, "#d9534f", f"{u['name']} waits on its read"))
+        parts.append(bar(*u["compute"], 20 + row, "#5cb85c", f"compute {u['name']}"))
+    for t in range(int(seconds) + 1):
+        x = left + t * scale
+        parts.append(f'<text x="{x:.0f}" y="{20 + 3 * row}" text-anchor="middle">{t} s</text>')
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+def compute_floor(shape: Shape, compute: dict[str, float]) -> float:
+    """Seconds of the whole forward with every weight in RAM: every block and the head."""
+    return shape.n_layer * compute["block_s"] + compute["head_s"]
+
+
+def splits_table(
+    shape: Shape,
+    results: dict[str, dict[str, Any]],
+    compute: dict[str, Any],
+    bandwidth: float | None,
+    best: float | None,
+) -> list[str]:
+    """Each split's later forward against its limit (bigviz.core.cost: the longer of reading the
+    streamed bytes at the floor's speed and the compute floor, plus what cannot overlap) and
+    against the prediction (the same model with the engine's ring); where the time went (the
+    timeline of the next forward: compute waiting on reads, the disk idle)."""
+    if not compute or not bandwidth:
+        return ["(no split table: the compute floor or the read floor was not measured)"]
+    lines = [
+        f"### Splits, {gb(shape.model_bytes)}, {shape.model_bytes / shape.ram:.2f}x the RAM",
+        "",
+        "The compute floor "
+        f"(one block in RAM, {TOKENS} tokens, {compute.get('threads', '?')} threads, best of 3: "
+        f"{compute['block_s']:.2f} s per block) is {compute_floor(shape, compute):.1f} s per forward; the read "
+        f"floor {bandwidth / 1e9:.2f} GB/s. Limit = the cost model's forward with reads ahead without bound.",
+        "",
+        "| split: cpu budget | resident | streamed | streamed at the floor | compute floor | limit | predicted "
+        "| measured (slower later) | / limit | / predicted | compute waited | streamed units' compute / floor "
+        "| disk idle | first + dispatch / whole read | anon RAM peak |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        if r.get("engine") == "accelerate" or name.startswith("accelerate") or "next_s" not in r:
+            continue
+        resident, streamed, _ = split_bytes(shape, r["map"])
+        guess = predict(shape, r["map"], compute, bandwidth, r.get("depth", 2), r.get("ring"))
+        later = max(r[k] for k in ("next_s", "third_s") if k in r)
+        line = r.get("timeline", {}).get("summary", {})
+        budget = (
+            "all disk" if name.endswith("all-disk") else f"{name.split()[-1] if name[-1].isdigit() else '2/3'} of RAM"
+        )
+        first = r["first_s"] + r["dispatch_s"]
+        blocks = [u for u in r.get("timeline", {}).get("units", []) if ".h." in u["name"]]
+        slower = ratio(line.get("compute"), len(blocks) * compute["block_s"]) if blocks else "-"
+        lines.append(
+            f"| {budget} | {gb(resident)} | {gb(streamed)} | {fmt_s(streamed / bandwidth)} | "
+            f"{fmt_s(compute_floor(shape, compute))} | **{fmt_s(guess.limit_seconds)}** ({guess.bottleneck}) | "
+            f"{fmt_s(guess.seconds)} | {fmt_s(later)} | **{ratio(later, guess.limit_seconds)}** | "
+            f"{ratio(later, guess.seconds)} | {fmt_s(line.get('wait'))} | {slower} | {fmt_s(line.get('disk_idle'))} | "
+            f"{ratio(first, best)} | {r['anon_peak'] / GiB:.2f} GiB |"
+        )
+    lines += [
+        "",
+        "Goals (issue 26): later forwards at most 1.1x the limit; prediction within 15% of the "
+        "measurement; first forward with dispatch at most 1.15x the whole-checkpoint read floor. "
+        "Where a forward misses its limit, the timeline says why: compute waiting on reads (the schedule), "
+        "or the streamed blocks' compute slower than the compute floor (the machine: contention, "
+        "reader threads on the compute cores, cold memory).",
+    ]
+    return lines
 
 
 def _header(shape: Shape, info: dict[str, Any]) -> str:
@@ -705,8 +839,6 @@ def _scenario_rows(
             f"{where}failed in {r.get('phase', '?')}: `{r['error']}` |"
         ]
     resident, streamed, _ = split_bytes(shape, r.get("map", {}))
-    if "streamed_bytes" in r:  # quantized: the packed bytes
-        resident, streamed = r["resident_bytes"], r["streamed_bytes"]
     split = f"resident {gb(resident)}, streamed {gb(streamed)}"
     first = r["first_s"] + r["dispatch_s"]
     copy = r.get("copy")
@@ -800,7 +932,6 @@ def _goals(
             f"- bigviz auto, anonymous RAM peak {auto['anon_peak'] / GiB:.2f} GiB against the cpu budget "
             f"{shape.cpu_budget / GiB:.1f} GiB + 2 GiB: {'met' if over <= 2 * GiB else 'not met'}"
         )
-    lines += _quantized_goals(results, bandwidth, compute, shape)
     if compute:
         lines.append(
             f"- compute, weights in RAM: one block {compute['block_s'] * 1e3:.0f} ms, the head "
@@ -810,37 +941,27 @@ def _goals(
     return lines
 
 
-def _quantized_goals(
-    results: dict[str, dict[str, Any]], bandwidth: float | None, compute: dict[str, Any], shape: Shape
-) -> list[str]:
-    """Issue 25: later forwards with packed weights against float32's, and against the time to
-    read the packed bytes at the floor's speed (or the compute, when slower)."""
-    lines = []
-    for name, r in results.items():
-        base = results.get(name.rsplit(" ", 1)[0], {})
-        if "streamed_bytes" not in r or "next_s" not in r:
-            continue
-        later = max(r[k] for k in ("next_s", "third_s") if k in r)
-        if "next_s" in base:
-            ratio_fp32 = later / max(base[k] for k in ("next_s", "third_s") if k in base)
-            lines.append(f"- {name}, slower later forward / float32's: **{ratio_fp32:.2f}x** (goal <= 0.35x)")
-        if bandwidth:
-            read = r["streamed_bytes"] / bandwidth
-            work = shape.n_layer * compute.get("block_s", 0) + compute.get("head_s", 0) if compute else 0.0
-            lines.append(
-                f"- {name}, slower later forward / max(read the packed {gb(r['streamed_bytes'])} at the floor's "
-                f"speed {read:.1f} s, float32 compute {work:.1f} s): **{later / max(read, work):.2f}x** (goal <= 1.1x)"
-            )
-    return lines
-
-
 # ------------------------------------------------------------------------------ main
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ram-multiple", type=float, default=1.25, help="model size / RAM (default 1.25)")
     parser.add_argument("--size", help="model size instead (e.g. 30GB); skips if the disk lacks 2.5x")
     parser.add_argument("--n-embd", type=int, default=6144, help="width (blocks of 48 x n_embd^2 bytes)")
-    parser.add_argument("--small", action="store_true", help="~300 MB, pretend RAM = model / ram-multiple")
+    parser.add_argument(
+        "--small", action="store_true", help="pretend RAM of --small-ram (240MB): models of 300 and 480 MB"
+    )
+    parser.add_argument("--small-ram", default="240MB", help="the pretend RAM of --small (e.g. 2GB for a moderate run)")
+    parser.add_argument(
+        "--small-n-embd", type=int, default=512, help="width of --small's GPT (blocks of 48 x n_embd^2 bytes)"
+    )
+    parser.add_argument(
+        "--sizes", default="1.25,2", help="model sizes as multiples of the RAM, measured one after the other"
+    )
+    parser.add_argument(
+        "--fractions",
+        default="0,1/4,1/2,2/3",
+        help="resident splits: the 'cpu' budget as a fraction of the RAM (0: all-disk)",
+    )
     parser.add_argument("--readers", type=int, default=4, help="parallel readers for the floor")
     parser.add_argument("--drop", choices=["auto", "global", "files"], default="auto")
     parser.add_argument("--work", type=Path, default=WORK, help="where the checkpoint goes")
@@ -855,12 +976,11 @@ def parse_args() -> argparse.Namespace:
         "--only",
         action="append",
         default=[],
-        choices=["disk", "auto", "accelerate", "quantized"],
-        help="run only these scenarios (repeatable)",
+        choices=["disk", "auto", "accelerate", "0", "1/4", "1/2", "2/3"],
+        help="run only these scenarios (repeatable; disk = 0, auto = 2/3)",
     )
-    parser.add_argument("--no-results", action="store_true", help="do not write bench/RESULTS.md")
     parser.add_argument(
-        "--quantize", choices=["int8", "int4"], help="also run bigviz all-disk and auto with quantized weights"
+        "--no-results", action="store_true", help="do not record the results (bench/results/, bench/RESULTS.md)"
     )
     parser.add_argument("--report", type=Path, help="print the report of a saved run (its -results.json)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -868,7 +988,11 @@ def parse_args() -> argparse.Namespace:
 
 
 def folder_for(args: argparse.Namespace) -> Path:
-    return args.work / ("beyond-ram-small" if args.small else "beyond-ram")
+    """The checkpoint's folder: one per size (1.25x RAM keeps the name earlier runs used)."""
+    name = "beyond-ram-small" if args.small else "beyond-ram"
+    if args.size:
+        return args.work / f"{name}-{args.size}"
+    return args.work / (name if args.ram_multiple == 1.25 else f"{name}-{args.ram_multiple:g}x")
 
 
 def main() -> None:
@@ -880,23 +1004,51 @@ def main() -> None:
         raw = json.loads(args.report.read_text())
         print(report(Shape(**raw["shape"]), raw["floor"], raw["results"], raw["compute"], raw["info"]))
         return
+    sizes = [None] if args.size else [float(x) for x in args.sizes.split(",")]
+    texts = []
+    for i, multiple in enumerate(sizes):
+        if multiple is not None:
+            args.ram_multiple = multiple
+        text = measure_size(args, first=i == 0, more=sizes[i + 1 :])
+        if text:
+            print(text)
+            texts.append(text)
+    if texts and not (args.small or args.no_results):  # its section replaced, the old one kept in the diary
+        sys.path.insert(0, str(HERE))
+        import records
+
+        records.write_section("beyond_ram", "\n\n".join(texts), note="`python bench/beyond_ram.py`")
+        records.assemble()
+
+
+def measure_size(args: argparse.Namespace, *, first: bool, more: list[float | None]) -> str | None:
+    """One model size: its checkpoint (built or reused), every split measured, the report. Its
+    checkpoint is removed after (it was made here) when ``--delete``, or when the next size
+    needs its room."""
     folder = folder_for(args)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    shape = choose_shape(args, shutil.disk_usage(folder.parent).free + _ours(folder))
+    free = shutil.disk_usage(folder.parent).free
+    shape = choose_shape(args, free + _ours(folder))
     if isinstance(shape, str):
-        print(f"bench/beyond_ram.py: skipped: {shape}")
-        return
-    text = None
+        print(f"bench/beyond_ram.py: {args.ram_multiple:g}x RAM skipped: {shape}")
+        return f"### {args.ram_multiple:g}x the RAM: skipped\n\n{shape}"
+    if not first:
+        args.skip = [*args.skip, "accelerate"]  # accelerate once, at the first size
     try:
-        text = measure(args, shape, folder)
+        return measure(args, shape, folder)
     finally:
-        if args.delete and not args.build_only:
+        later = [m for m in more if m is not None]
+        need = max((disk_need(_scaled(shape, m), accelerate=False) for m in later), default=0)
+        if not args.build_only and (args.delete or need > shutil.disk_usage(folder.parent).free):
+            if not args.delete:
+                print(f"removing {folder} (made by this script): the next size needs its room", file=sys.stderr)
             _remove_ours(folder)
-    if text:
-        print(text)
-        if not (args.small or args.no_results):
-            with open(HERE / "RESULTS.md", "a") as f:
-                f.write("\n" + text + "\n")
+
+
+def _scaled(shape: Shape, multiple: float) -> Shape:
+    """About the model of ``multiple`` times the same RAM (for the disk room it will need)."""
+    n_layer = max(2, round((multiple * shape.ram - shape.embedding_bytes) / shape.block_bytes))
+    return Shape(shape.n_embd, shape.n_head, n_layer, shape.vocab_size, shape.block_size, shape.ram)
 
 
 def _ours(folder: Path) -> int:
@@ -933,23 +1085,12 @@ def measure(args: argparse.Namespace, shape: Shape, folder: Path) -> str | None:
     }  # --small: the pretend RAM is smaller than the model
     spec["config"].pop("model_type", None)
     compute = {} if "compute" in args.skip else run_child({**spec, "engine": "compute"}, timeout=args.timeout)
-    scenarios = {
-        "bigviz all-disk": {"engine": "bigviz", "map": "disk", "paired": True},
-        "bigviz auto": {"engine": "bigviz", "map": "auto", "paired": True},
-        "accelerate auto": {"engine": "accelerate", "map": "auto"},
-    }
-    if args.quantize:  # the same two bigviz runs with packed weights (issue 25)
-        scenarios[f"bigviz all-disk {args.quantize}"] = {
-            "engine": "bigviz",
-            "map": "disk",
-            "quantization": args.quantize,
-        }
-        scenarios[f"bigviz auto {args.quantize}"] = {"engine": "bigviz", "map": "auto", "quantization": args.quantize}
+    scenarios = split_scenarios(args.fractions, shape)
     results = {}
+    only = {{"disk": "0", "auto": "2/3"}.get(o, o) for o in args.only}
     for name, extra in scenarios.items():
-        short = "accelerate" if extra["engine"] == "accelerate" else extra["map"]
-        short = "quantized" if extra.get("quantization") else short
-        if extra["engine"] in args.skip or (args.only and short not in args.only):
+        short = "accelerate" if extra["engine"] == "accelerate" else extra["fraction"]
+        if extra["engine"] in args.skip or (only and short not in only):
             continue
         free = shutil.disk_usage(folder.parent).free  # a shared disk: what others left now
         if extra["engine"] == "accelerate" and free < accelerate_copy(shape) * 1.1:
@@ -961,12 +1102,18 @@ def measure(args: argparse.Namespace, shape: Shape, folder: Path) -> str | None:
             continue
         drop_caches(files, info["drop"])
         print(f"  {name} (load {load_average()}) ...", file=sys.stderr, flush=True)
-        results[name] = run_child({**spec, **extra}, timeout=args.timeout)
+        results[name] = {**run_child({**spec, **extra}, timeout=args.timeout), "fraction": extra["fraction"]}
         shutil.rmtree(spec["offload"], ignore_errors=True)  # made by this scenario (refused if there before)
         print(f"  {name}: { {k: v for k, v in results[name].items() if k != 'map'} }", file=sys.stderr, flush=True)
     info["load_end"] = load_average()
     compute = compute if "error" not in compute else {}
     raw = {"shape": shape.__dict__, "floor": floor, "results": results, "compute": compute, "info": info}
+    for name, r in results.items():  # a picture of each split's next forward
+        if "timeline" in r:
+            title = f"{gb(shape.model_bytes)}, {name}: next forward {r['next_s']:.1f} s (green: streamed units compute)"
+            label = r["fraction"].replace("/", "of")
+            svg = folder.parent / f"{folder.name}-timeline-{label}.svg"
+            svg.write_text(timeline_svg(r["timeline"], title) + "\n")
     (folder.parent / f"{folder.name}-results.json").write_text(json.dumps(raw, indent=1) + "\n")
     return report(shape, floor, results, compute, info)
 

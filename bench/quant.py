@@ -2,6 +2,11 @@
 
     python bench/quant.py            # ~10 minutes here; prints a markdown section with ratios
     python bench/quant.py --quick    # gpt2 (124 M) instead: ~2 minutes, the same code path
+    python bench/run.py --only quant --quick   # the same, through the bench runner
+
+A run records its section as bench/results/quant.md and reassembles bench/RESULTS.md
+(bench/records.py; the section it replaces goes to the diary, bench/history/; not with
+--no-results).
 
 bigviz: the gpt2-large checkpoint of ``bench/dispatch.py`` (bigviz GPT, random weights, float32,
 ``bench/_work/gpt2-large``, built once), loaded four ways (``dtype=torch.bfloat16``,
@@ -309,6 +314,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="gpt2 (124 M) instead of gpt2-large")
     parser.add_argument("--rounds", type=int, default=2, help="decode runs per scenario (the best is kept)")
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument(
+        "--no-results", action="store_true", help="do not record the results (bench/results/, bench/RESULTS.md)"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -332,7 +340,15 @@ def main() -> None:
         print(f"  {name} ...", file=sys.stderr, flush=True)
         results[name] = run_child({**common, **spec}, args.timeout)
         print(f"  {name}: {results[name]}", file=sys.stderr, flush=True)
-    print(report(preset, results, load))
+    text = report(preset, results, load)
+    print(text)
+    if not args.no_results:  # its section replaced, the old one kept in the diary
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import records
+
+        how = f"`python bench/quant.py{' --quick' if args.quick else ''}`, load {load.split()[0]} at the start"
+        records.write_section("quant", text, note=how)
+        records.assemble()
 
 
 if __name__ == "__main__":

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
+
+from bigviz.core.errors import BigvizError
+from bigviz.checkpoint.outputs import check_outputs, input_files, write_output
 
 __all__ = ["main", "parse_max_memory_arg"]
 
@@ -20,18 +24,37 @@ __all__ = ["main", "parse_max_memory_arg"]
 def parse_max_memory_arg(text: str) -> dict[str, str]:
     """``"cpu=8GiB,0=16GiB"`` -> ``{"cpu": "8GiB", "0": "16GiB"}`` (validated by the planner).
 
+    A device named twice (``0=80GB,0=1GB``, or ``0`` and ``cuda:0``) is refused: one would win
+    silently.
+
     Example:
         >>> parse_max_memory_arg("cpu=8GiB, 0=16GiB")
         {'cpu': '8GiB', '0': '16GiB'}
     """
-    out = {}
+    from bigviz.core.devices import normalize_device
+
+    out: dict[str, str] = {}
+    named: dict[object, str] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         device, sep, size = part.partition("=")
-        if not sep or not device.strip() or not size.strip():
+        device, size = device.strip(), size.strip()
+        if not sep or not device or not size:
             raise argparse.ArgumentTypeError(
                 f"cannot read {part!r} in --max-memory: write DEVICE=SIZE, e.g. cpu=8GiB,0=16GiB"
             )
-        out[device.strip()] = size.strip()
+        try:
+            key: object = normalize_device(device)
+        except ValueError:
+            key = device  # the planner names the unknown device
+        if key in named:
+            raise argparse.ArgumentTypeError(
+                f"--max-memory names one device twice ({named[key]}={out[named[key]]} and {device}={size}): "
+                "give each device one budget"
+            )
+        named[key] = device
+        out[device] = size
+    if not out:
+        raise argparse.ArgumentTypeError(f"--max-memory {text!r} names no device: write DEVICE=SIZE, e.g. cpu=8GiB")
     return out
 
 
@@ -55,7 +78,9 @@ DEMO_DESCRIPTION = (
 PLAN_DESCRIPTION = (
     "Plans a device map (module -> GPU, cpu or disk) with a reason per placement, prints the "
     "summary and writes the map as JSON, which bigviz and transformers' from_pretrained(device_map=...) "
-    "read. With --context it also plans the run: the KV cache and prefill activations per device."
+    "read. With --context it also plans the run: the KV cache and prefill activations per device. "
+    "Outputs are checked before planning: an existing file is replaced only with --overwrite, and "
+    "the model's own files never."
 )
 
 
@@ -104,8 +129,13 @@ def _build_parser() -> argparse.ArgumentParser:
         help="size the linear layers' weights as quantized: int8 (torchao, per-row scales) or int4 "
         "(bitsandbytes 4-bit), what load_checkpoint_and_dispatch(..., quantization=) loads",
     )
-    plan.add_argument("--out", default="device_map.json", help="where to write the device map JSON")
+    plan.add_argument(
+        "--out", default="device_map.json", help="where to write the device map JSON (a new file unless --overwrite)"
+    )
     plan.add_argument("--html", default=None, help="also write a standalone HTML report here")
+    plan.add_argument(
+        "--overwrite", action="store_true", help="replace --out and --html if they exist (never the model's own files)"
+    )
     plan.add_argument("--batch", type=_positive, default=1, help="sequences run together (with --context)")
     plan.add_argument(
         "--context",
@@ -131,8 +161,10 @@ def _positive(text: str) -> int:
 def _plan(args: argparse.Namespace) -> int:
     import bigviz
     from bigviz.models import PRESETS, build
-    from bigviz.modeling.workload import config_path, shipped_configs
+    from bigviz.modeling.configs import config_path, shipped_configs
 
+    outputs = {"--out": args.out, "--html": args.html}
+    _check_outputs(outputs, args.model, overwrite=args.overwrite)
     target: object = args.model
     if args.model in PRESETS:
         with bigviz.init_empty_weights():
@@ -155,7 +187,9 @@ def _plan(args: argparse.Namespace) -> int:
         kv_dtype=args.kv_dtype,
         quantization=args.quantize,
     )
-    plan = bigviz.plan(target, args.max_memory, batch_size=args.batch, context_length=args.context, **common)
+    with warnings.catch_warnings():  # a context past a trained length: the summary's note says it
+        warnings.filterwarnings("ignore", message="planning past the model's")
+        plan = bigviz.plan(target, args.max_memory, batch_size=args.batch, context_length=args.context, **common)
     print(plan.summary())
     if args.quantize:
         print(f"weights: {bigviz.QuantConfig(args.quantize).describe()}; embeddings, norms and the head as they are")
@@ -167,12 +201,21 @@ def _plan(args: argparse.Namespace) -> int:
             f"longest context that fits (batch {args.batch}): {longest:,} tokens without offloading, "
             f"{offloaded:,} with offloading"
         )
-    bigviz.save_device_map(plan.device_map, args.out)
+    write_output(args.out, lambda tmp: bigviz.save_device_map(plan.device_map, tmp), overwrite=args.overwrite)
     print(f"wrote {args.out} ({len(plan.device_map)} entries)")
     if args.html:
-        bigviz.save_html(plan, args.html)
+        write_output(args.html, lambda tmp: bigviz.save_html(plan, tmp), overwrite=args.overwrite)
         print(f"wrote {args.html}")
     return 0
+
+
+def _check_outputs(outputs: dict[str, str | None], model: str, *, overwrite: bool) -> None:
+    """Refuse, before planning, outputs that exist (without --overwrite), are links, folders or
+    the model's own files, or sit in a folder that does not exist (:mod:`bigviz.checkpoint.outputs`)."""
+    from bigviz.modeling.configs import config_path, shipped_configs
+
+    source = config_path(model) if model in shipped_configs() else Path(model)
+    check_outputs(outputs, overwrite=overwrite, inputs=input_files(source), headline="nothing was planned or written")
 
 
 def _run_lines(plan: object) -> str:
@@ -197,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return demo(args.out, quick=args.quick)
         return _plan(args)
-    except (ValueError, OSError) as err:  # bad input, or a folder bigviz will not touch
+    except (ValueError, OSError, BigvizError) as err:  # bad input, or a file or folder bigviz will not touch
         print(f"bigviz {args.command}: {err}", file=sys.stderr)
         return 2
 

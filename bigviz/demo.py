@@ -11,29 +11,38 @@
    plan and measured here.
 6. Write ``device_map.json`` and ``report.html``, and say where to look next.
 
-The output folder must be new, empty, or an earlier demo's output (it holds the demo's
-``bigviz-demo.json`` marker). The demo never deletes anything: it overwrites its own files
-by name and replaces only its checkpoint's own files (``save_sharded(overwrite=True)``).
+The output folder must be new, empty, or an earlier demo's output: it holds the demo's
+``bigviz-demo.json`` marker, read (not just found by name), which records the size and SHA-256
+of every file the demo wrote. The demo never deletes anything it did not write: it replaces
+its own files, unchanged since it wrote them, and only its checkpoint's own files
+(``save_sharded(overwrite=True)``); links and outputs of the wrong type are refused, all before
+step 1.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import statistics
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
 import bigviz
-from bigviz.core.serialize import write_json_atomic
+from bigviz.core.serialize import parse_json, write_json_atomic
 from bigviz.core.devices import device_label
 from bigviz.core.sizes import format_size
 from bigviz.models import GPT, GPTConfig, Llama, LlamaConfig, decode_bytes, encode_bytes, tiny_gpt
 
-MARKER = "bigviz-demo.json"  # says "an earlier demo wrote this folder"
+MARKER = "bigviz-demo.json"  # says "an earlier demo wrote this folder", and what it wrote
+WRITTEN_BY = "bigviz demo"
+MARKER_FORMAT = 2  # 2: with each file's size and SHA-256
 OUTPUTS = ("gpt2-xl.device_map.json", "llama-70b.device_map.json", "checkpoint", "device_map.json", "report.html")
 PROMPT = "Big models "
-DISK_SPEED = "NVMe ("  # the cost model's disk for a cold read (plan_cost's default)
+DISK_SPEED = "NVMe ("  # the cost model's disk for a cold read (DevicePlan.cost's default)
 WARM_SPEED = "page cache"  # pages just written are in the page cache
 
 
@@ -115,7 +124,7 @@ def measured_bytes(model: torch.nn.Module) -> dict[str, int]:
             continue
         seen.add(id(tensor))
         kind = tensor.device.type
-        key = "disk" if kind == "meta" else ("cpu" if kind == "cpu" else str(tensor.device.index or 0))
+        key = "disk" if tensor.is_meta else ("cpu" if kind == "cpu" else str(tensor.device.index or 0))
         out[key] = out.get(key, 0) + tensor.numel() * tensor.element_size()
     return out
 
@@ -195,11 +204,9 @@ def _cost_lines(
 
     ``prefill`` is the predicted activations of the prompt's prefill (the plan itself keeps
     room for the largest step it could run: a prefill of its whole context)."""
-    from bigviz.core.cost import plan_cost
-
     streamed = plan.offloaded_bytes()
-    warm = plan_cost(streamed, main_device=plan.main_device, disk=WARM_SPEED)["seconds_per_forward"]
-    cold = plan_cost(streamed, main_device=plan.main_device, disk=DISK_SPEED)["seconds_per_forward"]
+    warm = plan.cost(disk_bandwidth=WARM_SPEED).seconds
+    cold = plan.cost(disk_bandwidth=DISK_SPEED).seconds
     rows = [
         ("weights in CPU RAM", plan.usage_of("cpu").used, held.get("cpu", 0), ""),
         (
@@ -239,25 +246,147 @@ def _cost_lines(
 
 
 def prepare_output(out: Path) -> None:
-    """Make ``out`` ready for the demo's files, deleting nothing.
+    """Make ``out`` ready for the demo's files, deleting nothing; every check before step 1.
+
+    ``out`` must be new, empty, or an earlier demo's output: its marker ``bigviz-demo.json`` is
+    bigviz's own (read, not just found by name) and every output already there is the one the
+    demo wrote (same size and SHA-256), or one it was writing when it stopped. Links (the folder,
+    an output, anything in ``checkpoint``) and outputs of the wrong type are refused.
 
     Raises:
-        FileExistsError: ``out`` is a file, or a non-empty folder the demo did not write
-            (no ``bigviz-demo.json`` in it).
+        FileExistsError: naming what is in the way and why, with the fix.
     """
+    if out.is_symlink():
+        raise FileExistsError(f"--out {str(out)!r} is a link: the demo does not write through links; give a folder")
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {str(out)!r} is a file: give a folder for the demo's files")
-    if out.is_dir():
-        held = sorted(p.name for p in out.iterdir())
-        if held and MARKER not in held:
-            shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
-            raise FileExistsError(
-                f"--out {str(out)!r} is not empty ({shown}) and is not an earlier bigviz demo output "
-                f"(it has no {MARKER}); the demo never deletes or overwrites files it did not write: "
-                "give a new or empty folder"
-            )
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and MARKER not in held:
+        shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
+        raise FileExistsError(
+            f"--out {str(out)!r} is not empty ({shown}) and is not an earlier bigviz demo output "
+            f"(it has no {MARKER}); the demo never deletes or overwrites files it did not write: "
+            "give a new or empty folder"
+        )
+    record = _read_marker(out) if held else _new_record()
+    problems = _output_problems(out, record)
+    if problems:
+        raise FileExistsError(
+            f"--out {str(out)!r} holds an earlier demo output, but the demo will not replace what is there now: "
+            + "; ".join(problems)
+            + ". The demo never deletes or overwrites files it did not write: move these away or give a new folder"
+        )
     out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic({"written_by": "bigviz demo", "outputs": list(OUTPUTS)}, out / MARKER)
+    _write_marker(out, record, writing=OUTPUTS)
+
+
+def record_outputs(out: Path, *, writing: tuple[str, ...] = ()) -> None:
+    """Record in the marker what the demo wrote (size and SHA-256 of each file), so that the
+    next run tells its own files from files changed or put there by hand."""
+    record = _read_marker(out)
+    files = dict(record["files"])
+    for name in OUTPUTS:
+        for path in _files_of(out / name):
+            files[str(path.relative_to(out))] = _stamp(path)
+    _write_marker(out, {**record, "files": files}, writing=writing)
+
+
+def _new_record() -> dict[str, object]:
+    return {"written_by": WRITTEN_BY, "format": MARKER_FORMAT, "outputs": list(OUTPUTS), "files": {}, "writing": []}
+
+
+def _read_marker(out: Path) -> dict[str, Any]:
+    """The marker's record, if bigviz wrote it (a legacy marker: every output trusted by name)."""
+    path = out / MARKER
+    why = ""
+    if path.is_symlink() or not path.is_file():
+        why = "it is a link" if path.is_symlink() else "it is not a file"
+    elif path.stat().st_size > 2**20:
+        why = "it is too large"
+    else:
+        try:
+            data = parse_json(path.read_bytes(), path, "bigviz demo marker")
+        except ValueError as err:
+            data, why = None, str(err)
+        if data == {"written_by": WRITTEN_BY, "outputs": list(OUTPUTS)}:  # bigviz 0.1's marker
+            return {**_new_record(), "writing": list(OUTPUTS)}
+        if not why and not _is_record(data):
+            why = "its content is not the demo's record"
+    if why:
+        raise FileExistsError(
+            f"--out {str(out)!r} has a {MARKER} that the demo did not write ({why}); the demo never deletes or "
+            "overwrites files it did not write: give a new or empty folder"
+        )
+    return data  # type: ignore[no-any-return]
+
+
+def _is_record(data: object) -> bool:
+    if not isinstance(data, dict) or data.get("written_by") != WRITTEN_BY or data.get("format") != MARKER_FORMAT:
+        return False
+    files, writing = data.get("files"), data.get("writing")
+    return (
+        isinstance(files, dict)
+        and all(
+            isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
+            for v in files.values()
+        )
+        and isinstance(writing, list)
+        and all(w in OUTPUTS for w in writing)
+    )
+
+
+def _output_problems(out: Path, record: Mapping[str, Any]) -> list[str]:
+    """Each output already in ``out`` the demo would replace but did not write as it is."""
+    problems = []
+    for name in OUTPUTS:
+        path = out / name
+        if not os.path.lexists(path):
+            continue
+        want_dir = name == "checkpoint"
+        if path.is_symlink():
+            problems.append(f"{name} is a link (to {os.readlink(path)!r})")
+        elif path.is_dir() != want_dir or not (path.is_dir() or path.is_file()):
+            problems.append(f"{name} is {'not a folder' if want_dir else 'not a file'}")
+        elif name not in record["writing"]:
+            problems += [_file_problem(out, f, record["files"]) for f in _files_of(path, links=True)]
+        elif want_dir:  # being written when the demo stopped: its contents are the demo's, but no links
+            problems += [f"{p.relative_to(out)} is a link" for p in _files_of(path, links=True) if p.is_symlink()]
+    return [p for p in problems if p]
+
+
+def _file_problem(out: Path, path: Path, files: Mapping[str, Any]) -> str:
+    name = str(path.relative_to(out))
+    if path.is_symlink() or not path.is_file():
+        return f"{name} is a link" if path.is_symlink() else f"{name} is not a file"
+    if name not in files:
+        return f"{name} was not written by the demo"
+    if _stamp(path) != files[name]:
+        return f"{name} changed since the demo wrote it"
+    return ""
+
+
+def _files_of(path: Path, *, links: bool = False) -> list[Path]:
+    """``path`` if a file, else every file under it (links listed when ``links``, never followed)."""
+    if path.is_symlink():
+        return [path] if links else []
+    if path.is_file():
+        return [path]
+    found = []
+    for root, dirs, names in os.walk(path):  # os.walk does not descend into linked folders
+        found += [Path(root) / n for n in names + [d for d in dirs if (Path(root) / d).is_symlink()]]
+    return sorted(p for p in found if links or not p.is_symlink())
+
+
+def _stamp(path: Path) -> dict[str, object]:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(2**20), b""):
+            digest.update(block)
+    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def _write_marker(out: Path, record: Mapping[str, Any], *, writing: tuple[str, ...]) -> None:
+    write_json_atomic({**record, "writing": list(writing)}, out / MARKER)
 
 
 def _next_steps(out: Path) -> str:
@@ -282,8 +411,10 @@ def main(out: str | Path = "bigviz-demo", *, quick: bool = False) -> int:
     start = time.perf_counter()
     _say("bigviz demo: plan, save, load, offload and run models bigger than your devices")
     plan_big_models(out)
+    record_outputs(out, writing=OUTPUTS)
     trained = load_tiny()
     same = run_offloaded(out, trained, 24 if quick else 64)
+    record_outputs(out)
     _say(_next_steps(out))
     _say(f"\ntotal {time.perf_counter() - start:.1f} s")
     return 0 if same else 1

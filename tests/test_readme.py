@@ -1,4 +1,5 @@
-"""The README's examples run as written, and its printed outputs are the code's own.
+"""The README's examples run as written, and the printed outputs of the README and the manual
+(``docs/``) are the code's own (the manual's examples run in ``tests/test_docs.py``).
 
 - "Ten lines" runs as written in a fresh interpreter that sees no GPU, in an empty folder.
 - The reasons printed in it are what the planner says today (``tools/readme_examples.py``
@@ -66,11 +67,12 @@ def test_ten_lines_run_as_written_without_a_gpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["reasons", "workload"])
+@pytest.mark.parametrize("name", ["reasons", "workload", "pipeline"])
 def test_printed_examples_are_what_the_planner_says_today(name: str) -> None:
     tool = _tool()
-    shown = tool.readme_block(name, README.read_text(encoding="utf-8"))
-    assert shown == tool.EXAMPLES[name](), f"README's {name!r} block is stale: run python tools/readme_examples.py"
+    page = tool.page_of(name)
+    shown = tool.readme_block(name, page.read_text(encoding="utf-8"))
+    assert shown == tool.EXAMPLES[name](), f"{page.name}'s {name!r} block is stale: run python tools/readme_examples.py"
 
 
 def test_readme_example_blocks_are_found_and_replaced() -> None:

@@ -1,12 +1,13 @@
-"""The README's printed examples, made by the code they describe (``tests/test_readme.py`` checks them).
+"""The printed examples of the README and the manual (``docs/*.md``), made by the code they
+describe (``tests/test_readme.py`` checks them).
 
-A README that quotes a planner's output goes stale the day the planner changes. The blocks
-written here sit in the README between ``<!-- readme_examples: NAME -->`` and the end of the code
-block that follows it; the test fails when the README's copy differs from what the code prints
+A page that quotes a planner's output goes stale the day the planner changes. The blocks
+written here sit in a page between ``<!-- readme_examples: NAME -->`` and the end of the code
+block that follows it; the test fails when the page's copy differs from what the code prints
 today, and this script rewrites them.
 
 Usage:
-    python tools/readme_examples.py            # rewrite the README's generated blocks
+    python tools/readme_examples.py            # rewrite the generated blocks
     python tools/readme_examples.py --check    # exit 1 if one of them is stale
 """
 
@@ -19,7 +20,9 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 WIDTH = 96  # the README's text blocks stay readable on GitHub without scrolling
 
 
@@ -59,6 +62,27 @@ def workload_example() -> str:
     return _reason_lines([(name, reasons[name]) for name in ("model.layers.0", "model.layers.1", "lm_head")])
 
 
+def pipeline_example() -> str:
+    """The "Across machines" example: Llama 3.1 70B in bfloat16 on four 80 GiB ranks, 8 sequences of 8192
+    tokens in 4 micro-batches: the plan's stages with their run, and the longest context."""
+    import torch
+
+    import bigviz
+
+    model = bigviz.model_from_config(bigviz.config_path("llama-3.1-70b"))
+    run = dict(batch_size=8, microbatches=4, dtype=torch.bfloat16)
+    plan = bigviz.plan_pipeline(model, ["80GiB"] * 4, context_length=8192, **run)  # type: ignore[arg-type]
+    lines = [line for line in plan.summary().splitlines() if line.startswith(("PipelinePlan", "  run:", "  stage"))]
+    lines = [wrapped for line in lines for wrapped in _wrap(line)]
+    longest = bigviz.max_context(model, stages=["80GiB"] * 4, **run)  # type: ignore[arg-type]
+    return "\n".join([*lines, f"max_context(model, stages=['80GiB'] * 4, ...): {longest} tokens"])
+
+
+def _wrap(line: str) -> list[str]:
+    indent = " " * (len(line) - len(line.lstrip()) + 4)
+    return textwrap.wrap(line, WIDTH, subsequent_indent=indent, break_on_hyphens=False)
+
+
 def _reason_lines(rows: list[tuple[str, str]]) -> str:
     """``module  reason`` lines, reasons wrapped under themselves at the README's width."""
     width = max(len(module) for module, _ in rows) + 2
@@ -70,7 +94,11 @@ def _reason_lines(rows: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
-EXAMPLES: dict[str, Callable[[], str]] = {"reasons": reason_example, "workload": workload_example}
+EXAMPLES: dict[str, Callable[[], str]] = {
+    "reasons": reason_example,
+    "workload": workload_example,
+    "pipeline": pipeline_example,
+}
 
 
 def block_pattern(name: str) -> re.Pattern[str]:
@@ -79,29 +107,37 @@ def block_pattern(name: str) -> re.Pattern[str]:
 
 
 def readme_block(name: str, readme: str) -> str:
-    """The README's current copy of example ``name``."""
+    """A page's current copy of example ``name``."""
     match = block_pattern(name).search(readme)
     if match is None:
-        raise ValueError(f"README.md has no block marked <!-- readme_examples: {name} -->")
+        raise ValueError(f"readme_examples: missing block marked <!-- readme_examples: {name} -->")
     return match.group(2).removesuffix("\n")
+
+
+def page_of(name: str) -> Path:
+    """The page (README or a page of the manual) that holds example ``name``."""
+    for page in PAGES:
+        if block_pattern(name).search(page.read_text(encoding="utf-8")):
+            return page
+    raise ValueError(f"readme_examples: missing block marked <!-- readme_examples: {name} --> in README.md and docs/")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="only report stale blocks")
     args = parser.parse_args(argv)
-    readme = README.read_text(encoding="utf-8")
     stale = []
     for name, make in EXAMPLES.items():
-        text = make()
-        if readme_block(name, readme) != text:
-            stale.append(name)
-            readme = block_pattern(name).sub(
-                lambda m, text=text: m.group(1) + text + "\n" + m.group(3), readme, count=1
+        page, text = page_of(name), make()
+        content = page.read_text(encoding="utf-8")
+        if readme_block(name, content) != text:
+            stale.append(f"{name} ({page.relative_to(ROOT)})")
+            content = block_pattern(name).sub(
+                lambda m, text=text: m.group(1) + text + "\n" + m.group(3), content, count=1
             )
-    if stale and not args.check:
-        README.write_text(readme, encoding="utf-8")
-    print(("stale: " if args.check else "rewritten: ") + ", ".join(stale) if stale else "README examples up to date")
+            if not args.check:
+                page.write_text(content, encoding="utf-8")
+    print(("stale: " if args.check else "rewritten: ") + ", ".join(stale) if stale else "printed examples up to date")
     return 1 if stale and args.check else 0
 
 

@@ -14,6 +14,16 @@ rename), then commits it:
    loader from one complete checkpoint to the next.
 3. Remove the old shards the new index does not name, and the stage.
 
+With a ``config.json`` to commit (``save_sharded(config=...)`` when it differs from the folder's),
+the config goes in the same commit: two files cannot change in one rename, so the old one is set
+aside in the stage just before the first step that can switch a loader to the new weights, and
+the new one goes in after the last. A kill in between leaves the folder with weights and *no*
+``config.json`` (a loader that needs one fails, naming it: never new weights read with the old
+config, or the reverse); the next save puts back the config of the weights that are live (the
+stage's manifest says which files are the new ones) before it removes the stage. Without
+``overwrite`` the config goes in first: a folder holding only the killed save's config takes
+the next save as it would have.
+
 A checkpoint's own files are those in transformers' naming, both formats, any variant:
 ``model.safetensors``, ``model-00001-of-00003.safetensors``, ``model.fp16-...``,
 ``model.safetensors.index(.fp16).json``, ``pytorch_model...bin`` and its index. Everything else
@@ -21,7 +31,9 @@ in the folder (``config.json``, tokenizer files, your files) is never touched.
 
 A stage is locked (``flock``) while its save runs. A killed save leaves its stage behind,
 unlocked: the next save removes it, unless the live index still points into it (a kill
-during step 1), and then only once its own index no longer does. Nothing else is ever removed.
+during step 1), and then only once its own index no longer does; with it go the links a killed
+``overwrite=False`` save made into the folder that no live index names (the same files as the
+stage's, so never anything of anyone else's). Nothing else is ever removed.
 
 Example:
     >>> checkpoint_names(["model.safetensors", "config.json", "model.fp16-00001-of-00002.safetensors",
@@ -47,9 +59,12 @@ try:
 except ImportError:  # pragma: no cover - Windows: no advisory locks, stale stages are kept
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["Stage", "checkpoint_names", "commit", "clean_stale_stages", "STAGE_PREFIX"]
+__all__ = ["Stage", "checkpoint_names", "commit", "clean_stale_stages", "STAGE_PREFIX", "CONFIG"]
 
 STAGE_PREFIX = ".bigviz-save-"
+CONFIG = "config.json"
+_CONFIG_BEFORE = ".config-before.json"  # in a stage: the folder's config, set aside during the commit
+_MANIFEST = ".manifest.json"  # in a stage: inode of each new weights file (which weights are live)
 _STAGE = re.compile(r"\.bigviz-save-[0-9a-f]{12}")
 _FORMATS = (("model", "safetensors"), ("pytorch_model", "bin"))
 
@@ -128,27 +143,82 @@ class Stage:
                 os.close(stage._fd)
 
 
-def commit(stage: Stage, files: Sequence[str], index: str | None, *, overwrite: bool) -> None:
-    """Move the staged ``files`` (shards, then ``index`` if sharded) into the folder.
+def commit(stage: Stage, files: Sequence[str], index: str | None, *, overwrite: bool, config: bool = False) -> None:
+    """Move the staged ``files`` (shards, then ``index`` if sharded) into the folder, and with
+    ``config`` the staged ``config.json`` in the same commit (see the module's docstring).
 
     Raises:
         FileExistsError: ``overwrite`` is False and the folder holds a checkpoint now (another
             process saved into it meanwhile); nothing of this save is left in the folder.
-        OSError: a rename or link failed; the folder holds a complete checkpoint, old or new.
+        OSError: a rename or link failed; the folder holds a complete checkpoint, old or new,
+            with its own config.
     """
-    _fsync_all(stage.path, files)
+    _fsync_all(stage.path, [*files, *([CONFIG] if config else [])])
     if not overwrite:
-        _commit_exclusive(stage, files)
+        _commit_exclusive(stage, files, index, config=config)
         return
+    if config:
+        _write_manifest(stage, files)
     old = [n for n in folder_checkpoint(stage.folder) if n not in files]
-    if index is None:
-        os.replace(stage.path / files[0], stage.folder / files[0])
-    else:
-        _commit_shards(stage, [f for f in files if f != index], index)
-    _fsync_dir(stage.folder)
-    for name in sorted(old, key=_preference):  # pointers first, in the loaders' order; shards last
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(stage.folder / name)
+    try:
+        if config and os.path.lexists(stage.folder / CONFIG):
+            os.replace(stage.folder / CONFIG, stage.path / _CONFIG_BEFORE)  # aside: no weights switch yet
+        if index is None:
+            os.replace(stage.path / files[0], stage.folder / files[0])
+        else:
+            _commit_shards(stage, [f for f in files if f != index], index)
+        _fsync_dir(stage.folder)
+        for name in sorted(old, key=_preference):  # pointers first, in the loaders' order; shards last
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(stage.folder / name)
+        if config:
+            os.replace(stage.path / CONFIG, stage.folder / CONFIG)  # the weights are the new ones now
+    except BaseException:
+        if config:
+            restore_config(stage.folder, stage.path)  # the config of the weights that are live
+        raise
+
+
+def _write_manifest(stage: Stage, files: Sequence[str]) -> None:
+    """Record which inodes are this save's weights files, before any of them moves: after a
+    kill, the next save tells from it whether the live weights are the old or the new ones."""
+    inodes = {name: os.stat(stage.path / name).st_ino for name in files}
+    (stage.path / _MANIFEST).write_text(json.dumps(inodes))
+    _fsync_all(stage.path, [_MANIFEST])
+
+
+def restore_config(folder: Path, stage: Path) -> None:
+    """After a commit stopped between setting the old ``config.json`` aside and putting the new
+    one in: give the folder the config of the weights a loader reads now (the stage's new
+    one when they are this save's, else the one set aside). Nothing when the folder has one."""
+    if os.path.lexists(folder / CONFIG):
+        return
+    source = stage / (CONFIG if _new_weights_live(folder, stage) else _CONFIG_BEFORE)
+    if not source.is_file():
+        return
+    try:
+        os.link(source, folder / CONFIG)  # never over a config that appeared meanwhile
+    except FileExistsError:
+        pass
+    except OSError:  # no hard links here: a copy (the stage is removed next)
+        if not os.path.lexists(folder / CONFIG):
+            shutil.copyfile(source, folder / CONFIG)
+
+
+def _new_weights_live(folder: Path, stage: Path) -> bool:
+    """Whether the file loaders read first in ``folder`` is one of ``stage``'s new files (by
+    inode, from its manifest), or an interim index reading from the stage."""
+    pointers = [n for n in sorted(folder_checkpoint(folder), key=_preference) if _preference(n)[0] < len(_FAMILIES)]
+    if not pointers:
+        return False
+    first = folder / pointers[0]
+    if first.name.endswith(".json") and stage.name in _referenced_dirs(folder, [first.name]):
+        return True
+    try:
+        inodes = set(json.loads((stage / _MANIFEST).read_text()).values())
+        return first.stat().st_ino in inodes
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _commit_shards(stage: Stage, shards: Sequence[str], index: str) -> None:
@@ -190,19 +260,38 @@ def _link_into_place(stage: Stage, name: str) -> None:
     os.replace(tmp, stage.folder / name)
 
 
-def _commit_exclusive(stage: Stage, files: Sequence[str]) -> None:
-    """Link each file in without replacing anything; undo and refuse if one appeared."""
+def _commit_exclusive(stage: Stage, files: Sequence[str], index: str | None, *, config: bool) -> None:
+    """Link each file in without replacing anything; undo and refuse if one appeared.
+
+    The config goes first (a folder holding only it is no checkpoint: the next save takes it
+    as it would have). Shards are never seen without their index: an interim index reading
+    them from the stage makes the checkpoint complete in one link, then the shards are linked
+    beside it and the final index replaces it (a loader finding shard 1 of 3 alone would read
+    a third of a model)."""
     folder, placed = stage.folder, []
+    shards = [f for f in files if f != index]
     try:
         _refuse_if_checkpoint(folder)
-        for name in files:  # shards first, the index (what makes it a checkpoint) last
+        if config:
+            _link_exclusive(stage.path / CONFIG, folder / CONFIG)
+            placed.append(CONFIG)
+        if index is not None:
+            _link_exclusive(_write_interim_index(stage, index), folder / index)
+            placed.append(index)
+            stage.referenced = True
+        for name in shards:
             _link_exclusive(stage.path / name, folder / name)
             placed.append(name)
+        if index is not None:
+            os.replace(stage.path / index, folder / index)  # the interim one was ours: linked above
+            stage.referenced = False
     except FileExistsError:
-        for name in placed:  # ours only: the same file as the staged one
+        for name in placed:  # ours only: the same file as the staged one (or its interim index)
             with contextlib.suppress(OSError):
-                if os.path.samefile(stage.path / name, folder / name):
+                ours = stage.path / (".interim-index.json" if name == index and stage.referenced else name)
+                if os.path.samefile(ours, folder / name):
                     os.unlink(folder / name)
+        stage.referenced = False
         raise
     _fsync_dir(folder)
 
@@ -269,17 +358,51 @@ def _remove_if_unlocked(path: Path) -> bool:
         os.close(fd)
         return False  # its save is running
     try:
+        _finish_killed(path.parent, path)
         shutil.rmtree(path, ignore_errors=True)
     finally:
         os.close(fd)
     return True
 
 
-def _referenced_dirs(folder: Path) -> set[str]:
+def _finish_killed(folder: Path, stage: Path) -> None:
+    """What a save killed while committing ``stage`` left for the next one to finish: the
+    config of the live weights back in place, and the links of a killed ``overwrite=False``
+    commit that no live index names (the stage's own files under their names, nothing else)."""
+    with contextlib.suppress(OSError):
+        restore_config(folder, stage)
+    named = _named_files(folder)
+    for entry in os.scandir(stage):
+        target = folder / entry.name
+        if entry.name.startswith(".") or entry.name in named or not entry.is_file(follow_symlinks=False):
+            continue
+        with contextlib.suppress(OSError):
+            if os.path.samefile(entry.path, target):
+                os.unlink(target)
+
+
+def _named_files(folder: Path) -> set[str]:
+    """Every file a pointer of the folder makes live: single weights files, index files and
+    the shards their entries name."""
+    out: set[str] = set()
+    for name in folder_checkpoint(folder):
+        if name.endswith(".json"):
+            out.add(name)
+            with contextlib.suppress(OSError, ValueError, RecursionError, AttributeError):
+                doc = json.loads((folder / name).read_bytes())
+                out.update(v for v in doc.get("weight_map", {}).values() if isinstance(v, str))
+        elif not re.search(r"-\d{5}-of-\d{5}\.", name):
+            out.add(name)
+    if os.path.lexists(folder / CONFIG):
+        out.add(CONFIG)  # a config in place is never a killed save's leftover
+    return out
+
+
+def _referenced_dirs(folder: Path, names: Iterable[str] | None = None) -> set[str]:
     """First path components of every index entry in the folder (interim indexes point into
     stages)."""
     out: set[str] = set()
-    for name in folder_checkpoint(folder):
+    for name in folder_checkpoint(folder) if names is None else names:
         if not name.endswith(".json"):
             continue
         try:

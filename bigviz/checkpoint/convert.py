@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from bigviz.checkpoint.errors import CheckpointError
 from bigviz.checkpoint.index import TensorInfo
 from bigviz.core.dtypes import tensor_nbytes
 
@@ -204,7 +205,7 @@ def run_conversion(conversion: Conversion, read: Callable[[str], Tensor], *, mod
     """Compute ``conversion``'s targets from its sources, each source given by ``read(key)``.
 
     Raises:
-        ValueError: the operation failed; the message names the keys and the operation.
+        CheckpointError: (a ``ValueError``) the operation failed; the message names the keys and the operation.
     """
     if conversion.is_rename:
         return {conversion.targets[0]: read(conversion.sources[0])}
@@ -214,7 +215,7 @@ def run_conversion(conversion: Conversion, read: Callable[[str], Tensor], *, mod
     try:
         return _convert(conversion.rule, conversion.targets[0], sources, read, model)
     except Exception as exc:
-        raise ValueError(f"converting {conversion.describe()} failed: {type(exc).__name__}: {exc}") from exc
+        raise CheckpointError(f"converting {conversion.describe()} failed: {type(exc).__name__}: {exc}") from exc
 
 
 class ConvertedWeights(Mapping[str, Tensor]):

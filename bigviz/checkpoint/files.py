@@ -22,12 +22,13 @@ Example:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from bigviz.checkpoint.errors import CheckpointError, raise_problems
 from bigviz.checkpoint.torch_io import TORCH_SUFFIXES
-from bigviz.core.serialize import parse_json
+from bigviz.core.serialize import DuplicateKeysError, parse_json
 
 __all__ = ["CheckpointFiles", "find_files", "missing_problems", "MISSING_FIX"]
 
@@ -87,6 +88,7 @@ def _pick_in_folder(folder: Path, prefer_safe: bool) -> Path:
         kinds.reverse()
     for candidates in kinds:
         if len(candidates) == 1:
+            _refuse_a_lone_shard(folder, candidates[0])
             return candidates[0]
         if len(candidates) > 1:
             listed = ", ".join(p.name for p in candidates)
@@ -123,6 +125,18 @@ def _candidates(folder: Path, names: list[str], main: str, is_weights, suffix: s
     return [folder / n for n in names if is_weights(n)]
 
 
+def _refuse_a_lone_shard(folder: Path, path: Path) -> None:
+    """A folder whose only weights file is named as one shard of several (``-00001-of-00003``)
+    holds part of a checkpoint, not one: its index and other shards are missing."""
+    found = re.search(r"-(\d{5})-of-(\d{5})\.", path.name)
+    if found and int(found.group(2)) > 1:
+        raise CheckpointError(
+            f"{folder}: incomplete checkpoint: it holds {path.name}, shard {int(found.group(1))} of "
+            f"{int(found.group(2))}, with no index naming the shards; {MISSING_FIX} (or pass that file's "
+            "path to read it alone)"
+        )
+
+
 def _format_name(suffix: str) -> str:
     return "safetensors" if suffix == _SAFE else "torch"
 
@@ -130,6 +144,8 @@ def _format_name(suffix: str) -> str:
 def _index_format(path: Path) -> str | None:
     try:
         doc = parse_json(path.read_bytes(), path, "checkpoint index")
+    except DuplicateKeysError as err:
+        doc = err.doc  # still this format's index: opening it reports the duplicates
     except (OSError, ValueError):
         return None
     mapping = doc.get("weight_map", doc) if isinstance(doc, dict) else {}
@@ -146,6 +162,10 @@ def _from_index_file(path: Path, *, check_files: bool = True) -> CheckpointFiles
         doc = parse_json(path.read_bytes(), path, "checkpoint index")  # deep nesting: an error, not a crash
     except OSError as err:
         raise CheckpointError(f"{path}: cannot read the index ({err.strerror or err})") from err
+    except DuplicateKeysError as err:
+        raise CheckpointError(
+            f"index '{path}' names a key more than once", _duplicate_problems(path, err.duplicates), fix=_DUPLICATE_FIX
+        ) from None
     except ValueError as err:
         raise CheckpointError(f"{err}; re-download or re-save it") from err
     if not isinstance(doc, dict):
@@ -171,6 +191,25 @@ def _from_index_file(path: Path, *, check_files: bool = True) -> CheckpointFiles
         dict(metadata),
         missing,
     )
+
+
+_DUPLICATE_FIX = (
+    "JSON keeps only the last of them, so which file holds the tensor is unknown: fix the index so "
+    "each tensor is listed once, or re-download or re-save the checkpoint"
+)
+
+
+def _duplicate_problems(path: Path, duplicates: dict[str, list[object]]) -> list[str]:
+    """One line per key given twice: a tensor in two files (both named), or another key."""
+    out = []
+    for key, values in duplicates.items():
+        if all(isinstance(v, str) for v in values):
+            files = ", ".join(dict.fromkeys(str(v) for v in values))
+            same = " (the same file each time)" if len(set(values)) == 1 else ""
+            out.append(f"{path.name}: tensor {key!r} is listed {len(values)} times, in {files}{same}")
+        else:
+            out.append(f"{path.name}: key {key!r} appears {len(values)} times")
+    return out
 
 
 MISSING_FIX = "download or copy the missing shards into the folder (or fix the index)"

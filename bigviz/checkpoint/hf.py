@@ -26,7 +26,9 @@ import torch
 from torch import nn
 
 from bigviz.core.names import parent
+from bigviz.modeling.configs import ConfigError, checked_config, hf_config
 from bigviz.modeling.inventory import ModelInventory
+from bigviz.core.errors import UsageError
 
 __all__ = [
     "is_transformers_model",
@@ -60,7 +62,7 @@ def conversion_rules(model: nn.Module, key_mapping: Mapping[str, str] | None = N
     """
     if not is_transformers_model(model):
         if key_mapping:
-            raise ValueError("key_mapping= needs a transformers model (its rules are transformers' WeightRenaming)")
+            raise UsageError("key_mapping= needs a transformers model (its rules are transformers' WeightRenaming)")
         return None
     from transformers.conversion_mapping import get_model_conversion_mapping
 
@@ -139,8 +141,13 @@ def meta_model_from_folder(folder: str | Path) -> nn.Module | None:
     """The transformers model a checkpoint folder describes, built on ``meta`` (no memory), or None.
 
     Needs ``config.json`` naming an ``architectures`` class the installed transformers has;
-    anything else (no config, an unknown class, transformers missing) gives None, and the
-    checkpoint is planned from its headers alone. Cached per folder while its config is unchanged.
+    anything else (no config, a model type or class transformers does not know, transformers
+    missing) gives None, and the checkpoint is planned from its headers alone. Cached per folder
+    while its config is unchanged.
+
+    Raises:
+        ConfigError: (a ``ValueError``) for a ``config.json`` bigviz will not build from at all:
+            not a JSON object, ``auto_map`` (code to run), sizing numbers out of range.
     """
     folder = Path(folder)
     folder = folder if folder.is_dir() else folder.parent
@@ -151,17 +158,17 @@ def meta_model_from_folder(folder: str | Path) -> nn.Module | None:
 
 
 def _build_meta_model(folder: Path) -> nn.Module | None:
+    data, where = checked_config(folder / "config.json")  # refused loudly: hostile, not just unknown
     try:
         import transformers
-        from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(folder)
+        config = hf_config(data, where)
         cls = getattr(transformers, (config.architectures or [""])[0], None)
-        if cls is None:
+        if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
             return None
         with torch.device("meta"):
             model = cls._from_config(config)
-    except (ImportError, OSError, ValueError, TypeError, AttributeError, KeyError, RuntimeError):
+    except (ConfigError, ImportError, OSError, ValueError, TypeError, AttributeError, KeyError, RuntimeError):
         return None  # a config transformers cannot build here: plan from the headers alone
     model.tie_weights()
     return model

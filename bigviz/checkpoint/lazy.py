@@ -30,11 +30,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import mmap
 import os
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -44,6 +41,10 @@ from bigviz.checkpoint.errors import raise_problems
 from bigviz.checkpoint.index import CheckpointIndex, TensorInfo
 from bigviz.checkpoint.load_plan import module_matches
 from bigviz.checkpoint.safetensors_io import file_stamp
+from bigviz.core.dtypes import load_dtype
+from bigviz.osio.pages import willneed
+from bigviz.osio.procfs import fd_path
+from bigviz.core.errors import UsageError
 
 __all__ = ["LazyWeights", "WeightStores", "map_file"]
 
@@ -63,7 +64,7 @@ def map_file(path: Path, fd: int | None = None) -> torch.Tensor:
     size = os.fstat(fd).st_size if fd is not None else os.path.getsize(path)
     if size == 0:
         return torch.empty(0, dtype=torch.uint8)
-    source = f"/proc/self/fd/{fd}" if fd is not None and os.path.isdir("/proc/self/fd") else str(path)
+    source = (fd_path(fd) if fd is not None else None) or str(path)
     storage = torch.UntypedStorage.from_file(source, shared=False, nbytes=size)
     return torch.empty(0, dtype=torch.uint8).set_(storage)
 
@@ -103,7 +104,7 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         unknown = [k for k in self._names.values() if k not in self.index.entries]
         if unknown:
             raise KeyError(f"names map to keys the checkpoint lacks: {unknown[:10]}")
-        self.dtype = dtype
+        self.dtype = _checked_dtype(dtype)
         self._keep = tuple(keep_dtype)
         self._dtypes = dict(dtypes or {})
         self._closed = False
@@ -128,7 +129,7 @@ class LazyWeights(Mapping[str, torch.Tensor]):
     # Mapping protocol -------------------------------------------------------------------
     def __getitem__(self, name: str) -> torch.Tensor:
         if self._closed:
-            raise ValueError("LazyWeights is closed: open a new one to read more tensors")
+            raise UsageError("LazyWeights is closed: open a new one to read more tensors")
         info = self.index.entries[self._names[name]]
         self._check(info.file)
         tensor = self._raw(info)
@@ -157,6 +158,13 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         """Bytes of ``name`` as stored in the checkpoint (no read)."""
         return self.info(name).nbytes
 
+    def identity(self, name: str) -> tuple[int, int] | None:
+        """``(device, inode)`` of the file ``name`` is read from, as this object holds it open
+        (None once closed): a reader that opens the file by path checks it is still this one
+        (a path given to a new file by rename names another)."""
+        held = self._fds.get(self.info(name).file)
+        return None if held is None else (held[1][0], held[1][1])
+
     def prefetch(self, names: Iterable[str]) -> None:
         """Ask the kernel to read these tensors into the page cache.
 
@@ -178,7 +186,7 @@ class LazyWeights(Mapping[str, torch.Tensor]):
                 if mapped is None:
                     continue
                 address = mapped.data_ptr() + info.data_offsets[0]
-            _willneed(address, info.nbytes)
+            willneed(address, info.nbytes)
 
     def verify(self, names: Iterable[str] | None = None) -> None:
         """Check the files behind ``names`` (default: all) are as they were when opened: one
@@ -270,34 +278,10 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         return raw.view(dtype).view(info.shape)
 
 
-def _libc_madvise() -> Callable[[int, int, int], int] | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        fn = libc.madvise
-    except (OSError, AttributeError, TypeError):  # no libc madvise (Windows): prefetch is a no-op
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MADVISE = _libc_madvise() if hasattr(mmap, "MADV_WILLNEED") else None
-_CHUNK = 128 * 1024
-
-
-def _willneed(address: int, length: int) -> None:
-    """``madvise(MADV_WILLNEED)`` over ``[address, address + length)``, in small chunks.
-
-    One WILLNEED call makes the kernel read at most the device's readahead window (128 KiB by
-    default, a few MiB on some disks) and silently drop the rest, so the range is advised
-    128 KiB at a time: the whole range gets read, on any device. Errors are ignored (a hint).
-    """
-    if _MADVISE is None or length <= 0:
-        return
-    start = address - address % mmap.PAGESIZE
-    end = address + length
-    for chunk in range(start, end, _CHUNK):
-        _MADVISE(chunk, min(_CHUNK, end - chunk), mmap.MADV_WILLNEED)
+def _checked_dtype(dtype: object) -> torch.dtype | None:
+    """``dtype`` as a torch dtype, floating only (:func:`~bigviz.core.dtypes.load_dtype`)."""
+    name = load_dtype(dtype)
+    return None if name is None else getattr(torch, name)
 
 
 class WeightStores(Mapping[str, torch.Tensor]):
@@ -357,6 +341,12 @@ class WeightStores(Mapping[str, torch.Tensor]):
             check = getattr(store, "verify", None)
             if check is not None:
                 check(None if names is None else [n for n in names if self._where.get(n) is store])
+
+    def identity(self, name: str) -> tuple[int, int] | None:
+        """The file ``name`` is read from (see `LazyWeights.identity`); None for a store
+        that holds no files."""
+        held = getattr(self._where[name], "identity", None)
+        return None if held is None else held(name)
 
     def prefetch(self, names: Iterable[str]) -> None:
         """Page-cache hints, passed to each file store for its names."""

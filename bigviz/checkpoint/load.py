@@ -61,7 +61,9 @@ from bigviz.checkpoint.quantized import (
 from bigviz.core.devicemap import check_keys
 from bigviz.core.devices import execution_device, torch_name
 from bigviz.core.quant import QuantConfig
+from bigviz.core.dtypes import load_dtype
 from bigviz.modeling.inventory import ModelInventory, tie_model
+from bigviz.core.errors import ArgumentTypeError
 
 __all__ = [
     "LoadResult",
@@ -383,7 +385,7 @@ def _options(
     keep_in_fp32_modules: Sequence[str] | None = None,
 ) -> LoadOptions:
     """The load's options, with the keys the model class declares ignorable."""
-    dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
+    dtype = torch_load_dtype(dtype)
     keep, patterns = _fp32_rule(model, dtype, keep_in_fp32_modules)
     return LoadOptions(
         device_map=_as_device_map(device_map),
@@ -396,6 +398,18 @@ def _options(
         ignore_unexpected=tuple(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()),
         ignore_missing=hf.ignorable_missing(model),
     )
+
+
+def torch_load_dtype(dtype: object) -> torch.dtype | None:
+    """A loader's ``dtype=`` as a torch dtype, checked (:func:`~bigviz.core.dtypes.load_dtype`:
+    floating only, bad values quoted).
+
+    Example:
+        >>> torch_load_dtype("bf16")
+        torch.bfloat16
+    """
+    name = load_dtype(dtype)
+    return None if name is None else getattr(torch, name)
 
 
 def _fp32_rule(
@@ -466,7 +480,7 @@ def _as_device_map(device_map: object) -> Mapping[str, int | str | torch.device]
     inner = getattr(device_map, "device_map", None)  # a DevicePlan
     if isinstance(inner, Mapping):
         return inner
-    raise TypeError(
+    raise ArgumentTypeError(
         f"device_map must be a dict (module -> device) or a DevicePlan, not "
         f"{device_map!r}; for 'auto' use bigviz.infer_auto_device_map first"
     )

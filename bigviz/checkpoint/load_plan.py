@@ -42,7 +42,7 @@ from bigviz.checkpoint.convert import CheckpointView, Conversion
 from bigviz.checkpoint.errors import raise_problems
 from bigviz.checkpoint.index import TensorInfo
 from bigviz.core.devicemap import device_of
-from bigviz.core.devices import device_label, normalize_device, torch_name
+from bigviz.core.devices import device_label, normalize_device, tie_home, torch_name
 from bigviz.core.dtypes import is_floating
 from bigviz.core.names import is_prefix, owner
 from bigviz.core.quant import quantization_role_keys
@@ -550,12 +550,5 @@ def _place(loads: list[TensorLoad], options: LoadOptions) -> tuple[list[TensorLo
         if None in devices:
             problems.append(f"{NO_DEVICE}{load.name}: add a key for it or ''")
         else:
-            placed.append(replace(load, device=min(devices, key=_residency)))  # type: ignore[arg-type]
+            placed.append(replace(load, device=torch_name(tie_home(devices))))
     return placed, problems
-
-
-def _residency(device: str) -> int:
-    """Where a tensor tied across devices lives: the engine keeps it resident with the user
-    that computes fastest (a GPU, then mps, then the CPU) and lends it to the others; on disk
-    only when every user is. One object stays under every name, so the tie survives."""
-    return 0 if device.startswith("cuda") else {"mps": 1, "cpu": 2}.get(device, 3)

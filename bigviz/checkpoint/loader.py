@@ -36,7 +36,7 @@ from bigviz.checkpoint.convert import ConvertedWeights
 from bigviz.checkpoint.index import CheckpointIndex
 from bigviz.checkpoint.lazy import LazyWeights, WeightStores
 from bigviz.checkpoint.load_plan import LoadPlan, TensorLoad
-from bigviz.checkpoint.offload_folder import write_offload_folder
+from bigviz.checkpoint.offload_folder import offload_weights
 from bigviz.checkpoint.packed_weights import PackedWeights, flatten
 from bigviz.checkpoint.quantized import is_packed_load, packed_store
 from bigviz.modeling.inventory import ModelInventory
@@ -167,16 +167,15 @@ def _disk_weights(
         )
         source = WeightStores([{load.name: weights[load.name] for load in plain}, converted])
         flat, recipes = flatten(source)  # weights quantized while loading: written packed, once
-        written_index = write_offload_folder(flat, folder)
-    names = {alias: load.name for load in written for alias in load.aliases if load.name not in recipes}
-    dtypes = {alias: load.dtype for load in written for alias in load.aliases if load.name not in recipes}
-    parts = {key: key for recipe in recipes.values() for key in recipe.keys.values()}
-    store: Mapping[str, torch.Tensor] = LazyWeights(CheckpointIndex.open(written_index), names | parts, dtypes=dtypes)
-    if recipes:
-        store = PackedWeights(
-            store, {a: recipes[load.name] for load in written if load.name in recipes for a in load.aliases}
-        )
-    stores.append(store)
+        names = {alias: load.name for load in written for alias in load.aliases if load.name not in recipes}
+        dtypes = {alias: load.dtype for load in written for alias in load.aliases if load.name not in recipes}
+        parts = {key: key for recipe in recipes.values() for key in recipe.keys.values()}
+        store: Mapping[str, torch.Tensor] = offload_weights(flat, folder, names | parts, dtypes=dtypes)  # locked
+        if recipes:
+            store = PackedWeights(
+                store, {a: recipes[load.name] for load in written if load.name in recipes for a in load.aliases}
+            )
+        stores.append(store)
     return folder
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from bigviz.checkpoint.tree import natural_order
+from bigviz.core.names import natural_order
 from bigviz.modeling.packed import Packed, split
 
 __all__ = ["Recipe", "PackedWeights", "flatten", "PART_SEP"]

@@ -1,7 +1,7 @@
 """How fast a checkpoint's disk reads, cold: a quick probe, cached per filesystem.
 
 The planner predicts the time of a forward pass that streams weights from disk from the
-bytes it streams and the disk's read bandwidth (`bigviz.core.streaming`). That bandwidth is
+bytes it streams and the disk's read bandwidth (`bigviz.core.cost`). That bandwidth is
 measured here on the checkpoint's own files: ``sample_bytes`` read by one reader
 (``sequential``) and another ``sample_bytes`` by ``parallel`` readers, each reading its own
 contiguous part (``parallel``: what a fetcher with several readers gets; on the virtual disk
@@ -35,33 +35,23 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import errno
 import json
 import mmap
 import os
-import sys
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = [
-    "DiskProbe",
-    "ReadTiming",
-    "measure_read_bandwidth",
-    "timed_read",
-    "split_ranges",
-    "resident_pages",
-    "drop_file_pages",
-    "cache_file",
-]
+from bigviz.osio.direct import ALIGN, open_file
+from bigviz.osio.pages import PAGE, available, cached_pages, drop_file_pages
+from bigviz.osio.procfs import mount_of
+from bigviz.core.errors import UsageError
 
-PAGE = mmap.PAGESIZE
-ALIGN = 4096  # O_DIRECT offsets, lengths and buffers: a multiple of the logical block size
+__all__ = ["DiskProbe", "ReadTiming", "measure_read_bandwidth", "timed_read", "split_ranges", "cache_file"]
+
 CACHE_FORMAT = "bigviz-disk-probe"
 CACHE_VERSION = 2  # 2: 'auto' measures buffered cold reads (as the engine reads)
 MONTH = 30 * 24 * 3600.0
@@ -197,7 +187,7 @@ def _read_part(part: Sequence[Range], chunk: int, direct: bool) -> int:
     got = 0
     try:
         for path, offset, length in part:
-            with _opened(path, direct) as fd:
+            with open_file(path, direct=direct) as fd:
                 got += _read_range(fd, view, offset, length)
     finally:
         view.release()
@@ -216,91 +206,6 @@ def _read_range(fd: int, view: memoryview, offset: int, length: int) -> int:
         got += min(n, want)
         offset += n
     return got
-
-
-@contextlib.contextmanager
-def _opened(path: Path, direct: bool) -> Iterator[int]:
-    if direct and not hasattr(os, "O_DIRECT"):  # macOS, Windows: no such flag
-        raise OSError(errno.EINVAL, f"O_DIRECT is not available on this platform ({sys.platform})", str(path))
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
-    try:
-        yield fd
-    finally:
-        os.close(fd)
-
-
-# ------------------------------------------------------------------------ page cache
-class _Libc:
-    """``mmap``/``mincore``/``munmap`` through ctypes (Linux); None where unavailable."""
-
-    def __init__(self) -> None:
-        self.ok = False
-        if not sys.platform.startswith("linux"):
-            return
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        except OSError:
-            return
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-        libc.mmap.restype = ctypes.c_void_p
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        self.libc, self.ok = libc, True
-
-
-_LIBC = _Libc()
-_LOW_BIT = bytes(b & 1 for b in range(256))
-
-
-def resident_pages(path: str | os.PathLike[str], offset: int = 0, length: int | None = None) -> bytes | None:
-    """One byte per page of ``path[offset:offset + length]``: 1 if in the page cache, else 0.
-
-    Asks ``mincore`` on a fresh read-only mapping, which reads nothing. None where that is
-    not possible (not Linux, an empty range).
-
-    Example:
-        >>> import tempfile
-        >>> p = Path(tempfile.mkdtemp()) / "x"; _ = p.write_bytes(b"a" * 10000)
-        >>> len(resident_pages(p))
-        3
-    """
-    size = os.stat(path).st_size
-    begin = offset - offset % PAGE
-    end = size if length is None else min(size, offset + length)
-    if not _LIBC.ok or end <= begin:
-        return None
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return _mincore(fd, begin, end - begin)
-    finally:
-        os.close(fd)
-
-
-def _mincore(fd: int, begin: int, length: int) -> bytes | None:
-    libc = _LIBC.libc
-    address = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, begin)
-    if address in (None, ctypes.c_void_p(-1).value):
-        return None
-    try:
-        status = ctypes.create_string_buffer(-(-length // PAGE))
-        if libc.mincore(address, length, status) != 0:
-            return None
-        return status.raw.translate(_LOW_BIT)  # other bits are reserved: keep "resident" only
-    finally:
-        libc.munmap(address, length)
-
-
-def drop_file_pages(path: str | os.PathLike, offset: int = 0, length: int = 0) -> None:
-    """Evict ``path[offset:offset + length]`` from the page cache (``length`` 0: to the end);
-    its dirty pages are written first, as only clean pages can be dropped. The next read of
-    those bytes comes from the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        with contextlib.suppress(OSError):
-            os.fsync(fd)  # dirty pages cannot be dropped: write them first (a no-op when clean)
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _drop_new_pages(path: Path, offset: int, before: bytes) -> None:
@@ -325,7 +230,7 @@ def _cold_read(ranges: Sequence[Range], readers: int, chunk: int, method: str) -
     if method == "buffered":
         return timed_read(ranges, readers=readers, chunk_bytes=chunk)
     # whole files: the kernel's read-ahead brings in pages past the end of a range too
-    before = {path: resident_pages(path) for path in dict.fromkeys(path for path, _, _ in ranges)}
+    before = {path: cached_pages(path) for path in dict.fromkeys(path for path, _, _ in ranges)}
     for path, offset, length in ranges:
         drop_file_pages(path, offset, length)
     try:
@@ -353,7 +258,7 @@ def _sample_files(path: Path) -> list[Path]:
         files = [path]
     files = [p.resolve() for p in files if p.is_file() and p.stat().st_size > 0]
     if not files:
-        raise ValueError(
+        raise UsageError(
             f"measure_read_bandwidth: {path} holds no non-empty file to read; give a "
             "checkpoint file, its index, or the folder holding it"
         )
@@ -368,7 +273,7 @@ def _index_files(index: Path) -> list[Path]:
     try:
         weight_map = json.loads(index.read_text()).get("weight_map", {})
     except (ValueError, AttributeError) as exc:
-        raise ValueError(
+        raise UsageError(
             f"measure_read_bandwidth: {index} is not a checkpoint index "
             f"({type(exc).__name__}: {exc}); give the folder or a weights file"
         ) from None
@@ -455,26 +360,16 @@ def _cached(
 # --------------------------------------------------------------------------- devices
 def _identity(st_dev: int) -> tuple[str, str]:
     """``("major:minor", "fstype source mountpoint")`` of a device (filesystem "" if unknown)."""
-    device = f"{os.major(st_dev)}:{os.minor(st_dev)}"
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return device, ""
-    for line in lines:
-        left, _, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
-        if len(fields) >= 5 and fields[2] == device and len(tail) >= 2:
-            return device, f"{tail[0]} {tail[1]} {fields[4]}"
-    return device, ""
+    return f"{os.major(st_dev)}:{os.minor(st_dev)}", mount_of(os.major(st_dev), os.minor(st_dev))
 
 
 def _method(files: Sequence[Path], requested: str) -> str:
     if requested != "auto":
         return requested
-    if hasattr(os, "posix_fadvise") and _LIBC.ok:
+    if hasattr(os, "posix_fadvise") and available():
         return "dropped"  # buffered reads, as the engine reads (kernel read-ahead included)
     try:
-        with _opened(files[0], True) as fd:  # tmpfs and some others refuse O_DIRECT
+        with open_file(files[0], direct=True) as fd:  # tmpfs and some others refuse O_DIRECT
             buffer = mmap.mmap(-1, ALIGN)
             try:
                 os.preadv(fd, [buffer], 0)
@@ -482,7 +377,7 @@ def _method(files: Sequence[Path], requested: str) -> str:
                 buffer.close()
         return "direct"
     except (OSError, AttributeError):
-        return "dropped" if hasattr(os, "posix_fadvise") and _LIBC.ok else "buffered"
+        return "dropped" if hasattr(os, "posix_fadvise") and available() else "buffered"
 
 
 # ------------------------------------------------------------------------------- probe
@@ -560,7 +455,7 @@ def _check_knobs(*, parallel: int, sample_bytes: int, chunk_bytes: int, method: 
     if method not in ("auto", "direct", "dropped", "buffered"):
         problems.append(f"method={method!r} must be 'auto', 'direct', 'dropped' or 'buffered'")
     if problems:
-        raise ValueError("measure_read_bandwidth: " + "; ".join(problems))
+        raise UsageError("measure_read_bandwidth: " + "; ".join(problems))
 
 
 def _measure(

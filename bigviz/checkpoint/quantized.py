@@ -60,7 +60,7 @@ from bigviz.checkpoint.packed_weights import PackedWeights, Recipe
 from bigviz.checkpoint.safetensors_io import read_header
 from bigviz.core.quant import QuantConfig, packed_nbytes, prequantized_format
 from bigviz.core.serialize import parse_json
-from bigviz.modeling.process_memory import release_free_heap
+from bigviz.osio.pages import release_free_heap
 
 __all__ = [
     "quantization_config",

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from bigviz.checkpoint.errors import raise_problems
 from bigviz.core.dtypes import SAFETENSORS_CODES, tensor_nbytes, to_safetensors
 from bigviz.core.serialize import parse_json
+from bigviz.core.errors import ArgumentTypeError
 
 if TYPE_CHECKING:
     import torch
@@ -216,7 +217,7 @@ def write_safetensors(
         nbytes = t.numel() * t.element_size()
         code = _code(t.dtype)
         if code is None:
-            raise TypeError(f"tensor {name!r}: dtype {t.dtype} has no safetensors code")
+            raise ArgumentTypeError(f"tensor {name!r}: dtype {t.dtype} has no safetensors code")
         doc[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(doc, separators=(",", ":")).encode()

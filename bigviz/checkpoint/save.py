@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
-from bigviz.checkpoint.commit import Stage, clean_stale_stages, commit, folder_checkpoint
+from bigviz.checkpoint.commit import CONFIG, Stage, clean_stale_stages, commit, folder_checkpoint
 from bigviz.checkpoint.safetensors_io import write_safetensors
 from bigviz.checkpoint.sharding import parse_size, plan_shards, unique_tensors
+from bigviz.core.errors import ArgumentTypeError, UsageError
 
 __all__ = ["save_sharded", "write_checkpoint_files"]
 
@@ -95,9 +96,10 @@ def save_sharded(
     state = _state_dict(model_or_state_dict)
     tensors, _dropped = unique_tensors(state)
     limit = parse_size(max_shard_size)
+    if folder.is_dir():
+        _tidy(folder)  # what a killed save left (never a live save's stage), before looking for a checkpoint
     created = _prepare_folder(folder, overwrite)
     try:
-        _tidy(folder)  # what a killed save left (never a live save's stage)
         config_text = _config_text(folder, config, overwrite=overwrite)
         with Stage.create(folder) as stage:
             written = write_checkpoint_files(
@@ -110,11 +112,9 @@ def save_sharded(
             )
             names = [p.name for p in written]
             index = names[-1] if names[-1].endswith(".json") else None
-            if config_text is not None:  # staged with the shards, committed right after them
-                (stage.path / "config.json").write_text(config_text)
-            commit(stage, names, index, overwrite=overwrite)
-            if config_text is not None:
-                os.replace(stage.path / "config.json", folder / "config.json")
+            if config_text is not None:  # staged with the shards, committed with them
+                (stage.path / CONFIG).write_text(config_text)
+            commit(stage, names, index, overwrite=overwrite, config=config_text is not None)
         _tidy(folder)
     except BaseException as err:
         _remove_created(created)
@@ -158,7 +158,7 @@ def write_checkpoint_files(
                 header = {"format": "pt", **(metadata or {})}
                 write_safetensors(folder / name, part, metadata=header, on_bytes=bar.update, align=align)
             else:
-                torch.save({k: _own_storage(t) for k, t in part.items()}, folder / name)
+                _torch_save({k: _own_storage(t) for k, t in part.items()}, folder / name)
                 bar.update(sum(t.numel() * t.element_size() for t in part.values()))
             written.append(folder / name)
     if len(shards) > 1:
@@ -166,8 +166,41 @@ def write_checkpoint_files(
     return written
 
 
+def _torch_save(obj: object, path: Path) -> None:
+    """``torch.save`` into ``path``; a failed write (a full disk) is the ``OSError`` it was.
+
+    Why not ``torch.save(obj, path)``: torch's own writer reports ENOSPC as a bare
+    ``RuntimeError`` ("unexpected pos ..."), and even through a Python file the error of its
+    zip writer's end can replace the ``OSError`` of the write that failed.
+    """
+    failed: list[OSError] = []
+
+    class _Writes:  # what torch.save needs of a file: write and flush, each failure kept
+        def __init__(self, file: Any) -> None:
+            self.file = file
+
+        def write(self, data: Any) -> int:
+            try:
+                return self.file.write(data)
+            except OSError as err:
+                failed.append(err)
+                raise
+
+        def flush(self) -> None:
+            self.file.flush()
+
+    try:
+        with open(path, "wb") as file:
+            torch.save(obj, _Writes(file))
+    except (OSError, RuntimeError) as err:
+        if failed and failed[0] is not err:
+            raise failed[0] from None
+        raise
+
+
 def _config_text(folder: Path, config: Any, *, overwrite: bool) -> str | None:
-    """The ``config.json`` text to write with the shards (None without a config).
+    """The ``config.json`` text to commit with the shards (None without a config, or when the
+    folder's says the same already: nothing to change).
 
     Raises:
         FileExistsError: the folder's ``config.json`` says something else and ``overwrite``
@@ -176,8 +209,14 @@ def _config_text(folder: Path, config: Any, *, overwrite: bool) -> str | None:
     if config is None:
         return None
     text = json.dumps(_config_data(config), indent=2, sort_keys=True) + "\n"
-    existing = folder / "config.json"
-    if not overwrite and existing.is_file() and existing.read_text(errors="replace") != text:
+    existing = folder / CONFIG
+    try:
+        current = existing.read_bytes() if existing.is_file() else None
+    except OSError:
+        current = None
+    if current == text.encode():
+        return None
+    if not overwrite and os.path.lexists(existing):
         raise FileExistsError(
             f"{existing} exists and differs from the config given; pass "
             "overwrite=True to replace it, or leave config= out to keep it"
@@ -190,7 +229,7 @@ def _config_data(config: Any) -> dict[str, Any]:
     transformers configs)."""
     data = dict(config) if isinstance(config, Mapping) else getattr(config, "to_dict", lambda: None)()
     if not isinstance(data, dict):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"config must be a dict or have to_dict() (a bigviz or transformers config), not {type(config).__name__}"
         )
     return data
@@ -231,10 +270,10 @@ def _state_dict(obj: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, 
     state = obj.state_dict() if isinstance(obj, torch.nn.Module) else dict(obj)
     bad = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
     if bad:
-        raise TypeError(f"not tensors, cannot save: {bad[:10]}")
+        raise ArgumentTypeError(f"not tensors, cannot save: {bad[:10]}")
     meta = [k for k, v in state.items() if v.is_meta]
     if meta:
-        raise ValueError(
+        raise UsageError(
             f"{len(meta)} tensors are on the meta device and have no data to save "
             f"(first: {meta[:5]}); load weights into the model first (bigviz.load_checkpoint_in_model) "
             "or materialise it with model.to_empty(device='cpu') and initialise it"

@@ -17,21 +17,21 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bigviz.checkpoint.index import CheckpointIndex, TensorInfo
 from bigviz.checkpoint.sharding import unique_tensors
-from bigviz.core.names import join
+from bigviz.core.names import join, natural_order
 from bigviz.core.dtypes import canonical_dtype
 from bigviz.core.tree import SizeTree, TensorSpec
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["tree_from_checkpoint", "detect_no_split", "natural_order"]
+__all__ = ["tree_from_checkpoint", "detect_no_split"]
 
 
 def tree_from_checkpoint(
@@ -121,33 +121,6 @@ def _pickled_ties(index: CheckpointIndex) -> list[list[str]]:
         for dropped, kept in unique_tensors(state)[1]:
             groups.setdefault(kept, [kept]).append(dropped)
     return list(groups.values())
-
-
-def natural_order(names: Iterable[str]) -> list[str]:
-    """``names`` in first-appearance order, numbered siblings sorted by number.
-
-    Example:
-        >>> natural_order(["h.10.w", "h.2.w", "wte", "h.2.b"])
-        ['h.2.w', 'h.2.b', 'h.10.w', 'wte']
-    """
-    names = list(names)
-    rank: dict[tuple[str, str], int] = {}
-    for name in names:
-        parts = name.split(".")
-        for i, part in enumerate(parts):
-            where = ".".join(parts[:i])
-            rank.setdefault((where, "#" if part.isdigit() else part), len(rank))
-
-    def key(name: str) -> tuple[tuple[int, int], ...]:
-        parts = name.split(".")
-        out = []
-        for i, part in enumerate(parts):
-            where = ".".join(parts[:i])
-            number = part.isdigit()
-            out.append((rank[(where, "#" if number else part)], int(part) if number else 0))
-        return tuple(out)
-
-    return sorted(names, key=key)
 
 
 def detect_no_split(names: Sequence[str]) -> list[str]:

@@ -15,7 +15,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from bigviz.core.errors import UsageError
 
 __all__ = [
     "Device",
@@ -26,6 +27,7 @@ __all__ = [
     "device_sort_key",
     "torch_name",
     "execution_device",
+    "tie_home",
     "streamed_devices",
     "computes",
     "missing_device_problems",
@@ -55,10 +57,10 @@ def normalize_device(device: object) -> Device:
         (1, 0, 'disk')
     """
     if isinstance(device, bool):
-        raise ValueError(f"unknown device {device!r}")
+        raise UsageError(f"unknown device {device!r}")
     if isinstance(device, int):
         if device < 0:
-            raise ValueError(f"unknown device {device!r}: GPU indices are >= 0")
+            raise UsageError(f"unknown device {device!r}: GPU indices are >= 0")
         return device
     text = str(device).strip()
     if text.isdigit():
@@ -69,7 +71,7 @@ def normalize_device(device: object) -> Device:
         return int(text[5:])
     if text in NAMED_DEVICES:
         return text
-    raise ValueError(f"unknown device {device!r}: use a GPU index (0, 1, ...), 'cuda:N', 'cpu', 'disk' or 'mps'")
+    raise UsageError(f"unknown device {device!r}: use a GPU index (0, 1, ...), 'cuda:N', 'cpu', 'disk' or 'mps'")
 
 
 def device_label(device: Device) -> str:
@@ -116,6 +118,20 @@ def computes(device: Device) -> bool:
         (True, False)
     """
     return device != "disk"
+
+
+def tie_home(devices: Sequence[object]) -> Device:
+    """The one rule for where a tensor tied across devices lives (one object under every name,
+    so the tie survives): with the user that computes fastest, a GPU (the first one named),
+    then mps, then the CPU; on disk only when every user is. The loader puts it there and the
+    dispatch keeps it resident there, lending it to the other users.
+
+    Example:
+        >>> tie_home(["cpu", 1, "cuda:0"]), tie_home(["disk", "mps"]), tie_home(["disk", "disk"])
+        (1, 'mps', 'disk')
+    """
+    canonical = [d if isinstance(d, int) or d in NAMED_DEVICES else normalize_device(d) for d in devices]
+    return min(canonical, key=lambda d: 0 if isinstance(d, int) else 1 + NAMED_DEVICES.index(d))
 
 
 def execution_device(devices: Iterable[object]) -> Device:

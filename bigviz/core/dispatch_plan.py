@@ -20,20 +20,26 @@ Example:
       GPU 0: 1 resident tensor, 400 B; holds up to 800 B of streamed units (running + prefetched)
       from CPU: 1 unit, 400 B (h.1)
       from disk: 1 unit, 400 B (h.2)
+      run: 2 cpu/disk units streamed by the cuda fetcher (copies to the GPU on a side stream, through pinned staging buffers, 1 unit ahead)
+        resident on GPU 0: 1 entry, 400 B (h.0)
+        streamed by the cuda fetcher: 2 units, 800 B (h.1, h.2)
+        why: GPU 0 executes: cpu units stream from pinned RAM, disk units through pinned staging (the page cache keeps them as RAM allows)
 """
 
 from __future__ import annotations
 
 import html
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from bigviz.core.devices import Device, device_label, normalize_device, streamed_devices
 from bigviz.core.errors import DeviceMapError
 from bigviz.core.offload_units import OffloadUnit, Resident, UnitRule, offload_units, streamed_needs
+from bigviz.core.names import owner
 from bigviz.core.sizes import format_size
+from bigviz.core.stream_plan import MachineFacts, StreamOptions, StreamPlan, make_stream_plan
 from bigviz.core.tree import SizeTree
 
 if TYPE_CHECKING:
@@ -55,6 +61,9 @@ class DispatchPlan:
         prefetch: the next unit is fetched while the current one computes (so two are held).
         problems: tensors no device-map entry covers (sentences); a plan with problems is
             refused by `check`.
+        stream: how each unit lives at run time (mapped, resident copy or streamed; which
+            fetcher, its ring, its read-ahead): :mod:`bigviz.core.stream_plan`. The engine
+            carries it out as it is.
     """
 
     device_map: Mapping[str, Device]
@@ -64,6 +73,7 @@ class DispatchPlan:
     rule: UnitRule
     prefetch: bool = True
     problems: tuple[str, ...] = field(default=())
+    stream: StreamPlan | None = None
 
     def check(self) -> DispatchPlan:
         """The plan itself, or `DeviceMapError` listing every tensor it leaves uncovered."""
@@ -124,6 +134,8 @@ class DispatchPlan:
                     f"  from {device_label(storage)}: {_count(len(units), 'unit')}, "
                     f"{format_size(streamed[storage])} ({shown})"
                 )
+        if self.stream is not None:
+            lines += _residency_lines(self.stream)
         lines += [f"  problem: {p}" for p in self.problems]
         return "\n".join(lines)
 
@@ -131,12 +143,16 @@ class DispatchPlan:
         return self.summary()
 
     def rows(self) -> list[dict[str, Any]]:
-        """One dict per unit, in fetch order: unit, storage, tensors, buffers, bytes, fetched."""
+        """One dict per unit, in fetch order: unit, storage, residency, fetcher, tensors,
+        buffers, bytes, fetched."""
+        how = {u.name: u for u in self.stream.units} if self.stream is not None else {}
         return [
             {
                 "order": i,
                 "unit": u.name or "<model>",
                 "storage": u.storage,
+                "residency": how[u.name].residency if u.name in how else "streamed",
+                "fetcher": how[u.name].fetcher if u.name in how else "",
                 "tensors": len(u.fetches),
                 "buffers": len(u.buffers),
                 "bytes": u.nbytes,
@@ -150,7 +166,7 @@ class DispatchPlan:
         """One row per offload unit, in fetch order."""
         import pandas as pd
 
-        columns = ["order", "unit", "storage", "tensors", "buffers", "bytes", "size", "fetches"]
+        columns = ["order", "unit", "storage", "residency", "fetcher", "tensors", "buffers", "bytes", "size", "fetches"]
         return pd.DataFrame(self.rows(), columns=columns)
 
     def to_dict(self) -> dict[str, Any]:
@@ -173,6 +189,7 @@ class DispatchPlan:
             "resident": [
                 {"tensor": r.key, "names": list(r.names), "device": r.device, "bytes": r.nbytes} for r in self.resident
             ],
+            "stream": self.stream.to_dict() if self.stream is not None else None,
         }
 
     def _repr_html_(self, max_rows: int = 60) -> str:
@@ -192,7 +209,13 @@ class DispatchPlan:
 
 
 def make_dispatch_plan(
-    tree: SizeTree, device_map: Mapping[str, object], rule: UnitRule, *, prefetch: bool = True
+    tree: SizeTree,
+    device_map: Mapping[str, object],
+    rule: UnitRule,
+    *,
+    prefetch: bool = True,
+    machine: MachineFacts | None = None,
+    stream: StreamOptions | None = None,
 ) -> DispatchPlan:
     """The dispatch plan of ``device_map`` on ``tree`` (pure: no model, no file).
 
@@ -201,12 +224,53 @@ def make_dispatch_plan(
         device_map: module (or tensor) name -> device, in any spelling.
         rule: the unit rule's knobs (execution device, blocks, preload classes, reads).
         prefetch: the engine fetches the next unit while the current one computes.
+        machine: the machine's facts the stream plan is made for (default: none, the map is
+            the machine: a model with disk units does not fit its "cpu" part).
+        stream: what is asked of the streaming (``resident``, ``stream``, ``readers``).
+
+    Raises:
+        PlanError: a streaming knob out of range, or a resident copy that cannot fit in RAM.
     """
     layout = offload_units(tree, device_map, rule)
     mapping = MappingProxyType({k: normalize_device(v) for k, v in device_map.items()})
-    return DispatchPlan(
-        mapping, normalize_device(rule.main_device), layout.units, layout.resident, rule, prefetch, layout.problems
-    )
+    main = normalize_device(rule.main_device)
+    options = replace(stream, prefetch=prefetch) if stream is not None else StreamOptions(prefetch=prefetch)
+    kept: dict[str, int] = {}
+    devices: dict[str, Device] = {}
+    for r in layout.resident:
+        found = owner(r.names[0], mapping)
+        entry = r.names[0] if found is None else found
+        kept[entry] = kept.get(entry, 0) + r.nbytes
+        devices[entry] = r.device
+    units = [(u.name, u.storage, u.nbytes) for u in layout.units]
+    plan = make_stream_plan(units, kept, main, machine, options, resident_devices=devices)
+    return DispatchPlan(mapping, main, layout.units, layout.resident, rule, prefetch, layout.problems, plan)
+
+
+def _residency_lines(stream: StreamPlan) -> list[str]:
+    """How each unit lives at run time, grouped: the resident entries by residency, then the
+    streamed units by fetcher (a few names each; ``rows()`` has them all)."""
+    lines = [f"  run: {stream.summary().splitlines()[0]}"]
+    groups: dict[tuple[str, str], list[str]] = {}
+    sizes: dict[tuple[str, str], int] = {}
+    for u in stream.units:
+        key = (u.residency, u.fetcher if u.residency == "streamed" else u.storage)
+        groups.setdefault(key, []).append(u.name or "<model>")
+        sizes[key] = sizes.get(key, 0) + u.nbytes
+    for (residency, how), names in groups.items():
+        shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+        if residency == "on device":
+            what = f"resident on {device_label(normalize_device(how))}"
+        else:
+            what = {
+                "streamed": f"streamed by the {how} fetcher",
+                "mapped": "in RAM as loaded (zero copy: memory-mapped where read in place)",
+                "resident copy": "copied into RAM once",
+            }[residency]
+        count = _count(len(names), "unit" if residency == "streamed" else "entry").replace("entrys", "entries")
+        lines.append(f"    {what}: {count}, {format_size(sizes[(residency, how)])} ({shown})")
+    lines.append(f"    why: {stream.reason}")
+    return lines
 
 
 def _count(n: int, what: str) -> str:

@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from bigviz.core.errors import UsageError
 
 __all__ = [
     "DType",
@@ -29,6 +30,8 @@ __all__ = [
     "bits",
     "tensor_nbytes",
     "is_floating",
+    "load_dtype",
+    "LOADABLE_DTYPES",
     "from_safetensors",
     "to_safetensors",
     "SAFETENSORS_CODES",
@@ -83,6 +86,17 @@ DTYPE_SIZES: dict[str, float] = {d.name: d.bits / 8 for d in _TABLE}
 FLOATING_DTYPES = frozenset(d.name for d in _TABLE if d.floating)
 """Canonical names of the floating dtypes (the ones a ``dtype=`` cast converts)."""
 
+_NOT_IN_TORCH = frozenset({"float6_e2m3", "float6_e3m2", "float4_e2m1"})  # sized and planned only
+_NOT_A_CAST = {  # floating dtypes torch has that a cast of weights must not target
+    "float8_e8m0fnu": "holds only powers of two with no sign (MX block scales): every weight would lose its sign",
+    "float4_e2m1fn_x2": "packs two 4-bit values per byte: torch cannot cast weights to it",
+}
+LOADABLE_DTYPES = tuple(
+    d.name for d in _TABLE if d.floating and d.name not in _NOT_IN_TORCH and d.name not in _NOT_A_CAST
+)
+"""The dtypes a loader's ``dtype=`` may cast floating weights to (floating, with a torch dtype, and
+able to hold a weight: not the unsigned scale format ``float8_e8m0fnu`` nor a packed pair)."""
+
 # Names users and other libraries write for the same dtypes.
 _ALIASES = {
     "float": "float32", "half": "float16", "double": "float64", "fp32": "float32", "fp16": "float16",
@@ -104,7 +118,7 @@ def canonical_dtype(dtype: object) -> str:
     text = str(dtype).removeprefix("torch.")
     text = _ALIASES.get(text, text)
     if text not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(sorted(DTYPES))}")
+        raise UsageError(f"unknown dtype {dtype!r}: use one of {', '.join(sorted(DTYPES))}")
     return text
 
 
@@ -149,6 +163,45 @@ def is_floating(dtype: object) -> bool:
     return DTYPES[canonical_dtype(dtype)].floating
 
 
+def load_dtype(dtype: object, *, name: str = "dtype") -> str | None:
+    """The canonical name of the dtype a loader casts floating weights to (None for None).
+
+    One check for every loader's ``dtype=``: a floating dtype torch has, given as a
+    ``torch.dtype`` or a name (``"bfloat16"``, ``"torch.float16"``, ``"fp16"``). A planner may
+    size a model in ``int8`` (a what-if); a load cannot cast floating weights to it (every
+    weight would become an integer, a layer of small weights all zeros).
+
+    Raises:
+        ValueError: quoting the value: not a dtype (``3``), an unknown name (``"float17"``),
+            or not floating (``torch.int8``).
+
+    Example:
+        >>> load_dtype("bf16"), load_dtype(None)
+        ('bfloat16', None)
+        >>> load_dtype("int8")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        bigviz.core.errors.UsageError: dtype='int8' is not a floating dtype: ...
+    """
+    if dtype is None:
+        return None
+    choices = ", ".join(LOADABLE_DTYPES[:4]) + ", ..."
+    if not isinstance(dtype, str) and all(c.__name__ != "dtype" for c in type(dtype).__mro__):  # torch's, numpy's
+        raise UsageError(f"{name}={dtype!r} is not a dtype: give a floating dtype such as torch.bfloat16 or 'float16'")
+    try:
+        canonical = canonical_dtype(dtype)
+    except ValueError:
+        raise UsageError(f"{name}={dtype!r} is not a dtype bigviz knows: give a floating dtype ({choices})") from None
+    if canonical not in LOADABLE_DTYPES:
+        what = _NOT_A_CAST.get(canonical) or (
+            "has no torch dtype to load into" if DTYPES[canonical].floating else "is not a floating dtype"
+        )
+        raise UsageError(
+            f"{name}={dtype!r} {what}: a load casts every floating weight to it; give one of "
+            f"{', '.join(LOADABLE_DTYPES)} (a planner sizes other dtypes as a what-if)"
+        )
+    return canonical
+
+
 def from_safetensors(code: str) -> str:
     """The canonical name of a safetensors header code.
 
@@ -161,7 +214,7 @@ def from_safetensors(code: str) -> str:
     """
     found = SAFETENSORS_CODES.get(code)
     if found is None:
-        raise ValueError(f"unknown safetensors dtype {code!r}: one of {', '.join(SAFETENSORS_CODES)}")
+        raise UsageError(f"unknown safetensors dtype {code!r}: one of {', '.join(SAFETENSORS_CODES)}")
     return found.name
 
 

@@ -2,9 +2,11 @@
 
 Every check in bigviz collects all it finds before raising (three shards missing, a GPU this
 machine lacks *and* a module no key covers), so each error carries ``problems``, one line
-each, and prints them the same way. The layers' own errors subclass :class:`BigvizError`
-with the builtin base their users catch: :class:`PlanError` and :class:`DeviceMapError` are
-``ValueError`` s, as are ``bigviz.checkpoint.CheckpointError`` and its ``OffloadFolderError``.
+each, and prints them the same way. Every error bigviz raises on purpose is one of the family,
+each with the builtin base its users catch: :class:`PlanError`, :class:`DeviceMapError` and
+:class:`UsageError` are ``ValueError`` s, as are ``bigviz.checkpoint.CheckpointError`` and its
+``OffloadFolderError``; :class:`ArgumentTypeError` is a ``TypeError``; :class:`StateError`
+and :class:`FetchError` (a read of offloaded weights, at run time) are ``RuntimeError`` s. (The OS layer, ``bigviz.osio``, below them all, raises ``OSError`` s.)
 
 Example:
     >>> err = PlanError("cannot plan", ["unknown strategy 'fast'", "reserve['x']: not a size"])
@@ -25,8 +27,13 @@ __all__ = [
     "BigvizError",
     "PlanError",
     "DeviceMapError",
+    "FetchError",
+    "UsageError",
+    "ArgumentTypeError",
+    "StateError",
     "format_problems",
     "raise_problems",
+    "short_repr",
 ]
 
 MAX_LINES = 40
@@ -100,6 +107,25 @@ class DeviceMapError(BigvizError, ValueError):
     """A device map that does not fit the model or this machine (every problem listed)."""
 
 
+class UsageError(BigvizError, ValueError):
+    """A value bigviz cannot use: a knob out of range, an unknown name or spelling (the message
+    says what, where, and the values it takes)."""
+
+
+class ArgumentTypeError(BigvizError, TypeError):
+    """An argument of a kind bigviz does not take (the message names the kinds it does)."""
+
+
+class StateError(BigvizError, RuntimeError):
+    """An operation the object's state forbids now (a dispatched model moved or dispatched
+    again, a widget asked for what it was not made with); the message says what to do first."""
+
+
+class FetchError(BigvizError, RuntimeError):
+    """Reading an offloaded unit's weights failed at run time (the cause is chained); raised
+    in the caller, naming the unit, even when the read ran in the background."""
+
+
 def raise_problems(
     problems: Sequence[str],
     headline: str,
@@ -117,3 +143,22 @@ def raise_problems(
           - key 0 is not a module name
     """
     error.check(problems, headline, fix=fix)
+
+
+def short_repr(value: object, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for a message that quotes what was wrong.
+
+    Values from hostile files can be anything: nested deeper than ``repr`` recurses (``RecursionError``),
+    or integers too long for ``str`` (Python refuses more than 4300 digits): both are described instead.
+
+    Example:
+        >>> short_repr("x" * 100, 10), short_repr(10**5000)
+        ("'xxxxxx...", 'an integer of about 10**5000')
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 100:
+        return f"an integer of about 10**{int(abs(value).bit_length() * 0.30103)}"
+    try:
+        text = repr(value)
+    except RecursionError:  # JSON nested just below the parser's limit
+        return "(a deeply nested value)"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

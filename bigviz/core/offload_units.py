@@ -19,9 +19,10 @@ The rule, per tensor mapped to offloaded storage:
 4. Go up to the outermost ancestor whose class is a preload class (it fetches all its
    offloaded tensors at once).
 
-A tie group (one tensor under several names) whose names map to a computing device stays
-resident there for all its users; a tensor only offloaded is fetched by every unit that uses
-it. Buffers stay resident on the execution device unless ``offload_buffers``.
+A tie group (one tensor under several names) lives where
+:func:`~bigviz.core.devices.tie_home` puts it (the loader's rule too): when that is a computing
+device it stays resident there for all its users; a tensor only offloaded is fetched by every
+unit that uses it. Buffers stay resident on the execution device unless ``offload_buffers``.
 
 Example:
     >>> from bigviz.core.tree import SizeTree, TensorSpec, TensorSpec
@@ -37,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from bigviz.core.devices import NAMED_DEVICES, Device, normalize_device, streamed_devices
+from bigviz.core.devices import NAMED_DEVICES, Device, normalize_device, streamed_devices, tie_home
 from bigviz.core.names import ancestors, is_prefix, join, owner, parent, under_any
 from bigviz.core.nosplit import is_no_split
 from bigviz.core.tree import SizeTree, TensorSpec
@@ -54,6 +55,7 @@ __all__ = [
     "hook_module",
     "streamed_needs",
     "above_blocks",
+    "largest_unit",
 ]
 
 
@@ -62,7 +64,8 @@ class UnitRule:
     """The knobs of the unit rule (see the module docstring).
 
     Attributes:
-        main_device: where offloaded units execute; decides which storages stream.
+        main_device: where offloaded units execute; decides which storages stream (``None``
+            in planner options: the planner fills in the execution device it chose).
         blocks: no-split entries: class names or module-name globs (``"transformer.h.*"``).
         preload: class names whose instances fetch all their offloaded tensors at once.
         reads: module -> the module whose code reads its tensors without calling it.
@@ -72,7 +75,7 @@ class UnitRule:
             shared under two names is one unit).
     """
 
-    main_device: Device
+    main_device: Device | None = None
     blocks: frozenset[str] = frozenset()
     preload: frozenset[str] = frozenset()
     reads: Mapping[str, str] = field(default_factory=dict)
@@ -175,7 +178,9 @@ def offload_units(tree: SizeTree, device_map: Mapping[str, object], rule: UnitRu
     return UnitLayout(tuple(sorted(built, key=lambda u: u.order)), tuple(resident), tuple(problems))
 
 
-def unit_sizes(tree: SizeTree, device_map: Mapping[str, object], rule: UnitRule) -> list[tuple[str, int]]:
+def unit_sizes(
+    tree: SizeTree, device_map: Mapping[str, object], rule: UnitRule, *, cleaned: bool = False
+) -> list[tuple[str, int]]:
     """``(storage, bytes)`` of each unit :func:`offload_units` makes, without building them
     (what the planner needs, once per pass; see :func:`unit_table`).
 
@@ -185,17 +190,20 @@ def unit_sizes(tree: SizeTree, device_map: Mapping[str, object], rule: UnitRule)
         >>> unit_sizes(tree, {"a": "cpu", "b": "disk"}, UnitRule(0))
         [('cpu', 16), ('disk', 8)]
     """
-    return list(unit_table(tree, device_map, rule).values())
+    return list(unit_table(tree, device_map, rule, cleaned=cleaned).values())
 
 
-def unit_table(tree: SizeTree, device_map: Mapping[str, object], rule: UnitRule) -> dict[str, tuple[str, int]]:
+def unit_table(
+    tree: SizeTree, device_map: Mapping[str, object], rule: UnitRule, *, cleaned: bool = False
+) -> dict[str, tuple[str, int]]:
     """Unit (the module its fetch is hooked on) -> ``(storage, bytes)``: the units
     :func:`offload_units` makes, in the order the map's entries bring them.
 
     A map whose keys do not nest (a planner's, cleaned) is read entry by entry: only the
     entries on streamed storage are looked at, and what each one fetches and where is worked
     out once per tree and rule (cached on the tree), so a planner pass costs O(streamed
-    entries + their tied tensors) instead of a walk over every tensor.
+    entries + their tied tensors) instead of a walk over every tensor. ``cleaned``: the caller
+    knows the keys do not nest (``clean_device_map`` made it), so that is not checked.
 
     Example:
         >>> from bigviz.core.tree import SizeTree, TensorSpec
@@ -204,7 +212,7 @@ def unit_table(tree: SizeTree, device_map: Mapping[str, object], rule: UnitRule)
         {'h.1': ('cpu', 32), 'h.2': ('disk', 32)}
     """
     mapping = _normalized(device_map)
-    if any(under_any(k, mapping) for k in mapping):  # keys nest (not a cleaned map): the full rule
+    if not cleaned and any(under_any(k, mapping) for k in mapping):  # keys nest: the full rule
         return {u.name: (u.storage, u.nbytes) for u in offload_units(tree, mapping, rule).units}
     return _streamed_units(tree, mapping, rule)
 
@@ -397,6 +405,20 @@ def _lift_to_readers(hook: str, home: str, reads: Mapping[str, str]) -> str:
     return hook
 
 
+def largest_unit(tree: SizeTree, blocks: frozenset[str]) -> int:
+    """Bytes of the largest module the engine may stream as one unit: a no-split block, or a
+    leaf module (what the default "cpu" budget leaves ring room for, before any map exists).
+
+    Example:
+        >>> from bigviz.core.tree import SizeTree, TensorSpec
+        >>> tree = SizeTree.build([TensorSpec(f"h.{i}.weight", 100 * (i + 1), "float32") for i in range(3)])
+        >>> largest_unit(tree, frozenset())
+        1200
+    """
+    sizes = [n.total_bytes for name, n in tree.nodes.items() if not n.children or is_no_split(tree, name, blocks)]
+    return max(sizes, default=0)
+
+
 def above_blocks(tree: SizeTree, blocks: frozenset[str]) -> frozenset[str]:
     """Modules that contain a block (a no-split module), the blocks themselves excluded.
 
@@ -447,9 +469,9 @@ def _groups(tree: SizeTree) -> list[tuple[str, ...]]:
 
 
 def _resident_device(devices: list[Device], kind: str, streamed: frozenset[str], rule: UnitRule) -> Device | None:
-    kept = [d for d in devices if d not in streamed]
-    if kept:
-        return kept[0]  # a tie with one resident home is resident for all its users
+    home = tie_home(devices)  # the loader's rule too: where the one object of a tie lives
+    if home not in streamed:
+        return home  # a tie with one resident home is resident for all its users
     if kind == "buffer" and not rule.offload_buffers:
         return normalize_device(rule.main_device)  # buffers are small and often read outside forward
     return None

@@ -18,23 +18,33 @@ Example:
 from __future__ import annotations
 
 import html
-import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from bigviz.core.names import owner
-from bigviz.core.serialize import write_json_atomic
-from bigviz.core.errors import PlanError
+from bigviz.core.serialize import read_json, write_json_atomic
+from bigviz.core.errors import PlanError, UsageError, short_repr
 from bigviz.core.sizes import format_size
+from bigviz.core.workload import Workload
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from bigviz.core.tree import SizeTree
 
-__all__ = ["BALANCES", "ROLES", "PipelineError", "PipelineUnit", "StageCut", "SharedTensor", "PipelinePlan"]
+__all__ = [
+    "BALANCES",
+    "ROLES",
+    "PipelineError",
+    "PipelineRun",
+    "PipelineUnit",
+    "StageCut",
+    "SharedTensor",
+    "PipelinePlan",
+    "pipeline_bubble",
+]
 
 BALANCES = ("bytes", "compute")
 ROLES = ("first", "block", "between", "last")
@@ -54,6 +64,86 @@ class PipelineError(PlanError):
         cannot plan (1 problem):
           - stages=0: give 1 or more stages
     """
+
+
+@dataclass(frozen=True)
+class PipelineRun:
+    """The run a pipeline plan holds besides its weights: what each stage's KV cache and
+    activations were planned for.
+
+    Attributes:
+        batch_size: sequences in flight together, all micro-batches (each rank keeps the KV
+            cache of its layers for every one of them).
+        context_length: tokens each sequence's cache holds at the end (a prompt of ``P``
+            and ``N`` new tokens: ``P + N - 1``); the largest step is the prefill of this many.
+        kv_dtype: the cache's dtype (``None``: the compute dtype).
+        microbatches: how many micro-batches the batch is cut into; a stage runs one at a
+            time, so it holds the activations of one micro-batch's prefill.
+        device_type: ``"cuda"`` (fused attention kernels) or ``"cpu"`` (PyTorch's reference
+            paths), which the activations were estimated for.
+
+    Example:
+        >>> PipelineRun(batch_size=8, context_length=4096, microbatches=4).microbatch_size
+        2
+    """
+
+    batch_size: int = 1
+    context_length: int = 0
+    kv_dtype: str | None = None
+    microbatches: int = 1
+    device_type: str = "cuda"
+
+    def __post_init__(self) -> None:
+        problems = []
+        try:  # batch, context and cache dtype: the workload's own rules
+            object.__setattr__(self, "kv_dtype", self.workload().kv_dtype)
+        except PlanError as err:
+            problems += err.problems
+        m = self.microbatches
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            problems.append(f"microbatches={m!r}: give an integer >= 1")
+        elif not problems and m > self.batch_size:
+            problems.append(
+                f"microbatches={m} with batch_size={self.batch_size}: every micro-batch holds "
+                f"at least one sequence (give batch_size >= microbatches)"
+            )
+        if self.device_type not in ("cuda", "cpu"):
+            problems.append(f"device_type={self.device_type!r}: use 'cuda' or 'cpu'")
+        PipelineError.check(problems, "invalid pipeline run")
+
+    def workload(self, *, microbatch: bool = False) -> Workload:
+        """The whole batch's workload (what the KV caches hold), or one micro-batch's (the
+        activations a stage holds while it runs it)."""
+        batch = self.microbatch_size if microbatch else self.batch_size
+        return Workload(batch_size=batch, context_length=self.context_length, kv_dtype=self.kv_dtype)
+
+    @property
+    def microbatch_size(self) -> int:
+        """Sequences in the largest micro-batch."""
+        return -(-self.batch_size // max(self.microbatches, 1))
+
+
+def pipeline_bubble(stages: int, microbatches: int, passes: int = 1) -> float:
+    """The fraction of time a stage waits, for stages of equal time and free communication.
+
+    One pass of ``microbatches`` through ``stages`` (a forward, or a prefill) takes
+    ``microbatches + stages - 1`` slots of which each stage works ``microbatches``: the
+    bubble is ``(p - 1) / (m + p - 1)``. Generating feeds each micro-batch's next token back
+    to the first stage, a ring: ``passes`` passes (the prefill, then one per new token) take
+    ``passes x max(m, p) + min(m, p) - 1`` slots, so with ``m >= p`` micro-batches in flight
+    the stages stay busy but for one fill and one drain, and with fewer each token waits for
+    the whole ring.
+
+    Example:
+        >>> round(pipeline_bubble(4, 1), 3), round(pipeline_bubble(4, 8), 3)   # (p-1)/(m+p-1)
+        (0.75, 0.273)
+        >>> round(pipeline_bubble(2, 2, passes=16), 3), round(pipeline_bubble(2, 1, passes=16), 3)
+        (0.03, 0.5)
+    """
+    if stages < 1 or microbatches < 1 or passes < 1:
+        raise UsageError(f"stages={stages}, microbatches={microbatches}, passes={passes}: each must be >= 1")
+    slots = passes * max(microbatches, stages) + min(microbatches, stages) - 1
+    return (slots - passes * microbatches) / slots
 
 
 @dataclass(frozen=True)
@@ -115,6 +205,11 @@ class PipelinePlan:
         dtype: the dtype the bytes were planned for (``None``: as stored).
         notes: what a person should know (ties, budgets).
         tree: the size tree (kept for the treemap; not saved in JSON).
+        run: the run the stages were planned for (``None``: weights only).
+        stage_kv: KV cache bytes each stage keeps for its layers, the whole batch
+            (empty without a run).
+        stage_activations: the activation peak of each stage, one micro-batch's prefill
+            (empty without a run).
     """
 
     units: tuple[PipelineUnit, ...]
@@ -128,6 +223,9 @@ class PipelinePlan:
     dtype: str | None = None
     notes: tuple[str, ...] = ()
     tree: SizeTree | None = field(default=None, compare=False, repr=False)
+    run: PipelineRun | None = None
+    stage_kv: tuple[int, ...] = ()
+    stage_activations: tuple[int, ...] = ()
 
     # ---- the shape of the pipeline ---------------------------------------------------
     @property
@@ -146,6 +244,24 @@ class PipelinePlan:
     def split_points(self) -> tuple[str, ...]:
         """The module where each stage after the first begins (stage 0 begins the model)."""
         return tuple(cut.before for cut in self.cuts)
+
+    def kv_of(self, stage: int) -> int:
+        """KV cache bytes of one stage (0 without a run)."""
+        return self.stage_kv[stage] if self.stage_kv else 0
+
+    def activations_of(self, stage: int) -> int:
+        """Activation bytes of one stage (0 without a run)."""
+        return self.stage_activations[stage] if self.stage_activations else 0
+
+    @property
+    def stage_totals(self) -> tuple[int, ...]:
+        """What each stage holds: weights, KV cache and activations."""
+        return tuple(b + self.kv_of(s) + self.activations_of(s) for s, b in enumerate(self.stage_bytes))
+
+    def bubble(self, *, passes: int = 1) -> float:
+        """The predicted idle fraction of each stage (see :func:`pipeline_bubble`) for the
+        plan's micro-batches (1 without a run) and ``passes`` passes."""
+        return pipeline_bubble(self.n_stages, self.run.microbatches if self.run else 1, passes)
 
     def blocks(self, stage: int) -> tuple[str, ...]:
         """The no-split blocks of one stage, in order."""
@@ -173,7 +289,7 @@ class PipelinePlan:
         """
         tree = tree if tree is not None else self.tree
         if tree is None:
-            raise ValueError("this PipelinePlan carries no size tree: pass the model's tree")
+            raise UsageError("this PipelinePlan carries no size tree: pass the model's tree")
         out = [t for u in self.units if u.stage == stage for t in tree.subtree_tensors(u.name)]
         out += [s.leader for s in self.shared if stage in s.stages and s.leader not in out]
         return out
@@ -187,16 +303,25 @@ class PipelinePlan:
             f"PipelinePlan: {self.n_stages} stage{'s' if self.n_stages != 1 else ''} of "
             f"{root or 'the model'} ({format_size(total)}), balanced by {self.balance}"
         ]
+        if self.run is not None:
+            lines.append(f"  run: {_run_text(self.run)}")
         for i, names in enumerate(self.stages):
             cap = self.budgets[i]
             budget = f" of {format_size(cap)}" if cap is not None else ""
             span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
-            lines.append(
-                f"  stage {i}: {format_size(self.stage_bytes[i]):>10}{budget}  {span} ({len(self.blocks(i))} blocks)"
-            )
+            lines.append(f"  stage {i}: {self.stage_text(i):>10}{budget}  {span} ({len(self.blocks(i))} blocks)")
         lines += [f"  cut before {c.before}: {c.reason}" for c in self.cuts]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def stage_text(self, stage: int) -> str:
+        """``"1.2 GiB"``, or with a run ``"1.2 GiB weights + 256 MiB KV cache + 40 MiB activations = ..."``."""
+        if self.run is None:
+            return format_size(self.stage_bytes[stage])
+        return (
+            f"{format_size(self.stage_bytes[stage])} weights + {format_size(self.kv_of(stage))} KV cache + "
+            f"{format_size(self.activations_of(stage))} activations = {format_size(self.stage_totals[stage])}"
+        )
 
     def __str__(self) -> str:
         return self.summary()
@@ -223,10 +348,48 @@ class PipelinePlan:
             columns=columns,
         )
 
+    def stage_frame(self) -> pd.DataFrame:
+        """One row per stage: its span, blocks, weights, KV cache, activations, total, budget.
+
+        Example:
+            >>> from bigviz.core.tree import SizeTree, TensorSpec
+            >>> from bigviz.core.stages import make_pipeline_plan
+            >>> tree = SizeTree.build([TensorSpec(f"h.{i}.w", 100, "float32") for i in range(4)])
+            >>> plan = make_pipeline_plan(tree, 2, no_split=["h.*"], kv_cache={"h.0": 10, "h.3": 10},
+            ...                           activations={"h.1": 5}, run=PipelineRun(context_length=8))
+            >>> plan.stage_frame()[["stage", "weights", "kv_cache", "activations", "total"]].values.tolist()
+            [[0, 800, 10, 5, 815], [1, 800, 10, 0, 810]]
+        """
+        import pandas as pd
+
+        columns = ["stage", "first", "last", "blocks", "weights", "kv_cache", "activations", "total", "budget"]
+        return pd.DataFrame(
+            [
+                {
+                    "stage": i,
+                    "first": names[0] or "<model>",
+                    "last": names[-1] or "<model>",
+                    "blocks": len(self.blocks(i)),
+                    "weights": self.stage_bytes[i],
+                    "kv_cache": self.kv_of(i),
+                    "activations": self.activations_of(i),
+                    "total": self.stage_totals[i],
+                    "budget": self.budgets[i],
+                }
+                for i, names in enumerate(self.stages)
+            ],
+            columns=columns,
+        )
+
     def _repr_html_(self) -> str:
+        def cell(nbytes: int) -> str:
+            return f"<td style='text-align:right'>{format_size(nbytes)}</td>"
+
+        run = self.run is not None
         rows = "".join(
-            f"<tr><td>{i}</td><td style='text-align:right'>{format_size(b)}</td>"
-            f"<td>{_size_or_blank(self.budgets[i])}</td>"
+            f"<tr><td>{i}</td>{cell(b)}"
+            + (f"{cell(self.kv_of(i))}{cell(self.activations_of(i))}{cell(self.stage_totals[i])}" if run else "")
+            + f"<td>{_size_or_blank(self.budgets[i])}</td>"
             f"<td><code>{html.escape(names[0])}</code> .. <code>{html.escape(names[-1])}</code></td>"
             f"<td>{len(self.blocks(i))}</td></tr>"
             for i, (b, names) in enumerate(zip(self.stage_bytes, self.stages))
@@ -235,9 +398,11 @@ class PipelinePlan:
             f"<li>before <code>{html.escape(c.before)}</code>: {html.escape(c.reason)}</li>" for c in self.cuts
         )
         notes = "".join(f"<li>{html.escape(n)}</li>" for n in self.notes)
+        head = "<th>weights</th><th>KV cache</th><th>activations</th><th>total</th>" if run else "<th>bytes</th>"
+        what = f"; run: {html.escape(_run_text(self.run))}" if self.run is not None else ""
         return (
             f"<div class='bigviz-pipeline'><b>PipelinePlan</b> ({self.n_stages} stages, balanced by "
-            f"{html.escape(self.balance)})<table><tr><th>stage</th><th>bytes</th><th>budget</th>"
+            f"{html.escape(self.balance)}{what})<table><tr><th>stage</th>{head}<th>budget</th>"
             f"<th>modules</th><th>blocks</th></tr>{rows}</table><ul>{cuts}{notes}</ul></div>"
         )
 
@@ -250,9 +415,19 @@ class PipelinePlan:
             "balance": self.balance,
             "no_split": list(self.no_split),
             "dtype": self.dtype,
+            "run": None if self.run is None else asdict(self.run),
             "stages": [
-                {"modules": list(names), "bytes": b, "flops": f, "budget": budget}
-                for names, b, f, budget in zip(self.stages, self.stage_bytes, self.stage_flops, self.budgets)
+                {
+                    "modules": list(names),
+                    "bytes": b,
+                    "flops": f,
+                    "budget": budget,
+                    "kv_cache": self.kv_of(i),
+                    "activations": self.activations_of(i),
+                }
+                for i, (names, b, f, budget) in enumerate(
+                    zip(self.stages, self.stage_bytes, self.stage_flops, self.budgets)
+                )
             ],
             "split_points": list(self.split_points),
             "cuts": [{"stage": c.stage, "before": c.before, "reason": c.reason} for c in self.cuts],
@@ -297,10 +472,9 @@ class PipelinePlan:
             True
         """
         try:
-            with open(path) as f:
-                data = json.load(f)
-        except json.JSONDecodeError as err:
-            raise PipelineError(f"{path}: not valid JSON ({err}); is this a pipeline plan file?") from err
+            data = read_json(path, "pipeline plan")
+        except (UsageError, OSError) as err:  # not JSON, not UTF-8, nested too deeply, unreadable
+            raise PipelineError(str(err)) from None
         return cls.from_dict(data, where=str(path), tree=tree)
 
     @classmethod
@@ -315,6 +489,7 @@ class PipelinePlan:
             fix="Fix: write it with PipelinePlan.save_json (or bigviz.plan_pipeline(...).save_json)",
         )
         stages = data["stages"]
+        run = PipelineRun(**data["run"]) if data.get("run") is not None else None
         return cls(
             units=tuple(
                 PipelineUnit(
@@ -341,6 +516,9 @@ class PipelinePlan:
             dtype=data.get("dtype"),
             notes=tuple(data.get("notes", ())),
             tree=tree,
+            run=run,
+            stage_kv=tuple(int(s.get("kv_cache", 0)) for s in stages) if run is not None else (),
+            stage_activations=tuple(int(s.get("activations", 0)) for s in stages) if run is not None else (),
         )
 
 
@@ -356,18 +534,81 @@ def _shape_problems(data: object) -> list[str]:
             problems.append(f"{key!r} is missing or not a {kind.__name__}")
     if problems:
         return problems
+    optional = {"no_split": list, "notes": list, "dtype": (str, None), "shared": list}
+    problems += _field_problems("the plan", data, {}, optional)
     n = len(data["stages"])
+    for i, stage in enumerate(data["stages"]):
+        problems += _field_problems(
+            f"stages[{i}]",
+            stage,
+            {"bytes": int},
+            {"flops": int, "budget": (int, None), "kv_cache": int, "activations": int},
+        )
     for i, unit in enumerate(data["units"]):
-        if not isinstance(unit, Mapping) or not {"name", "stage", "role", "bytes", "flops"} <= set(unit):
-            problems.append(f"units[{i}] needs name, stage, role, bytes and flops")
-        elif not (isinstance(unit["stage"], int) and 0 <= unit["stage"] < n) or unit["role"] not in ROLES:
+        unit_fields = {"name": str, "stage": int, "role": str, "bytes": int, "flops": int}
+        found = _field_problems(f"units[{i}]", unit, unit_fields, {"class": str, "reason": str})
+        problems += found
+        if not found and not (0 <= unit["stage"] < n and unit["role"] in ROLES):
             problems.append(
                 f"units[{i}] ({unit['name']!r}): stage {unit['stage']!r} or role {unit['role']!r} "
                 f"is out of range ({n} stages; roles {', '.join(ROLES)})"
             )
+    run = data.get("run")
+    if run is not None and (not isinstance(run, Mapping) or not set(run) <= _RUN_FIELDS):
+        problems.append(
+            f"'run' must be an object with some of {', '.join(sorted(_RUN_FIELDS))}, got {short_repr(run, 80)}"
+        )
+    elif run is not None:
+        try:
+            PipelineRun(**run)
+        except PipelineError as err:
+            problems += [f"run: {p}" for p in err.problems]
+    for i, cut in enumerate(data["cuts"]):
+        problems += _field_problems(f"cuts[{i}]", cut, {"stage": int, "before": str}, {"reason": str})
+    shared_list = data.get("shared")
+    for i, shared in enumerate(shared_list if isinstance(shared_list, list) else []):
+        problems += _field_problems(f"shared[{i}]", shared, {"name": str, "leader": str, "stages": list, "bytes": int})
     if len(data["cuts"]) != max(n - 1, 0):
         problems.append(f"{len(data['cuts'])} cuts for {n} stages: expected {max(n - 1, 0)}")
+    return problems[:50]
+
+
+def _field_problems(
+    where: str, item: object, required: Mapping[str, Any], optional: Mapping[str, Any] | None = None
+) -> list[str]:
+    """Each field of ``item`` of the wrong JSON type (an int is not a bool nor ``"12"``), or missing."""
+    if not isinstance(item, Mapping):
+        return [f"{where} is not a JSON object"]
+    problems = [f"{where} has no {key!r}" for key in required if key not in item]
+    for key, kind in {**required, **(optional or {})}.items():
+        if key not in item:
+            continue
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        value = item[key]
+        ok = (value is None and None in kinds) or any(
+            isinstance(value, k) and not (k is int and isinstance(value, bool)) for k in kinds if k is not None
+        )
+        if not ok:
+            problems.append(
+                f"{where}.{key} is {short_repr(value, 40)}, not {' or '.join(_json_type(k) for k in kinds)}"
+            )
     return problems
+
+
+_RUN_FIELDS = frozenset(f.name for f in fields(PipelineRun))
+
+
+def _run_text(run: PipelineRun) -> str:
+    """``"batch 8 (4 micro-batches of 2), 4096 tokens, KV cache in bfloat16"``."""
+    batch = f"batch {run.batch_size}"
+    if run.microbatches > 1:
+        batch += f" ({run.microbatches} micro-batches of up to {run.microbatch_size})"
+    kv = f", KV cache in {run.kv_dtype}" if run.kv_dtype else ""
+    return f"{batch}, {run.context_length} tokens of context{kv}, activations for {run.device_type}"
+
+
+def _json_type(kind: Any) -> str:
+    return {int: "a whole number", str: "a string", list: "a list", None: "null"}.get(kind, str(kind))
 
 
 def _size_or_blank(nbytes: int | None) -> str:

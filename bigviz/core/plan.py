@@ -17,27 +17,38 @@ from __future__ import annotations
 
 import html
 import json
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from bigviz.core.cost import ForwardEstimate, plan_forward, weights_compute_seconds
 from bigviz.core.devicemap import clean_device_map, device_of
 from bigviz.core.devices import Device, device_label, streamed_devices
+from bigviz.core.hardware import DISK_BANDWIDTH, LINK_BANDWIDTH, find_bandwidth
+from bigviz.core.names import owner
+from bigviz.core.offload_units import UnitRule, unit_table
 from bigviz.core.sizes import format_size
+from bigviz.core.stream_plan import MachineFacts, StreamOptions, StreamPlan, make_stream_plan
+from bigviz.core.errors import UsageError
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from bigviz.core.dispatch_plan import DispatchPlan
-    from bigviz.core.streaming import ForwardEstimate
-    from bigviz.core.offload_units import UnitRule
     from bigviz.core.tree import SizeTree
     from bigviz.core.workload import Workload
 
-__all__ = ["Placement", "DeviceUsage", "PlanOptions", "DevicePlan", "STRATEGIES"]
+__all__ = ["Placement", "DeviceUsage", "PlanOptions", "DevicePlan", "STRATEGIES", "Why"]
 
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+Why = tuple[Any, ...]
+"""Why a unit went where it went, as plain values: a code and the numbers the planner's pass
+saw then (``("tied", leader)``, ``("fits", left, ...)``). Only the pass that becomes the plan
+writes its reasons as text (``Placement.reason``): the passes thrown away (one at least per
+plan that offloads) format nothing, where formatting sizes and devices was 40% of a pass
+(8,000 layers)."""
 
 
 @dataclass(frozen=True)
@@ -47,15 +58,12 @@ class PlanOptions:
     Attributes:
         strategy: ``"auto"`` (= ``"balanced"``), ``"balanced"``, ``"balanced_low_0"`` or
             ``"sequential"``, with accelerate's meanings.
-        no_split: module class names (``"Block"``) or glob patterns of module names
-            (``"transformer.h.*"``) that are placed whole.
         reserve: bytes per device kept free for activations and KV cache.
         overrides: ``{module: device}`` placements to honour; the rest is planned around them.
         offload_reserve: keep room on the execution device for the offloaded weights
             streamed in at forward time (only when something is actually offloaded).
         prefetch: the engine holds the next offloaded unit while the current one runs, so
             the offload reserve covers the two largest offloaded units instead of one.
-        main_device: the execution device for offloaded modules (default: first GPU, else cpu).
         kv_cache: ``{layer module: bytes}`` of KV cache (or recurrent state) a run keeps for
             that module, charged on the device the module runs on: its own, or the execution
             device when it is streamed in from cpu or disk.
@@ -63,25 +71,22 @@ class PlanOptions:
             device keeps room for the largest step it runs.
         workload: the :class:`~bigviz.core.workload.Workload` the two above were made for
             (kept in the plan for reports).
-        preload, reads, offload_buffers, same_module: the unit rule's knobs (see
-            :class:`~bigviz.core.offload_units.UnitRule`): the offload reserve is computed
-            from the units the engine will fetch.
+        rule: the unit rule (:class:`~bigviz.core.offload_units.UnitRule`): its blocks are the
+            modules placed whole (class names, or globs of module names such as
+            ``"transformer.h.*"``), and the offload reserve is computed from the units it makes,
+            the ones the engine will fetch. Its ``main_device`` is the execution device for
+            offloaded modules (``None``: the first GPU, else the cpu).
     """
 
     strategy: str = "auto"
-    no_split: frozenset[str] = frozenset()
     reserve: Mapping[Any, object] = field(default_factory=dict)  # any spelling: make_plan checks them
     overrides: Mapping[str, object] = field(default_factory=dict)
     offload_reserve: bool = True
     prefetch: bool = True
-    main_device: Device | None = None
     kv_cache: Mapping[str, int] = field(default_factory=dict)
     activations: Mapping[str, int] = field(default_factory=dict)
     workload: Workload | None = None
-    preload: frozenset[str] = frozenset()
-    reads: Mapping[str, str] = field(default_factory=dict)
-    offload_buffers: bool = False
-    same_module: Mapping[str, str] = field(default_factory=dict)
+    rule: UnitRule = field(default_factory=UnitRule)
 
 
 @dataclass(frozen=True)
@@ -140,15 +145,27 @@ class DevicePlan:
     main_device: Device
     notes: tuple[str, ...] = ()
     tree: SizeTree | None = field(default=None, compare=False, repr=False)
-    _cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    _cache: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)
     workload: Workload | None = None
     rule: UnitRule | None = field(default=None, compare=False, repr=False)
     """The unit rule the offload reserve was computed with (the dispatch fetches these units)."""
     prefetch: bool = field(default=True, compare=False, repr=False)
 
-    def dispatch_plan(self, *, prefetch: bool | None = None) -> DispatchPlan:
+    def dispatch_plan(
+        self,
+        *,
+        prefetch: bool | None = None,
+        machine: MachineFacts | None = None,
+        stream: StreamOptions | None = None,
+    ) -> DispatchPlan:
         """The dispatch this plan promises: its offload units, made by the same unit rule the
-        planner reserved room with (pure; needs the plan's tree).
+        planner reserved room with, and their stream plan (pure; needs the plan's tree).
+
+        Args:
+            prefetch: the engine fetches the next unit while the current one computes
+                (default: as planned).
+            machine: the machine's facts (default: none, the budgets are the machine).
+            stream: what is asked of the streaming (``resident``, ``stream``, ``readers``).
 
         Example:
             >>> from bigviz.core.tree import SizeTree, TensorSpec
@@ -160,36 +177,87 @@ class DevicePlan:
             (['h.1', 'h.2', 'h.3'], True)
         """
         from bigviz.core.dispatch_plan import make_dispatch_plan
-        from bigviz.core.offload_units import UnitRule
 
         if self.tree is None:
-            raise ValueError("this DevicePlan carries no size tree (read from JSON?): plan again to see its dispatch")
-        rule = self.rule if self.rule is not None else UnitRule(self.main_device)
+            raise UsageError("this DevicePlan carries no size tree (read from JSON?): plan again to see its dispatch")
         return make_dispatch_plan(
-            self.tree, self.device_map, rule, prefetch=self.prefetch if prefetch is None else prefetch
+            self.tree,
+            self.device_map,
+            self._rule(),
+            prefetch=self.prefetch if prefetch is None else prefetch,
+            machine=machine,
+            stream=stream,
         )
+
+    def _rule(self) -> UnitRule:
+        return self.rule if self.rule is not None else UnitRule(self.main_device)
+
+    def stream_plan(self, machine: MachineFacts | None = None, stream: StreamOptions | None = None) -> StreamPlan:
+        """How the dispatch of this plan keeps and streams its weights
+        (:func:`bigviz.core.stream_plan.make_stream_plan` over the units the unit rule makes;
+        pure). ``machine``: the machine's facts (default: none, the budgets are the machine).
+
+        Example:
+            >>> from bigviz.core.tree import SizeTree, TensorSpec
+            >>> from bigviz.core.planner import make_plan
+            >>> tree = SizeTree.build([TensorSpec(f"h.{i}.weight", 250, "float32") for i in range(4)])
+            >>> s = make_plan(tree, {"cpu": 2000, "disk": 10**6}).stream_plan()
+            >>> s.mode, s.fetcher, s.ring_bytes
+            ('copy', 'ring', 1500)
+        """
+        options = stream if stream is not None else StreamOptions(prefetch=self.prefetch)
+        key = ("stream plan", machine, options)
+        if key in self._cache:  # a plan is frozen: its stream plan too (the Planner asks twice a move)
+            found: StreamPlan = self._cache[key]
+            return found
+        self._cache[key] = made = self._make_stream_plan(machine, options)
+        return made
+
+    def _make_stream_plan(self, machine: MachineFacts | None, options: StreamOptions) -> StreamPlan:
+        streamed = streamed_devices(self.main_device)
+        if self.tree is not None:
+            table = unit_table(self.tree, self.device_map, self._rule(), cleaned=True)
+            units = [(name, storage, nbytes) for name, (storage, nbytes) in table.items()]
+        else:  # read from JSON: each streamed placement stands for a unit
+            units = [(p.name, str(p.device), p.nbytes) for p in self.placements if p.device in streamed]
+        mapping = self.device_map
+        kept: dict[str, int] = {}
+        devices: dict[str, Device] = {}
+        for p in self.placements:  # by device-map entry, as the dispatch plan groups them
+            if p.device not in streamed and p.device != "disk":
+                found = owner(p.name, mapping)
+                entry = p.name if found is None else found
+                kept[entry] = kept.get(entry, 0) + p.nbytes
+                devices[entry] = p.device
+        return make_stream_plan(units, kept, self.main_device, machine, options, resident_devices=devices)
 
     def cost(
         self,
         *,
-        disk_bandwidth: float | str = "NVMe (",
-        compute_seconds: float = 0.0,
+        disk_bandwidth: float | str | None = None,
+        compute_seconds: float | None = None,
         link_bandwidth: float | str | None = None,
         depth: int | None = None,
+        machine: MachineFacts | None = None,
+        stream: StreamOptions | None = None,
     ) -> ForwardEstimate:
-        """Predicted time per forward pass: streamed units read from disk (and copied to a GPU)
-        overlapped with compute, resident units computed only, the resident part read once
-        before the first forward (:func:`bigviz.core.streaming.forward_estimate`; pure).
+        """Predicted time per forward pass, as the dispatch of this plan will stream it
+        (:meth:`stream_plan`): streamed units read from disk (and copied to a GPU) overlapped
+        with compute, as far ahead as the stream plan reads, resident units computed only, the
+        resident part read once before the first forward (:mod:`bigviz.core.cost`; pure).
 
         Args:
             disk_bandwidth: bytes/s, e.g. measured by
                 ``bigviz.checkpoint.probe.measure_read_bandwidth(checkpoint).bandwidth``, or a
-                :data:`~bigviz.core.cost.DISK_BANDWIDTH` preset name (or unique start of one).
+                :data:`~bigviz.core.hardware.DISK_BANDWIDTH` preset name (or unique start of
+                one); default: the machine's measured bandwidth, else ``"NVMe ("``.
             compute_seconds: the whole model's compute per forward (measured), spread over
-                the units by bytes.
-            link_bandwidth: host-to-GPU bytes/s or a :data:`~bigviz.core.cost.LINK_BANDWIDTH`
+                the units by bytes; default: the weights' bytes at ``machine.compute_rate``
+                when the machine's facts carry one, else 0 (compute not counted).
+            link_bandwidth: host-to-GPU bytes/s or a :data:`~bigviz.core.hardware.LINK_BANDWIDTH`
                 name; default: PCIe 4 x16 when a GPU executes, none for the CPU.
-            depth: streamed units read ahead (default: the engine's).
+            depth: streamed units read ahead (default: the stream plan's).
+            machine, stream: as for :meth:`stream_plan`.
 
         Example:
             >>> from bigviz.core.tree import SizeTree, TensorSpec
@@ -199,21 +267,52 @@ class DevicePlan:
             >>> e = p.cost(disk_bandwidth=1e9, compute_seconds=1.0)
             >>> e.seconds, e.bottleneck
             (2.25, 'disk')
+            >>> from bigviz.core.stream_plan import MachineFacts
+            >>> slow_cpu = MachineFacts(42 * 10**8, disk_bandwidth=1e9, compute_rate=1e9)  # 1 s per GB computed
+            >>> e = p.cost(machine=slow_cpu)  # 2 GB streamed in 2 s, hidden under 4 s of compute
+            >>> e.seconds, e.limit_seconds, e.bottleneck
+            (4.0, 4.0, 'compute')
         """
-        from bigviz.core.cost import DISK_BANDWIDTH, LINK_BANDWIDTH, find_bandwidth
-        from bigviz.core.streaming import forward_estimate
-
+        plan = self.stream_plan(machine, stream)
+        if compute_seconds is None:
+            rate = machine.compute_rate if machine is not None else None
+            compute_seconds = (
+                weights_compute_seconds(sum(p.nbytes for p in self.placements), compute_rate=rate) if rate else 0.0
+            )
+        if disk_bandwidth is None:
+            disk_bandwidth = machine.disk_bandwidth if machine is not None and machine.disk_bandwidth else "NVMe ("
         disk = find_bandwidth(disk_bandwidth, DISK_BANDWIDTH, "disk")
         link = None
         if self.main_device != "cpu":
             link = find_bandwidth("PCIe 4 x16" if link_bandwidth is None else link_bandwidth, LINK_BANDWIDTH, "link")
-        return forward_estimate(
-            self,
+        rows = [(p.name, str(p.device) if p.device in ("cpu", "disk") else "gpu", p.nbytes) for p in self.placements]
+        return plan_forward(
+            rows,
             disk_bandwidth=disk,
             compute_seconds=compute_seconds,
             link_bandwidth=link,
-            depth=depth,
+            main_device="cpu" if self.main_device == "cpu" else "gpu",
+            depth=plan.depth if depth is None else depth,
+            ring=(plan.ring_bytes or None) if depth is None else None,
+            rereads=any(u.rereads for u in plan.units if u.storage == "disk"),
         )
+
+    def fits(self, *, allow_offload: bool = False) -> bool:
+        """Every device within its budget (weights, KV cache, activations, reserves), and,
+        unless ``allow_offload``, nothing streamed in from cpu or disk: the one test of "the
+        run fits" (``bigviz.max_context``, the Planner's longest context).
+
+        Example:
+            >>> from bigviz.core.tree import SizeTree, TensorSpec
+            >>> from bigviz.core.planner import make_plan
+            >>> tree = SizeTree.build([TensorSpec(f"h.{i}.weight", 250, "float32") for i in range(4)])
+            >>> p = make_plan(tree, {0: 3000, "cpu": 10**6})
+            >>> p.fits(), p.fits(allow_offload=True)
+            (False, True)
+        """
+        if any(u.free < 0 for u in self.usage):
+            return False
+        return allow_offload or not any(self.offloaded_bytes().values())
 
     @property
     def kv_cache(self) -> dict[Device, int]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from bigviz.core.devicemap import clean_device_map
 from bigviz.core.errors import PlanError
@@ -41,7 +41,7 @@ from bigviz.core.run_charges import (
     run_usage,
     streamed_run_needs,
 )
-from bigviz.core.plan import STRATEGIES, DevicePlan, DeviceUsage, Placement, PlanOptions
+from bigviz.core.plan import STRATEGIES, DevicePlan, DeviceUsage, Placement, PlanOptions, Why
 from bigviz.core.tree import SizeTree
 from bigviz.core.devices import Device, device_label, execution_device, normalize_device, streamed_devices
 from bigviz.core.sizes import UNLIMITED, format_size, parse_max_memory, parse_size
@@ -54,13 +54,6 @@ _RUN_PASSES = 10
 device, so each layer pushed off it brings its cache back there; the reserve grows towards
 what is needed geometrically (by the ratio of a layer's cache to its weights plus cache)."""
 
-
-Why = tuple[Any, ...]
-"""Why a unit went where it went, as plain values: a code and the numbers the pass saw then
-(``("tied", leader)``, ``("fits", left, ...)``). Only the pass that becomes the plan writes
-its reasons as text (:func:`_write`): the passes thrown away (one at least per plan that
-offloads) format nothing, where formatting sizes and devices was 40% of a pass (8,000
-layers)."""
 
 _Placed = tuple[Any, ...]
 """``(name, device, bytes, override, tied_to, *why)``: one flat tuple of plain values per
@@ -129,7 +122,7 @@ def make_plan(tree: SizeTree, max_memory: Mapping[Any, object], options: PlanOpt
     for _ in range(_MAX_PASSES + (_RUN_PASSES if options.kv_cache or options.activations else 0)):
         state = _greedy(tree, caps, reserve, offload, overrides, options, ties)
         staging = _offload_needs(tree, state, main, options)
-        streamed_run = streamed_run_needs(state, main)  # a streamed layer's cache lives on main
+        streamed_run = streamed_run_needs(state.run, main)  # a streamed layer's cache lives on main
         needed = {d: staging[d] + streamed_run.get(d, 0) for d in budgets}
         if all(needed[d] <= offload[d] for d in budgets):
             break
@@ -154,7 +147,7 @@ def make_plan(tree: SizeTree, max_memory: Mapping[Any, object], options: PlanOpt
         for d, v in staging.items()
         if v > 0
     ]
-    kv, act = run_usage(state, main)
+    kv, act = run_usage(state.run, main)
     usage = tuple(
         DeviceUsage(
             d, budgets[d], caps[d], reserve.get(d, 0), max(staging[d], 0), state.used[d], kv.get(d, 0), act.get(d, 0)
@@ -228,8 +221,8 @@ def _check_inputs(
 
 
 def _main_device(budgets: Mapping[Device, int], options: PlanOptions) -> Device:
-    if options.main_device is not None:
-        return normalize_device(options.main_device)
+    if options.rule.main_device is not None:
+        return normalize_device(options.rule.main_device)
     return execution_device(budgets)
 
 
@@ -251,7 +244,7 @@ def _strategy_caps(
         return caps, []
     low0 = options.strategy == "balanced_low_0"
     total = tree.total("") + sum(options.kv_cache.values())  # a workload's caches spread with their layers
-    buffer = int(1.25 * _largest_block(tree, options.no_split)) + max(options.activations.values(), default=0)
+    buffer = int(1.25 * _largest_block(tree, options.rule.blocks)) + max(options.activations.values(), default=0)
     spread = gpus[1:] if low0 else gpus
     share = -(-total // len(spread))  # ceiling division
     for g in spread[:-1]:
@@ -284,7 +277,7 @@ def _greedy(
         device = overrides[name]
         _put(tree, state, name, device, _override_charge(tree, name, overrides), ("override",), override=True)
     state.follower_units = {
-        f: _follower_unit_bytes(tree, f, leader, options.no_split) for f, leader in tree.leader_of.items()
+        f: _follower_unit_bytes(tree, f, leader, options.rule.blocks) for f, leader in tree.leader_of.items()
     }
     devices = list(caps)
     streamed = _streamed(_main_device(caps, options))
@@ -298,7 +291,7 @@ def _greedy(
         splittable = (
             name in tree.nodes
             and bool(tree.nodes[name].children)
-            and (name in must_split or not is_no_split(tree, name, options.no_split))
+            and (name in must_split or not is_no_split(tree, name, options.rule.blocks))
         )
         leader = _outside_leader(ties, name, state.where)
         if name in must_split or (leader and splittable):
@@ -346,21 +339,21 @@ def _fit(
     extra = sum(promises.values())
     resident = [d for d in devices if d not in streamed]
     here = resident[index] if index < len(resident) else None
-    if size == 0 and not extra and not run_bytes(tree, state, name, here):
+    if size == 0 and not extra and not run_bytes(state.run, name, here):
         device = here if here is not None else devices[0]
         _put(tree, state, name, device, 0, ("empty",))
         return index
     miss = None  # (device, bytes needed, bytes left) of the resident device it did not fit
-    if here is not None and size + extra + run_bytes(tree, state, name, here) <= state.remaining[here]:
+    if here is not None and size + extra + run_bytes(state.run, name, here) <= state.remaining[here]:
         _accept(tree, state, name, here, size, promises, None)
         return index
     if splittable:
         _split(tree, name, stack)  # try the parts; streamed weights are planned per block
         return index
     if here is not None:
-        miss = (here, size + run_bytes(tree, state, name, here), max(state.remaining[here], 0))
+        miss = (here, size + run_bytes(state.run, name, here), max(state.remaining[here], 0))
         for later in range(index + 1, len(resident)):
-            if size + extra + run_bytes(tree, state, name, resident[later]) <= state.remaining[resident[later]]:
+            if size + extra + run_bytes(state.run, name, resident[later]) <= state.remaining[resident[later]]:
                 _accept(tree, state, name, resident[later], size, promises, miss)
                 return later
     for device in (d for d in devices if d in streamed):
@@ -384,7 +377,7 @@ def _accept(
 ) -> None:
     """Put a unit that fits, keeping room for the tied modules that will follow it."""
     extra = sum(promises.values())
-    why = ("fits", state.remaining[device], extra, streamed, run_room(state, name, device), *(miss or (None, 0, 0)))
+    why = ("fits", state.remaining[device], extra, streamed, run_room(state.run, name, device), *(miss or (None, 0, 0)))
     _put(tree, state, name, device, size, why, described=True)
     state.remaining[device] -= extra
     state.promised.update({f: (device, b) for f, b in promises.items()})
@@ -472,7 +465,7 @@ def _put(
     described: bool = False,
 ) -> None:
     if state.run is not None:
-        why = charge_run(tree, state, name, device, why, described)
+        why = charge_run(state.run, state.remaining, name, device, why, described)
     state.placed.append((name, device, size, override, tied_to, *why))
     state.remaining[device] -= size
     state.used[device] += size
@@ -546,15 +539,13 @@ def _streamed(main: Device) -> tuple[str, ...]:
 
 
 def unit_rule(options: PlanOptions, main: Device) -> UnitRule:
-    """The unit rule's knobs for a plan made with ``options`` executing on ``main``.
+    """The unit rule of a plan made with ``options``, executing on ``main``.
 
     Example:
-        >>> unit_rule(PlanOptions(no_split=frozenset({"Block"})), 0).blocks
-        frozenset({'Block'})
+        >>> unit_rule(PlanOptions(rule=UnitRule(blocks=frozenset({"Block"}))), 0)
+        UnitRule(main_device=0, blocks=frozenset({'Block'}), preload=frozenset(), reads={}, offload_buffers=False, same_module={})
     """
-    return UnitRule(
-        main, options.no_split, options.preload, options.reads, options.offload_buffers, options.same_module
-    )
+    return replace(options.rule, main_device=main)
 
 
 def _offload_bound(tree: SizeTree, options: PlanOptions) -> int:
@@ -580,7 +571,7 @@ def _offload_needs(tree: SizeTree, state: _Pass, main: Device, options: PlanOpti
     if not options.offload_reserve or main == "cpu" or not any(p[1] in streamed for p in state.placed):
         return needs
     placed = clean_device_map({p[0]: p[1] for p in state.placed}, tree)
-    units = unit_sizes(tree, placed, unit_rule(options, main))
+    units = unit_sizes(tree, placed, unit_rule(options, main), cleaned=True)
     for device, nbytes in streamed_needs(units, main, prefetch=options.prefetch).items():
         if device in needs:
             needs[device] = nbytes

@@ -35,6 +35,7 @@ import re
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 
+from bigviz.core.errors import UsageError
 from bigviz.core.dtypes import FLOATING_DTYPES as _FLOATING
 from bigviz.core.names import owner
 from bigviz.core.tree import SizeTree, TensorSpec
@@ -90,7 +91,7 @@ class QuantConfig:
         if self.method == "int4" and self.quant_type not in _INT4_TYPES:
             problems.append(f"int4 quant_type {self.quant_type!r}: use one of {', '.join(_INT4_TYPES)}")
         if problems:
-            raise ValueError("; ".join(problems))
+            raise UsageError("; ".join(problems))
         object.__setattr__(self, "modules_to_not_convert", tuple(self.modules_to_not_convert))
 
     @property
@@ -134,7 +135,7 @@ def as_quant_config(value: object) -> QuantConfig | None:
             return None
         if text in QUANT_METHODS:
             return QuantConfig(text)
-    raise ValueError(
+    raise UsageError(
         f"quantization={value!r}: use 'int8', 'int4', None, a bigviz.QuantConfig, or a transformers "
         "TorchAoConfig(Int8WeightOnlyConfig()) / BitsAndBytesConfig(load_in_4bit=True)"
     )

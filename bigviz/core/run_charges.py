@@ -12,17 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from bigviz.core.devices import Device, device_label
 from bigviz.core.errors import PlanError
 from bigviz.core.names import ancestors, is_prefix, parent
-from bigviz.core.plan import DeviceUsage, PlanOptions
+from bigviz.core.plan import DeviceUsage, PlanOptions, Why
 from bigviz.core.sizes import format_size
 from bigviz.core.tree import SizeTree
-
-if TYPE_CHECKING:
-    from bigviz.core.planner import Why, _Pass
 
 __all__ = [
     "Run",
@@ -96,20 +92,18 @@ class Run:
         return kv + max(0, step - self.act.get(device, 0))
 
 
-def run_bytes(tree: SizeTree, state: _Pass, name: str, device: Device | None) -> int:
+def run_bytes(run: Run | None, name: str, device: Device | None) -> int:
     """Bytes of KV cache and activations a unit adds to ``device`` (0 without a workload,
     and on a streamed device: what a streamed unit runs is reserved on the execution device)."""
-    run = state.run
     if run is None or device is None or device in run.streamed:
         return 0
     return run.resident_bytes(name, device)
 
 
-def run_room(state: _Pass, name: str, device: Device) -> tuple[int, ...] | None:
+def run_room(run: Run | None, name: str, device: Device) -> tuple[int, ...] | None:
     """What a unit placed now brings besides its weights, for its reason (see
     :func:`room_text`): ``None`` without a workload, ``()`` on a streamed device (its run is
     told about in :func:`charge_run`), else its KV cache and the activations it adds."""
-    run = state.run
     if run is None:
         return None
     if device in run.streamed:
@@ -131,19 +125,17 @@ def room_text(size: int, room: tuple[int, ...] | None) -> str:
     )
 
 
-def charge_run(tree: SizeTree, state: _Pass, name: str, device: Device, why: Why, described: bool) -> Why:
+def charge_run(run: Run, remaining: dict[Device, int], name: str, device: Device, why: Why, described: bool) -> Why:
     """Charge a placed unit's KV cache and step on the device it runs on; returns its reason,
     completed with where its run lives when the reason does not say it yet (see
     :func:`run_text`)."""
-    run = state.run
-    assert run is not None
     kv, first, step = run.unit(name)
     run.charged.update(first)
     if device in run.streamed:
         run.stream_kv += kv
         run.stream_act = max(run.stream_act, step)
         return ("run", why, kv, step, run.main)
-    state.remaining[device] -= kv + max(0, step - run.act.get(device, 0))
+    remaining[device] -= kv + max(0, step - run.act.get(device, 0))
     run.kv[device] = run.kv.get(device, 0) + kv
     run.act[device] = max(run.act.get(device, 0), step)
     if described or not (kv or step):
@@ -181,17 +173,15 @@ def check_run_fits(usage: tuple[DeviceUsage, ...], overridden: bool) -> None:
     )
 
 
-def streamed_run_needs(state: _Pass, main: Device) -> dict[Device, int]:
+def streamed_run_needs(run: Run | None, main: Device) -> dict[Device, int]:
     """Room streamed units need on the execution device for their caches and steps."""
-    run = state.run
     if run is None or not (run.stream_kv or run.stream_act):
         return {}
     return {main: run.stream_kv + max(0, run.stream_act - run.act.get(main, 0))}
 
 
-def run_usage(state: _Pass, main: Device) -> tuple[dict[Device, int], dict[Device, int]]:
+def run_usage(run: Run | None, main: Device) -> tuple[dict[Device, int], dict[Device, int]]:
     """KV cache and activation bytes per device, streamed units' counted on the execution device."""
-    run = state.run
     if run is None:
         return {}, {}
     kv, act = dict(run.kv), dict(run.act)

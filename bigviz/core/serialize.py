@@ -15,15 +15,17 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from bigviz.core.devicemap import check_keys
-from bigviz.core.errors import DeviceMapError
+from bigviz.core.errors import DeviceMapError, UsageError, short_repr
 from bigviz.core.devices import Device, normalize_device
 from bigviz.core.sizes import parse_max_memory
 
@@ -35,6 +37,8 @@ __all__ = [
     "write_json_atomic",
     "write_text_atomic",
     "parse_json",
+    "DuplicateKeysError",
+    "read_json",
 ]
 
 
@@ -54,6 +58,7 @@ def write_text_atomic(text: str, path: str | os.PathLike[str]) -> None:
         True
     """
     path = Path(path)
+    _check_writable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{secrets.token_hex(4)}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
@@ -70,32 +75,109 @@ def write_text_atomic(text: str, path: str | os.PathLike[str]) -> None:
         raise
 
 
+def _check_writable(path: Path) -> None:
+    """Refuse, before anything is made, a path a rename cannot replace with a file: a folder
+    (``os.replace`` names the temporary file in its error), a FIFO or a device (``/dev/null``
+    would be replaced by a regular file), or one under a regular file."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except NotADirectoryError:
+        raise NotADirectoryError(
+            errno.ENOTDIR, f"cannot write {path}: a part of its folder path is a file, not a folder"
+        ) from None
+    if mode is not None and stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, f"cannot write {path}: it is a folder; give a file path in it")
+    if mode is not None and not stat.S_ISREG(mode):
+        raise FileExistsError(errno.EEXIST, f"cannot write {path}: it exists and is not a regular file")
+
+
 def write_json_atomic(data: Any, path: str | os.PathLike[str]) -> None:
     """Write JSON (indented) atomically, with the usual permissions (see `write_text_atomic`)."""
     write_text_atomic(json.dumps(data, indent=2) + "\n", path)
 
 
+class DuplicateKeysError(UsageError):
+    """A JSON object naming one key more than once (JSON parsers keep the last silently).
+
+    Attributes:
+        duplicates: key -> every value it was given, in file order (at any depth).
+        doc: the document as JSON parsers read it (the last value of each key).
+    """
+
+    def __init__(self, message: str, duplicates: dict[str, list[Any]], doc: Any = None) -> None:
+        super().__init__(message)
+        self.duplicates = duplicates
+        self.doc = doc
+
+
+def _no_duplicates(found: dict[str, list[Any]]) -> Any:
+    """An ``object_pairs_hook`` that builds the dict and records keys given twice."""
+
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out = dict(pairs)
+        if len(out) != len(pairs):
+            counts: dict[str, list[Any]] = {}
+            for key, value in pairs:
+                counts.setdefault(key, []).append(value)
+            for key, values in counts.items():
+                if len(values) > 1:
+                    found.setdefault(key, []).extend(values)
+        return out
+
+    return hook
+
+
 def parse_json(text: str | bytes, where: object, what: str) -> Any:
-    """Parse JSON, or raise ``ValueError`` naming ``where`` it came from: bad syntax, bad
-    UTF-8, or nesting so deep that Python's parser would raise ``RecursionError``.
+    """Parse JSON, or raise a :class:`UsageError` (a ``ValueError``) naming ``where`` it came from: bad syntax, bytes
+    that are not UTF-8, nesting so deep that Python's parser would raise ``RecursionError``,
+    or an object naming a key twice (:class:`DuplicateKeysError`: Python's parser keeps the
+    last silently, so ``{"num_hidden_layers": 2, "num_hidden_layers": 80}`` would mean 80
+    with no word, and which one was meant is unknown).
 
     Example:
         >>> parse_json("[" * 100_000, "x.json", "device map")
         Traceback (most recent call last):
         ...
-        ValueError: x.json: JSON nested too deeply (Python's parser gives up); this is not a device map file
+        bigviz.core.errors.UsageError: x.json: JSON nested too deeply (Python's parser gives up); this is not a device map file
+        >>> parse_json('{"a": 1, "a": 2}', "c.json", "model config")
+        Traceback (most recent call last):
+        ...
+        bigviz.core.serialize.DuplicateKeysError: c.json: key 'a' appears twice (1, then 2); JSON keeps only the last, so bigviz refuses the file: keep one
     """
+    duplicates: dict[str, list[Any]] = {}
     try:
-        return json.loads(text)
+        if isinstance(text, bytes):  # JSON files are UTF-8 (RFC 8259); json.loads would guess UTF-16 too
+            text = text.decode("utf-8-sig")
+        doc = json.loads(text, object_pairs_hook=_no_duplicates(duplicates))
     except RecursionError:
-        raise ValueError(
+        raise UsageError(
             f"{where}: JSON nested too deeply (Python's parser gives up); this is not a {what} file"
         ) from None
     except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ValueError(f"{where}: not valid JSON ({err}); is this a {what} file?") from err
+        raise UsageError(f"{where}: not valid JSON ({err}); is this a {what} file?") from err
+    if duplicates:
+        shown = [_duplicate_text(key, values) for key, values in duplicates.items()]
+        more = f" and {len(shown) - 5} more" if len(shown) > 5 else ""
+        raise DuplicateKeysError(
+            f"{where}: {'; '.join(shown[:5])}{more}; JSON keeps only the last, so bigviz refuses the file: keep one",
+            duplicates,
+            doc,
+        )
+    return doc
 
 
-def _read_json(path: str | os.PathLike[str], what: str) -> Any:
+def _duplicate_text(key: str, values: list[Any]) -> str:
+    """``key 'a' appears twice (1, then 2)`` or ``key 'a' appears 3 times (1, 2, 3)``."""
+    if len(values) == 2:
+        return f"key {key!r} appears twice ({short_repr(values[0], 40)}, then {short_repr(values[1], 40)})"
+    return f"key {key!r} appears {len(values)} times ({', '.join(short_repr(v, 40) for v in values)})"
+
+
+def read_json(path: str | os.PathLike[str], what: str) -> Any:
+    """The JSON in the file at ``path``, or a `UsageError` naming the file and saying it is
+    not a ``what`` file (see :func:`parse_json`); core's one reader of files."""
     with open(path, "rb") as f:
         return parse_json(f.read(), path, what)
 
@@ -119,11 +201,11 @@ def load_device_map(path: str | os.PathLike[str]) -> dict[str, Device]:
     Raises:
         DeviceMapError: (a ``ValueError``) naming the file and each bad entry.
     """
-    data = _read_json(path, "device map")
+    data = read_json(path, "device map")
     if isinstance(data, dict) and isinstance(data.get("device_map"), dict):
         data = data["device_map"]
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: a device map is a JSON object {{module: device}}, got {type(data).__name__}")
+        raise UsageError(f"{path}: a device map is a JSON object {{module: device}}, got {type(data).__name__}")
     out: dict[str, Device] = {}
     problems = []
     for key, value in data.items():
@@ -151,11 +233,11 @@ def load_max_memory(path: str | os.PathLike[str]) -> dict[Device, object]:
         >>> load_max_memory(p)
         {0: '10GiB', 'cpu': 1073741824}
     """
-    data = _read_json(path, "max_memory")
+    data = read_json(path, "max_memory")
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: max_memory is a JSON object {{device: size}}")
+        raise UsageError(f"{path}: max_memory is a JSON object {{device: size}}")
     try:
         parse_max_memory(data)  # validates keys and values, naming each problem
     except ValueError as err:
-        raise ValueError(f"{path}: {err}") from None
+        raise UsageError(f"{path}: {err}") from None
     return {normalize_device(k): v for k, v in data.items()}

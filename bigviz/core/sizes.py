@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from bigviz.core.devices import Device, device_label, device_sort_key, normalize_device
-from bigviz.core.errors import PlanError
+from bigviz.core.errors import PlanError, UsageError
 
 __all__ = ["parse_size", "format_size", "parse_max_memory", "max_memory_problems", "UNLIMITED"]
 
@@ -52,30 +52,30 @@ def parse_size(value: int | float | str) -> int:
         (10737418240, 10000000000, 2048)
     """
     if isinstance(value, bool):
-        raise ValueError(f"size {value!r} is a bool; give bytes (int) or a string like '10GiB'")
+        raise UsageError(f"size {value!r} is a bool; give bytes (int) or a string like '10GiB'")
     if isinstance(value, (int, float)):
         if not math.isfinite(value) or value < 0:
-            raise ValueError(f"size {value!r} must be a finite number of bytes >= 0")
+            raise UsageError(f"size {value!r} must be a finite number of bytes >= 0")
         return int(value)
     if not isinstance(value, str):
-        raise ValueError(f"size {value!r} must be an int (bytes) or a string like '10GiB'")
+        raise UsageError(f"size {value!r} must be an int (bytes) or a string like '10GiB'")
     match = _SIZE_RE.match(value)
     if not match:
-        raise ValueError(f"cannot parse size {value!r}: write a number and a unit, e.g. '10GiB', '500MB'")
+        raise UsageError(f"cannot parse size {value!r}: write a number and a unit, e.g. '10GiB', '500MB'")
     number, unit = float(match.group(1)), match.group(2)
     if not math.isfinite(number):  # "1e400": float() gives inf, and int(inf) would overflow
-        raise ValueError(f"size {value!r} is too large: write a finite number of bytes, e.g. '10GiB'")
+        raise UsageError(f"size {value!r} is too large: write a finite number of bytes, e.g. '10GiB'")
     if len(unit) >= 2 and unit.endswith("b") and unit[-2] not in "iI" and unit.lower() in _UNITS:
-        raise ValueError(
+        raise UsageError(
             f"size {value!r} is ambiguous: a lowercase 'b' means bits to accelerate "
             f"({unit} = 1/8 of {unit[:-1]}B). Write {match.group(1)}{unit[:-1].upper()}B "
             f"(powers of 10) or {match.group(1)}{unit[:-1].upper()}iB (powers of 2)"
         )
     factor = _UNITS.get(unit.lower())
     if factor is None:
-        raise ValueError(f"unknown unit {unit!r} in size {value!r}: use B, KB, MB, GB, TB or KiB, MiB, GiB, TiB")
+        raise UsageError(f"unknown unit {unit!r} in size {value!r}: use B, KB, MB, GB, TB or KiB, MiB, GiB, TiB")
     if not math.isfinite(number * factor):
-        raise ValueError(f"size {value!r} is too large: write a finite number of bytes, e.g. '10GiB'")
+        raise UsageError(f"size {value!r} is too large: write a finite number of bytes, e.g. '10GiB'")
     return int(round(number * factor))
 
 

@@ -25,17 +25,26 @@ Example:
 from __future__ import annotations
 
 import bisect
-from collections.abc import Collection, Sequence
+from collections import deque
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from bigviz.core.names import leaf, owner, parent
-from bigviz.core.pipeline import BALANCES, PipelineError, PipelinePlan, PipelineUnit, SharedTensor, StageCut
+from bigviz.core.names import ancestors, leaf, owner, parent
+from bigviz.core.pipeline import (
+    BALANCES,
+    PipelineError,
+    PipelinePlan,
+    PipelineRun,
+    PipelineUnit,
+    SharedTensor,
+    StageCut,
+)
 from bigviz.core.nosplit import is_no_split as _is_no_split
 from bigviz.core.tree import SizeTree
 from bigviz.core.sizes import UNLIMITED, format_size, parse_size
 
-__all__ = ["pipeline_units", "make_pipeline_plan", "cut_pipeline", "unit_flops"]
+__all__ = ["pipeline_units", "make_pipeline_plan", "cut_pipeline", "over_budget", "unit_flops"]
 
 _FIX = "Fix: give the stages more memory or use more stages"
 _FIX_DTYPE = ", or plan for a smaller dtype (dtype=torch.float16 halves float32 bytes)"
@@ -114,9 +123,79 @@ class _Items:
     roles: dict[str, str]
     nbytes: tuple[int, ...]  # with the tied tensors an item would borrow (an upper bound)
     flops: tuple[int, ...]
+    kv: tuple[int, ...] = ()  # KV cache of the layers in the item (empty without a run)
+    act: tuple[int, ...] = ()  # the largest step in the item (empty without a run)
+
+    @property
+    def held(self) -> tuple[int, ...]:
+        """What adds up along a stage: weights and KV cache."""
+        return tuple(b + k for b, k in zip(self.nbytes, self.kv)) if self.kv else self.nbytes
+
+    def act_of(self, i: int) -> int:
+        return self.act[i] if self.act else 0
 
 
-def _items(tree: SizeTree, units: list[tuple[str, str]]) -> _Items:
+def _item_run(
+    tree: SizeTree,
+    groups: Sequence[Sequence[str]],
+    kv_cache: Mapping[str, int],
+    activations: Mapping[str, int],
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """KV cache and activation bytes per item, by the planner's rule (``bigviz.plan``): a
+    layer's cache goes with the unit holding it (a layer split into parts: with its first
+    part); an item keeps room for the largest step run inside it or by a module around it."""
+    unknown = [n for n in [*kv_cache, *activations] if n not in tree.nodes]
+    PipelineError.check(
+        [f"{n!r} is no module of the model" for n in unknown[:8]],
+        "cannot plan the run: KV cache or activation bytes given for names that are no module",
+        fix="Fix: key kv_cache= and activations= by module name",
+    )
+    item_of = {name: i for i, group in enumerate(groups) for name in group}
+    under: dict[str, list[int]] = {}
+    for name, i in item_of.items():
+        for holder in ancestors(parent(name)) if name else ():
+            under.setdefault(holder, []).append(i)
+
+    def items_of(module: str) -> list[int]:
+        key = owner(module, item_of)
+        return [item_of[key]] if key is not None else under.get(module, [])
+
+    kv, act = [0] * len(groups), [0] * len(groups)
+    for module, nbytes in kv_cache.items():
+        found = items_of(module)
+        if found:
+            kv[min(found)] += nbytes
+    for module, nbytes in activations.items():
+        for i in items_of(module):
+            act[i] = max(act[i], nbytes)
+    return tuple(kv), tuple(act)
+
+
+def _reserves(items: _Items, k: int) -> tuple[int, ...]:
+    """Room for activations each stage keeps whatever the cuts: the largest step among the
+    items it can hold (stage ``s`` holds some of items ``s .. n - k + s``), a sliding-window
+    maximum. Exact when every layer's step is the same size; an upper bound otherwise."""
+    n = len(items.names)
+    if not items.act or k > n:
+        return (0,) * k
+    width, window, out = n - k + 1, deque[int](), []
+    for i in range(n):
+        while window and items.act[window[-1]] <= items.act[i]:
+            window.pop()
+        window.append(i)
+        if window[0] <= i - width:
+            window.popleft()
+        if i >= width - 1:
+            out.append(items.act[window[0]])
+    return tuple(out)
+
+
+def _items(
+    tree: SizeTree,
+    units: list[tuple[str, str]],
+    kv_cache: Mapping[str, int] | None = None,
+    activations: Mapping[str, int] | None = None,
+) -> _Items:
     groups: list[list[str]] = []
     head: list[str] = []
     for name, role in units:
@@ -133,11 +212,14 @@ def _items(tree: SizeTree, units: list[tuple[str, str]]) -> _Items:
         i, j = item_of[owner(follower, item_of)], item_of[owner(lead, item_of)]  # type: ignore[index]
         if i != j:
             nbytes[i] += tree.tensor_bytes(lead)
+    kv, act = _item_run(tree, groups, kv_cache, activations or {}) if kv_cache is not None else ((), ())
     return _Items(
         tuple(tuple(g) for g in groups),
         dict(units),
         tuple(nbytes),
         tuple(sum(unit_flops(tree, n) for n in g) for g in groups),
+        kv,
+        act,
     )
 
 
@@ -287,21 +369,30 @@ def _parse_request(stages: object, balance: str, n_items: int, units: list[tuple
 @dataclass(frozen=True)
 class _Caps:
     """Caps per stage for a bottleneck T: the balanced metric gets T x share / top share
-    (shares: budgets when bytes are balanced against budgets, else equal), bytes the budget."""
+    (shares: budgets when bytes are balanced against budgets, else equal), bytes the budget;
+    both less the stage's activation reserve when it is counted in them (a cap below zero
+    holds nothing)."""
 
     shares: tuple[int, ...]
     byte_caps: tuple[int, ...]
+    reserves: tuple[int, ...] = ()
+    metric_reserves: bool = True  # False when the metric is FLOPs
 
     def __call__(self, t: int) -> list[tuple[int, int]]:
         top = max(max(self.shares), 1)  # all-zero budgets: every cap is 0
-        return [(t * s // top, cb) for s, cb in zip(self.shares, self.byte_caps)]
+        reserves = self.reserves or (0,) * len(self.shares)
+        return [
+            (max(t * s // top - (r if self.metric_reserves else 0), -1), max(cb - r, -1) if cb < UNLIMITED else cb)
+            for s, cb, r in zip(self.shares, self.byte_caps, reserves)
+        ]
 
     @classmethod
-    def of(cls, request: _Request) -> _Caps:
+    def of(cls, request: _Request, reserves: tuple[int, ...] = ()) -> _Caps:
         known = [b for b in request.budgets if b is not None]
         proportional = request.balance == "bytes" and len(known) == request.k
         shares = tuple(known) if proportional else (1,) * request.k
-        return cls(shares, tuple(UNLIMITED if b is None else b for b in request.budgets))
+        caps = tuple(UNLIMITED if b is None else b for b in request.budgets)
+        return cls(shares, caps, reserves, request.balance == "bytes")
 
 
 def _smallest(chain: _Chain, caps: _Caps, upper: int) -> int:
@@ -313,16 +404,14 @@ def _smallest(chain: _Chain, caps: _Caps, upper: int) -> int:
     return lo
 
 
-def _balance(chain: _Chain, request: _Request) -> tuple[list[int], int]:
-    """The boundaries with the smallest bottleneck, and that bottleneck.
-
-    Raises:
-        ValueError: when even the budgets themselves cannot hold the chain.
-    """
-    caps = _Caps.of(request)
-    upper = max(caps.shares) if caps.shares != (1,) * request.k else max(chain.pm[-1], 1)
+def _balance(chain: _Chain, request: _Request, reserves: tuple[int, ...] = ()) -> tuple[list[int], int] | None:
+    """The boundaries with the smallest bottleneck, and that bottleneck; ``None`` when even
+    the budgets themselves cannot hold the chain (the caller says which stage, by how much)."""
+    caps = _Caps.of(request, reserves)
+    proportional = caps.shares != (1,) * request.k
+    upper = max(caps.shares) if proportional else max(chain.pm[-1] + max(reserves, default=0), 1)
     if _reachable(chain, caps(upper)) is None:
-        raise ValueError("does not fit")
+        return None
     best = _smallest(chain, caps, upper)
     reach = _reachable(chain, caps(best))
     assert reach is not None  # feasible at `upper`, and feasibility grows with T
@@ -336,30 +425,55 @@ def make_pipeline_plan(
     no_split: Collection[str] = (),
     balance: str = "bytes",
     dtype: str | None = None,
+    kv_cache: Mapping[str, int] | None = None,
+    activations: Mapping[str, int] | None = None,
+    run: PipelineRun | None = None,
 ) -> PipelinePlan:
     """Cut ``tree`` into pipeline stages between no-split units.
+
+    With a run (``kv_cache`` and ``activations``: bytes per module, as ``bigviz.plan``
+    charges them), each stage holds its layers' KV cache besides its weights, and room for
+    the largest step it runs; stages are balanced on all three, and budgets hold all three.
 
     Args:
         tree: the model's size tree.
         stages: the number of stages, or one byte budget per stage (``["20GiB", "20GiB"]``).
         no_split: classes or name globs of the blocks (``"Block"``, ``"transformer.h.*"``).
-        balance: ``"bytes"`` (weights per stage) or ``"compute"`` (FLOPs per token).
+        balance: ``"bytes"`` (weights, and the run, per stage) or ``"compute"`` (FLOPs per token).
         dtype: recorded in the plan (the tree is already sized for it).
+        kv_cache: KV cache bytes per layer module, for the whole batch.
+        activations: activation bytes per module step, for one micro-batch.
+        run: what those bytes were computed for (recorded in the plan).
 
     Raises:
         PipelineError: a bad stage count, more stages than blocks, an unknown balance, or
             budgets too small (saying which stage does not fit and by how much).
+
+    Example:
+        >>> from bigviz.core.tree import SizeTree, TensorSpec
+        >>> tree = SizeTree.build([TensorSpec(f"h.{i}.w", 100, "float32") for i in range(4)])
+        >>> kv = {f"h.{i}": 100 for i in range(4)}
+        >>> plan = make_pipeline_plan(tree, [1100, 1100], no_split=["h.*"], kv_cache=kv,
+        ...                           activations={f"h.{i}": 50 for i in range(4)}, run=PipelineRun())
+        >>> plan.stage_bytes, plan.stage_kv, plan.stage_activations, plan.stage_totals
+        ((800, 800), (200, 200), (50, 50), (1050, 1050))
     """
     units = pipeline_units(tree, no_split)
-    items = _items(tree, units)
+    items = _items(tree, units, _run_map(kv_cache, activations), activations)
     request = _parse_request(stages, balance, len(items.names), units)
-    metric = items.flops if balance == "compute" else items.nbytes
-    chain = _Chain(metric, items.nbytes)
-    try:
-        bounds, best = _balance(chain, request)
-    except ValueError:
-        raise _does_not_fit(tree, items, request) from None
-    return _assemble(tree, items, bounds, request, no_split, dtype, best)
+    metric = items.flops if balance == "compute" else items.held
+    chain = _Chain(metric, items.held)
+    reserves = _reserves(items, request.k)
+    balanced = _balance(chain, request, reserves)
+    if balanced is None:
+        raise _does_not_fit(tree, items, request)
+    bounds, best = balanced
+    return _assemble(tree, items, bounds, request, no_split, dtype, best, run)
+
+
+def _run_map(kv_cache: Mapping[str, int] | None, activations: Mapping[str, int] | None) -> Mapping[str, int] | None:
+    """The KV cache map when a run is planned (either map given), else None (weights only)."""
+    return dict(kv_cache or {}) if kv_cache is not None or activations is not None else None
 
 
 def cut_pipeline(
@@ -370,10 +484,15 @@ def cut_pipeline(
     balance: str = "bytes",
     budgets: Sequence[int | None] | None = None,
     dtype: str | None = None,
+    kv_cache: Mapping[str, int] | None = None,
+    activations: Mapping[str, int] | None = None,
+    run: PipelineRun | None = None,
 ) -> PipelinePlan:
     """The plan with stages beginning at ``split_points`` (blocks of ``tree``, in order).
 
-    This re-derives a plan for a model from a saved one: the same cuts, this model's units.
+    This re-derives a plan for a model from a saved one: the same cuts, this model's units
+    (and, given ``kv_cache`` and ``activations``, the run's bytes per stage; budgets are
+    recorded, not checked: see :func:`over_budget`).
 
     Raises:
         PipelineError: naming every split point that is not a block, or out of order.
@@ -385,7 +504,7 @@ def cut_pipeline(
         (('h.0',), ('h.1', 'h.2', 'h.3'))
     """
     units = pipeline_units(tree, no_split)
-    items = _items(tree, units)
+    items = _items(tree, units, _run_map(kv_cache, activations), activations)
     where = {next(n for n in group if items.roles[n] == "block"): i for i, group in enumerate(items.names)}
     problems = [
         f"split point {p!r} is not a no-split block of this model (blocks: {', '.join(list(where)[:4])} ...)"
@@ -404,7 +523,24 @@ def cut_pipeline(
     )
     k = len(split_points) + 1
     request = _Request(k, tuple(budgets) if budgets is not None else (None,) * k, balance)
-    return _assemble(tree, items, [0, *positions, len(items.names)], request, no_split, dtype, None)
+    return _assemble(tree, items, [0, *positions, len(items.names)], request, no_split, dtype, None, run)
+
+
+def over_budget(plan: PipelinePlan) -> list[str]:
+    """The stages whose weights and run exceed their budget, one line each with the numbers.
+
+    Example:
+        >>> from bigviz.core.tree import SizeTree, TensorSpec
+        >>> t = SizeTree.build([TensorSpec(f"h.{i}.w", 4, "float32") for i in range(4)])
+        >>> over_budget(cut_pipeline(t, ["h.1"], no_split=["h.*"], budgets=[16, 32]))
+        ['stage 1 needs 48 B with a budget of 32 B: 16 B over']
+    """
+    return [
+        f"stage {s} needs {plan.stage_text(s)} with a budget of {format_size(budget)}: "
+        f"{format_size(total - budget)} over"
+        for s, (total, budget) in enumerate(zip(plan.stage_totals, plan.budgets))
+        if budget is not None and total > budget
+    ]
 
 
 def _assemble(
@@ -415,19 +551,31 @@ def _assemble(
     no_split: Collection[str],
     dtype: str | None,
     best: int | None,
+    run: PipelineRun | None = None,
 ) -> PipelinePlan:
     stage_of_item = [s for s in range(request.k) for _ in range(bounds[s], bounds[s + 1])]
     stage_of = {n: stage_of_item[i] for i, group in enumerate(items.names) for n in group}
     shared = _shared(tree, stage_of)
     stage_bytes = [0] * request.k
     stage_flops = [0] * request.k
+    stage_kv, stage_act = [0] * request.k, [0] * request.k
     for i, group in enumerate(items.names):
-        stage_bytes[stage_of_item[i]] += sum(tree.total(n) for n in group)
-        stage_flops[stage_of_item[i]] += items.flops[i]
+        stage = stage_of_item[i]
+        stage_bytes[stage] += sum(tree.total(n) for n in group)
+        stage_flops[stage] += items.flops[i]
+        if items.kv:
+            stage_kv[stage] += items.kv[i]
+            stage_act[stage] = max(stage_act[stage], items.act_of(i))
     for s in shared:
         for stage in s.stages[1:]:
             stage_bytes[stage] += s.nbytes
-    cuts = _cuts(items, bounds, stage_bytes, stage_flops, request, best)
+    with_run = bool(items.kv)
+    if with_run and run is None:
+        run = PipelineRun()
+    if not with_run:
+        run = None
+    load = [b + kv + a for b, kv, a in zip(stage_bytes, stage_kv, stage_act)]
+    cuts = _cuts(items, bounds, load, stage_flops, request, best, with_run)
     starts = {c.before: c.reason for c in cuts}
     units = tuple(
         PipelineUnit(
@@ -460,6 +608,9 @@ def _assemble(
         dtype,
         notes,
         tree,
+        run,
+        tuple(stage_kv) if with_run else (),
+        tuple(stage_act) if with_run else (),
     )
 
 
@@ -490,11 +641,14 @@ def _cuts(
     stage_flops: list[int],
     request: _Request,
     best: int | None,
+    with_run: bool = False,
 ) -> list[StageCut]:
-    """One cut per stage boundary, with the reason it is where it is."""
+    """One cut per stage boundary, with the reason it is where it is (``stage_bytes``: what
+    each stage holds, its run included)."""
     compute = request.balance == "compute"
     load = stage_flops if compute else stage_bytes
-    metric = items.flops if compute else items.nbytes
+    metric = items.flops if compute else items.held
+    balanced = "weights + KV cache + activations" if with_run and not compute else request.balance
 
     def fmt(x: int) -> str:
         return f"{x / 1e9:.3g} GFLOP/token" if compute else format_size(x)
@@ -508,7 +662,7 @@ def _cuts(
         else:
             later, earlier = load[s - 1] + metric[b], load[s] + metric[b - 1]
             reason = (
-                f"balanced by {request.balance}: stage {s - 1} {fmt(load[s - 1])}, stage {s} "
+                f"balanced by {balanced}: stage {s - 1} {fmt(load[s - 1])}, stage {s} "
                 f"{fmt(load[s])}; one block later stage {s - 1} would be {fmt(later)}, one block "
                 f"earlier stage {s} would be {fmt(earlier)}"
             )
@@ -518,22 +672,35 @@ def _cuts(
     return cuts
 
 
+def _needs(weights: int, kv: int, act: int, run: bool) -> str:
+    """``"1.0 GiB"``, or with a run ``"1.0 GiB weights + 64 MiB KV cache + 8 MiB activations = ..."``."""
+    if not run:
+        return format_size(weights)
+    return (
+        f"{format_size(weights)} weights + {format_size(kv)} KV cache + {format_size(act)} activations = "
+        f"{format_size(weights + kv + act)}"
+    )
+
+
 def _does_not_fit(tree: SizeTree, items: _Items, request: _Request) -> PipelineError:
     """Which stage does not fit its budget, and by how much (found before anything loads)."""
     budgets = [b for b in request.budgets if b is not None]
-    total = sum(items.nbytes)
+    run = bool(items.kv)
+    total, kv = sum(items.nbytes), sum(items.kv)
     problems = []
-    if total > sum(budgets):
+    if total + kv > sum(budgets):
         tied = ", tied tensors counted in each stage that loads them" if tree.ties else ""
+        what = f"weights ({format_size(total)}{tied})" + (f" and KV cache ({format_size(kv)})" if run else "")
         problems.append(
-            f"the stages' weights ({format_size(total)}{tied}) exceed the {len(budgets)} budgets "
-            f"together ({format_size(sum(budgets))}) by {format_size(total - sum(budgets))}"
+            f"the stages' {what} exceed the {len(budgets)} budgets "
+            f"together ({format_size(sum(budgets))}) by {format_size(total + kv - sum(budgets))}"
         )
-    for group, size in zip(items.names, items.nbytes):
-        if size > max(budgets):
+    for i, group in enumerate(items.names):
+        need = items.held[i] + items.act_of(i)
+        if need > max(budgets):
             problems.append(
-                f"{' + '.join(group)} alone needs {format_size(size)}, more than the largest "
-                f"budget ({format_size(max(budgets))})"
+                f"{' + '.join(group)} alone needs {_needs(items.nbytes[i], items.kv[i] if run else 0, items.act_of(i), run)}"
+                f", more than the largest budget ({format_size(max(budgets))})"
             )
     if 0 not in items.nbytes:  # every block holds bytes: a stage with nothing to spend holds none
         problems += [
@@ -541,10 +708,11 @@ def _does_not_fit(tree: SizeTree, items: _Items, request: _Request) -> PipelineE
             for s, b in enumerate(budgets)
             if b == 0
         ]
-    for s, need, budget in _even_fill(items, request.budgets):  # type: ignore[arg-type]
+    for s, (span, weights, cache, act), budget in _even_fill(items, request.budgets):  # type: ignore[arg-type]
+        need = weights + cache + act
         problems.append(
-            f"stage {s} ({need[0]}) needs {format_size(need[1])} with a budget of "
-            f"{format_size(budget)}: {format_size(need[1] - budget)} over"
+            f"stage {s} ({span}) needs {_needs(weights, cache, act, run)} with a budget of "
+            f"{format_size(budget)}: {format_size(need - budget)} over"
         )
     root = tree.nodes[""].class_name or "the model"
     wide = any(spec.dtype in ("float32", "float64") for spec in tree.tensors.values())
@@ -555,23 +723,29 @@ def _does_not_fit(tree: SizeTree, items: _Items, request: _Request) -> PipelineE
     )
 
 
-def _even_fill(items: _Items, budgets: Sequence[int]) -> list[tuple[int, tuple[str, int], int]]:
+def _even_fill(items: _Items, budgets: Sequence[int]) -> list[tuple[int, tuple[str, int, int, int], int]]:
     """The stages over budget when the bytes are spread by budget share, budgets ignored:
-    ``(stage, (its span, bytes), budget)``."""
+    ``(stage, (its span, weights, KV cache, activations), budget)``."""
     if min(budgets) == 0:
         return []
-    chain = _Chain(items.nbytes, [0] * len(items.nbytes))
-    caps = _Caps(tuple(budgets), (UNLIMITED,) * len(budgets))
-    best = _smallest(chain, caps, chain.pm[-1] * max(budgets) // min(budgets) + 1)
+    held = items.held
+    chain = _Chain(held, [0] * len(held))
+    reserves = _reserves(items, len(budgets))
+    caps = _Caps(tuple(budgets), (UNLIMITED,) * len(budgets), reserves)
+    top = (chain.pm[-1] + max(reserves)) * max(budgets) // min(budgets) + 1
+    best = _smallest(chain, caps, top)
     reach = _reachable(chain, caps(best))
     if reach is None:
         return []
     bounds = _choose(chain, reach, caps(best), caps.shares)
     out = []
     for s, budget in enumerate(budgets):
-        need = chain.pm[bounds[s + 1]] - chain.pm[bounds[s]]
-        if need > budget:
+        span_items = range(bounds[s], bounds[s + 1])
+        weights = sum(items.nbytes[i] for i in span_items)
+        cache = sum(items.kv[i] for i in span_items) if items.kv else 0
+        act = max((items.act_of(i) for i in span_items), default=0)
+        if weights + cache + act > budget:
             first, last = items.names[bounds[s]][0], items.names[bounds[s + 1] - 1][-1]
             span = first if first == last else f"{first} .. {last}"
-            out.append((s, (span, need), budget))
+            out.append((s, (span, weights, cache, act), budget))
     return out

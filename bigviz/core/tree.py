@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from bigviz.core.dtypes import FLOATING_DTYPES, canonical_dtype, tensor_nbytes
 from bigviz.core.names import ancestors, owner, parent
+from bigviz.core.errors import UsageError
 
 __all__ = ["TensorSpec", "ModuleNode", "SizeTree"]
 
@@ -200,7 +201,7 @@ def _tie_groups(ties: Iterable[Sequence[str]], order: Mapping[str, int]) -> tupl
     groups = []
     unknown = [n for group in ties for n in group if n not in order]
     if unknown:
-        raise ValueError(f"tied tensor names not in the model: {unknown}")
+        raise UsageError(f"tied tensor names not in the model: {unknown}")
     for group in ties:
         members = sorted(set(group), key=order.__getitem__)
         if len(members) > 1:

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from bigviz.core.errors import PlanError
+from bigviz.core.errors import PlanError, UsageError
 from bigviz.core.dtypes import canonical_dtype, itemsize
 
 __all__ = [
@@ -111,9 +111,9 @@ class CacheSpec:
 
     def __post_init__(self) -> None:
         if self.kind not in CACHE_KINDS:
-            raise ValueError(f"unknown cache kind {self.kind!r}: use one of {', '.join(CACHE_KINDS)}")
+            raise UsageError(f"unknown cache kind {self.kind!r}: use one of {', '.join(CACHE_KINDS)}")
         if self.kind == "sliding_attention" and not self.window:
-            raise ValueError("a sliding_attention cache needs its window (tokens kept), e.g. window=4096")
+            raise UsageError("a sliding_attention cache needs its window (tokens kept), e.g. window=4096")
 
     def tokens(self, context_length: int) -> int:
         """Tokens this layer keeps for a context of ``context_length``."""

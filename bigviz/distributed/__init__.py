@@ -5,10 +5,13 @@ bigviz plans and loads; torch runs. ``bigviz.plan_pipeline`` cuts a model into s
 on one rank, loading only that stage's tensors through bigviz's checkpoint loader; a torch
 schedule (``ScheduleGPipe``, ``Schedule1F1B``) moves micro-batches through the stages.
 
+:func:`generate` runs greedy generation across the stages, each rank keeping the KV cache of
+its own layers (a ring of point-to-point sends; see :mod:`bigviz.distributed.generation`).
+
 The command line runs a checkpoint end to end (see ``python -m bigviz.distributed --help``)::
 
     torchrun --standalone --nproc-per-node 2 -m bigviz.distributed CHECKPOINT \\
-        --stages 2 --input-ids 1,2,3,4 --microbatches 2 --out logits.pt
+        --stages 2 --prompt-ids 1,2,3 --max-new-tokens 16 --microbatches 2 --out tokens.pt
 
 Names are imported on first use, so ``import bigviz.distributed`` stays light.
 """
@@ -28,6 +31,10 @@ _EXPORTS: dict[str, str] = {
     "DecoderStage": "bigviz.distributed.adapters",
     "DecoderLayout": "bigviz.distributed.adapters",
     "HFStage": "bigviz.distributed.adapters",
+    "cache_nbytes": "bigviz.distributed.adapters",
+    "generate": "bigviz.distributed.generation",
+    "generation_ids": "bigviz.distributed.generation",
+    "GenerateResult": "bigviz.distributed.generation",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -18,6 +18,10 @@ pipelined logits equal the model's.
   (``inputs_embeds``), and the final norm and head run only in the last stage. Whatever the
   forward does besides (masks per layer type, sliding windows, logit soft-capping) is kept.
 
+For generation every stage also has ``step(x, cache=..., start=...)``: the same forward with
+a KV cache of its own layers (bigviz's :class:`~bigviz.models.cache.KVCache`, or
+transformers' ``DynamicCache``: ``new_cache()``) and positions continuing from ``start``.
+
 Example:
     >>> import torch
     >>> from bigviz.models import GPT, GPTConfig
@@ -33,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,8 +47,10 @@ from torch import Tensor, nn
 
 from bigviz.core.names import is_prefix, parent
 from bigviz.core.pipeline import PipelineError
+from bigviz.models.cache import KVCache
+from bigviz.core.errors import ArgumentTypeError, StateError
 
-__all__ = ["DecoderLayout", "DecoderStage", "HFStage", "decoder_layout"]
+__all__ = ["DecoderLayout", "DecoderStage", "HFStage", "decoder_layout", "cache_nbytes"]
 
 
 @dataclass(frozen=True)
@@ -92,19 +99,23 @@ class DecoderLayout:
         return DecoderStage(self, {n: model.get_submodule(n) for n in names}, blocks, first=first, last=last)
 
     # ---- how each part is called (overridden per family) --------------------------
-    def embed(self, stage: DecoderStage, ids: Tensor) -> Tensor:
-        """Token ids -> the first block's input (first stage). Each family whose stages are
-        :class:`DecoderStage` overrides it; a layout that runs its own stage module (transformers)
-        never calls it."""
-        raise TypeError(f"the {self.family!r} stage layout has no embed(): give it one, or a stage() of its own")
+    def embed(self, stage: DecoderStage, ids: Tensor, start: int = 0) -> Tensor:
+        """Token ids at positions ``start ..`` -> the first block's input (first stage). Each
+        family whose stages are :class:`DecoderStage` overrides it; a layout that runs its own
+        stage module (transformers) never calls it."""
+        raise ArgumentTypeError(
+            f"the {self.family!r} stage layout has no embed(): give it one, or a stage() of its own"
+        )
 
-    def context_of(self, stage: DecoderStage, hidden: Tensor) -> dict[str, Any]:
+    def context_of(self, stage: DecoderStage, hidden: Tensor, start: int = 0) -> dict[str, Any]:
         return {}
 
-    def run_block(self, block: nn.Module, hidden: Tensor, context: Mapping[str, Any]) -> Tensor:
-        """One block's forward with what :meth:`context_of` computed (overridden per family,
-        like :meth:`embed`)."""
-        raise TypeError(f"the {self.family!r} stage layout has no run_block(): give it one, or a stage() of its own")
+    def run_block(self, block: nn.Module, hidden: Tensor, context: Mapping[str, Any], cache: Any = None) -> Tensor:
+        """One block's forward with what :meth:`context_of` computed, and the stage's cache
+        (overridden per family, like :meth:`embed`)."""
+        raise ArgumentTypeError(
+            f"the {self.family!r} stage layout has no run_block(): give it one, or a stage() of its own"
+        )
 
     def finish(self, stage: DecoderStage, hidden: Tensor) -> Tensor:
         for name in self.last:  # final norm, then head
@@ -134,49 +145,80 @@ class DecoderStage(nn.Module):
         return self.parts[_key(name)]
 
     def forward(self, x: Tensor) -> Tensor:
-        hidden = self.layout.embed(self, x) if self.first else x  # (B, T) ids -> (B, T, C)
-        context = self.layout.context_of(self, hidden)
+        return self.step(x)
+
+    def step(self, x: Tensor, *, cache: Any = None, start: int = 0) -> Tensor:
+        """The stage's forward for tokens at positions ``start ..``, keys and values kept in
+        ``cache`` (from :meth:`new_cache`) when given."""
+        hidden = self.layout.embed(self, x, start) if self.first else x  # (B, T) ids -> (B, T, C)
+        context = self.layout.context_of(self, hidden, start)
         for name in self.block_names:
-            hidden = self.layout.run_block(self.part(name), hidden, context)
+            hidden = self.layout.run_block(self.part(name), hidden, context, cache)
         return self.layout.finish(self, hidden) if self.last else hidden  # (B, T, vocab) at the end
+
+    def new_cache(self) -> KVCache:
+        """An empty cache for this stage's layers (each writes its own ``layer_idx`` slot)."""
+        return KVCache()
 
     def extra_repr(self) -> str:
         return f"blocks={list(self.block_names)}, first={self.first}, last={self.last}"
+
+
+def cache_nbytes(cache: Any) -> int:
+    """Bytes a stage's cache holds: bigviz's ``KVCache`` or a transformers ``Cache`` (each
+    layer object once: the layers of other stages are aliases, see :meth:`HFStage.new_cache`).
+
+    Example:
+        >>> from bigviz.models.cache import KVCache
+        >>> cache = KVCache()
+        >>> _ = cache.update(3, torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4))
+        >>> cache_nbytes(cache)
+        320
+    """
+    if isinstance(cache, KVCache):
+        return cache.nbytes
+    layers = {id(layer): layer for layer in getattr(cache, "layers", ())}
+    return sum(
+        t.numel() * t.element_size()
+        for layer in layers.values()
+        for t in vars(layer).values()
+        if isinstance(t, Tensor) and not t.is_meta and t.dim() > 0
+    )
 
 
 def _key(name: str) -> str:
     return name.replace(".", "/")  # module names may not contain dots
 
 
-def _positions(x: Tensor) -> Tensor:
-    """Positions 0..T-1 of ids (B, T) or hidden states (B, T, C), on their device."""
-    return torch.arange(x.shape[1], dtype=torch.long, device=x.device)  # (T,)
+def _positions(x: Tensor, start: int = 0) -> Tensor:
+    """Positions start..start+T-1 of ids (B, T) or hidden states (B, T, C), on their device."""
+    return torch.arange(start, start + x.shape[1], dtype=torch.long, device=x.device)  # (T,)
 
 
 class _GPTLayout(DecoderLayout):
     """bigviz's GPT: token + learned position embeddings, dropout, Blocks, ln_f, tied head."""
 
-    def embed(self, stage: DecoderStage, ids: Tensor) -> Tensor:
+    def embed(self, stage: DecoderStage, ids: Tensor, start: int = 0) -> Tensor:
         tok = stage.part("transformer.wte")(ids)  # (B, T, C)
-        pos = stage.part("transformer.wpe")(_positions(ids))  # (T, C)
+        pos = stage.part("transformer.wpe")(_positions(ids, start))  # (T, C)
         return stage.part("transformer.drop")(tok + pos.to(tok.device))
 
-    def run_block(self, block: nn.Module, hidden: Tensor, context: Mapping[str, Any]) -> Tensor:
-        return block(hidden)
+    def run_block(self, block: nn.Module, hidden: Tensor, context: Mapping[str, Any], cache: Any = None) -> Tensor:
+        return block(hidden, cache=cache)
 
 
 class _LlamaLayout(DecoderLayout):
     """bigviz's Llama: token embeddings, rotary cos/sin shared by every layer, RMSNorm, head."""
 
-    def embed(self, stage: DecoderStage, ids: Tensor) -> Tensor:
+    def embed(self, stage: DecoderStage, ids: Tensor, start: int = 0) -> Tensor:
         return stage.part("model.embed_tokens")(ids)
 
-    def context_of(self, stage: DecoderStage, hidden: Tensor) -> dict[str, Any]:
-        cos, sin = stage.part("model.rotary_emb")(_positions(hidden), dtype=hidden.dtype)
+    def context_of(self, stage: DecoderStage, hidden: Tensor, start: int = 0) -> dict[str, Any]:
+        cos, sin = stage.part("model.rotary_emb")(_positions(hidden, start), dtype=hidden.dtype)
         return {"cos": cos, "sin": sin}
 
-    def run_block(self, block: nn.Module, hidden: Tensor, context: Mapping[str, Any]) -> Tensor:
-        return block(hidden, context["cos"], context["sin"])
+    def run_block(self, block: nn.Module, hidden: Tensor, context: Mapping[str, Any], cache: Any = None) -> Tensor:
+        return block(hidden, context["cos"], context["sin"], cache=cache)
 
 
 class _HFLayout(DecoderLayout):
@@ -201,7 +243,7 @@ class _NotHere(nn.Module):
         self.name = name
 
     def forward(self, *args: Any, **kwargs: Any) -> Tensor:
-        raise RuntimeError(f"{self.name} runs in another pipeline stage")
+        raise StateError(f"{self.name} runs in another pipeline stage")
 
 
 class _NoPositions(nn.Module):
@@ -251,6 +293,8 @@ class HFStage(nn.Module):
             setattr(base, layout.last[0].split(".", 1)[1], nn.Identity())  # the final norm
         self.first, self.last = first, last
         self.block_names = tuple(blocks)
+        self.layer_ids = tuple(i for i in range(len(layers)) if f"{layout.blocks}.{i}" in keep)
+        self.config = model.config
         if last:
             top = _shallow(model)
             setattr(top, prefix, base)
@@ -263,8 +307,63 @@ class HFStage(nn.Module):
         out = self.model(**inputs)
         return out.logits if self.last else out.last_hidden_state  # (B, T, vocab) or (B, T, C)
 
+    def step(self, x: Tensor, *, cache: Any = None, start: int = 0) -> Tensor:
+        """The model's own forward with ``cache`` (from :meth:`new_cache`), positions from
+        ``start``; the last stage computes the last position's logits only, as ``generate``
+        does (``logits_to_keep=1``)."""
+        inputs: dict[str, Any] = {"input_ids" if self.first else "inputs_embeds": x}
+        if cache is not None:
+            inputs |= {_cache_argument(self.model): cache, "use_cache": True}
+            inputs["position_ids"] = _positions(x, start)[None]  # (1, T)
+        if self.last and "logits_to_keep" in _parameters(self.model):
+            inputs["logits_to_keep"] = 1
+        out = self.model(**inputs)
+        return out.logits if self.last else out.last_hidden_state  # (B, T', vocab) or (B, T, C)
+
+    def new_cache(self) -> Any:
+        """transformers' ``DynamicCache`` for the model, in which the layers of other stages
+        are aliases of this stage's first layer of the same kind.
+
+        Why: the model's forward sizes its masks and numbers its positions from a cache layer
+        it picks by index (the first, or the first sliding one), which may belong to another
+        stage and would stay empty here. An alias answers for the tokens this stage has seen
+        and holds nothing of its own (the other stages' layers never write to it: they pass
+        the hidden states through), so the cache holds this stage's layers only.
+        """
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.config)
+        layers = getattr(cache, "layers", None)
+        if layers is None or len(layers) <= max(self.layer_ids, default=-1):
+            raise PipelineError(
+                "pipelined generation of transformers models needs a DynamicCache built from the config, one "
+                "layer per decoder layer (transformers >= 4.56)",
+                fix="Fix: pip install -U transformers",
+            )
+        mine = set(self.layer_ids)
+        for i, layer in enumerate(layers):
+            if i not in mine:
+                twin = next((j for j in self.layer_ids if _same_kind(layers[j], layer)), None)
+                if twin is not None:
+                    layers[i] = layers[twin]
+        return cache
+
     def extra_repr(self) -> str:
         return f"blocks={list(self.block_names)}, first={self.first}, last={self.last}"
+
+
+def _same_kind(a: Any, b: Any) -> bool:
+    """Two cache layers that answer the same way for the same tokens (class and window)."""
+    return type(a) is type(b) and getattr(a, "sliding_window", None) == getattr(b, "sliding_window", None)
+
+
+def _parameters(module: nn.Module) -> Mapping[str, Any]:
+    return inspect.signature(module.forward).parameters
+
+
+def _cache_argument(module: nn.Module) -> str:
+    """The forward's name for the cache: ``cache`` (transformers 5), else ``past_key_values``."""
+    return "cache" if "cache" in _parameters(module) else "past_key_values"
 
 
 def decoder_layout(model: nn.Module) -> DecoderLayout:

@@ -20,7 +20,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -30,10 +29,11 @@ from torch import nn
 from bigviz.checkpoint.index import CheckpointIndex
 from bigviz.core.pipeline import PipelineError
 from bigviz.core.dtypes import FLOATING_DTYPES
+from bigviz.modeling.configs import NO_REMOTE_CODE, building, checked_config, hf_config
 from bigviz.modeling.meta import init_empty_weights
 from bigviz.models import MODEL_TYPES, from_config
 
-__all__ = ["read_config", "empty_model", "checkpoint_dtype"]
+__all__ = ["read_config", "empty_model", "checkpoint_dtype", "generation_config"]
 
 
 def _folder(checkpoint: str | Path) -> Path:
@@ -42,10 +42,13 @@ def _folder(checkpoint: str | Path) -> Path:
 
 
 def read_config(checkpoint: str | Path) -> dict[str, Any]:
-    """``config.json`` of a checkpoint folder (or of the folder holding a checkpoint file).
+    """``config.json`` of a checkpoint folder (or of the folder holding a checkpoint file), checked
+    as :func:`bigviz.modeling.configs.checked_config` checks it (no ``auto_map``: no code is run
+    from the checkpoint; sizing numbers in range).
 
     Raises:
-        PipelineError: no such file, or not a JSON object with a ``model_type``; with the fix.
+        PipelineError: no such file, or no ``model_type``; with the fix.
+        ConfigError: (a ``ValueError``) not a JSON object, ``auto_map``, numbers out of range.
     """
     path = _folder(checkpoint) / "config.json"
     fix = (
@@ -54,11 +57,8 @@ def read_config(checkpoint: str | Path) -> dict[str, Any]:
     )
     if not path.is_file():
         raise PipelineError(f"{path} does not exist: the checkpoint does not say which model it holds", fix=fix)
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise PipelineError(f"{path} is not valid JSON ({err})", fix=fix) from err
-    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+    data, _where = checked_config(path)
+    if not isinstance(data.get("model_type"), str):
         raise PipelineError(f"{path} has no 'model_type': cannot tell which model to build", fix=fix)
     return data
 
@@ -67,22 +67,20 @@ def empty_model(checkpoint: str | Path) -> nn.Module:
     """The model ``checkpoint``'s ``config.json`` describes: weights on meta, buffers real, eval mode.
 
     Raises:
-        PipelineError: no usable config, or a transformers model without transformers installed.
+        PipelineError: no usable config.
+        ConfigError: a config bigviz does not build from, or a transformers model without
+            transformers installed.
     """
     config = read_config(checkpoint)
+    where = str(_folder(checkpoint) / "config.json")
     if config["model_type"] in MODEL_TYPES:
-        with init_empty_weights():
+        with init_empty_weights(), building(f"a {config['model_type']!r} model", where):
             return from_config(config).eval()
-    try:
-        from transformers import AutoConfig, AutoModelForCausalLM
-    except ImportError as err:
-        raise PipelineError(
-            f"{checkpoint} holds a transformers model ({config['model_type']}), and transformers is not installed",
-            fix="Fix: pip install transformers",
-        ) from err
-    hf_config = AutoConfig.from_pretrained(_folder(checkpoint))
-    with init_empty_weights():
-        return AutoModelForCausalLM.from_config(hf_config).eval()
+    hf_config_ = hf_config(config, where)
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(), building(f"a {config['model_type']!r} model", where):
+        return AutoModelForCausalLM.from_config(hf_config_, **NO_REMOTE_CODE).eval()
 
 
 def checkpoint_dtype(checkpoint: str | Path | CheckpointIndex) -> str | None:
@@ -93,3 +91,29 @@ def checkpoint_dtype(checkpoint: str | Path | CheckpointIndex) -> str | None:
         if info.dtype in FLOATING_DTYPES:
             counts[info.dtype] += info.nbytes
     return counts.most_common(1)[0][0] if counts else None
+
+
+def generation_config(checkpoint: str | Path) -> Any:
+    """What single-process ``generate`` reads for this checkpoint: transformers'
+    ``GenerationConfig`` from ``generation_config.json`` (as ``from_pretrained`` loads it),
+    else the one the model's config implies; ``None`` for bigviz's models (their
+    ``generate`` knows no end-of-sequence token).
+
+    Example:
+        >>> import tempfile, pathlib, bigviz
+        >>> from bigviz.models import GPT, GPTConfig
+        >>> model = GPT(GPTConfig.preset("gpt-tiny"))
+        >>> folder = bigviz.save_sharded(model, pathlib.Path(tempfile.mkdtemp()) / "c",
+        ...                              config=model.config, progress=False)
+        >>> generation_config(folder) is None
+        True
+    """
+    config = read_config(checkpoint)
+    if config["model_type"] in MODEL_TYPES:
+        return None
+    from transformers import AutoConfig, GenerationConfig
+
+    folder = _folder(checkpoint)
+    if (folder / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(folder)
+    return GenerationConfig.from_model_config(AutoConfig.from_pretrained(folder))

@@ -10,10 +10,12 @@ and the stage adapter must know how to run every stage when it is used. Then:
    with ``SplitPoint.BEGINNING`` at the plan's split points) when ``example_args`` are given,
    else, or where tracing fails, a :class:`~bigviz.distributed.adapters.DecoderStage` that
    runs the stage's own modules of the model;
-2. the load: this stage's checkpoint keys only (``CheckpointIndex.subset``), through
-   :func:`bigviz.load_checkpoint_in_model`, straight onto the stage's device. A tied tensor
-   used by two stages (GPT-2's ``wte`` / ``lm_head``) is loaded by both. Peak memory per
-   rank is about the stage's bytes, not the model's.
+2. the load: the whole model's load plan, made from headers with transformers' conversion
+   rules (a fused expert tensor names the keys it is converted from), cut to this stage's
+   tensors before a byte is read, executed straight onto the stage's device. Every other
+   stage's tensors stay on meta (never read, never initialised as missing), so a rank's peak
+   memory is its stage's bytes. A tied tensor used by two stages (GPT-2's ``wte`` /
+   ``lm_head``) is loaded by both.
 
 Example:
     >>> import tempfile, pathlib, torch, bigviz
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,17 +43,19 @@ from torch import nn
 
 from bigviz.checkpoint.errors import CheckpointError
 from bigviz.checkpoint.index import CheckpointIndex
-from bigviz.checkpoint.load import LoadResult, check_checkpoint, load_checkpoint_in_model
+from bigviz.checkpoint.load import LoadResult, check_checkpoint, execute_load_plan, inventory_of, plan_load
 from bigviz.checkpoint.load_plan import LoadPlan
 from bigviz.modeling.inventory import ModelInventory
 from bigviz.core.devices import normalize_device, torch_name
 from bigviz.core.names import leaf, parent
 from bigviz.core.pipeline import PipelineError, PipelinePlan
-from bigviz.core.stages import cut_pipeline
+from bigviz.core.stages import cut_pipeline, over_budget
 from bigviz.core.tree import SizeTree
 from bigviz.core.sizes import format_size
 from bigviz.distributed.adapters import DecoderLayout, decoder_layout
 from bigviz.modeling.sizes import module_tree
+from bigviz.planning.pipeline import pipeline_run_bytes
+from bigviz.core.errors import StateError
 
 __all__ = ["SPLITS", "StageBuild", "check_pipeline", "build_stage_module", "build_stage"]
 
@@ -135,10 +139,20 @@ def check_pipeline(
 
 
 def _replan(model: nn.Module, plan: PipelinePlan) -> PipelinePlan:
-    """The plan with the same cuts for this model: same blocks per stage, within budgets."""
+    """The plan with the same cuts for this model: same blocks per stage, and each stage's
+    weights (and run, when the plan counts one) within its budget."""
     tree = module_tree(model, plan.dtype)
+    kv, act = pipeline_run_bytes(model, tree, plan.run, dtype=plan.dtype)
     mine = cut_pipeline(
-        tree, plan.split_points, no_split=plan.no_split, balance=plan.balance, budgets=plan.budgets, dtype=plan.dtype
+        tree,
+        plan.split_points,
+        no_split=plan.no_split,
+        balance=plan.balance,
+        budgets=plan.budgets,
+        dtype=plan.dtype,
+        kv_cache=kv,
+        activations=act,
+        run=plan.run,
     )
     problems = [
         f"stage {s}: the plan has blocks {_span(plan.blocks(s))}, this model {_span(mine.blocks(s))}"
@@ -149,25 +163,9 @@ def _replan(model: nn.Module, plan: PipelinePlan) -> PipelinePlan:
     problems += (
         [f"the plan names {len(unknown)} module(s) this model lacks: {', '.join(unknown[:5])}"] if unknown else []
     )
-    problems += [
-        f"stage {s} needs {format_size(b)}, over its budget of {format_size(budget)}"
-        for s, (b, budget) in enumerate(zip(mine.stage_bytes, plan.budgets))
-        if budget is not None and b > budget
-    ]
+    problems += over_budget(mine)
     PipelineError.check(problems, "the pipeline plan does not match this model")
-    return PipelinePlan(
-        mine.units,
-        mine.cuts,
-        mine.stage_bytes,
-        mine.stage_flops,
-        mine.budgets,
-        mine.shared,
-        mine.balance,
-        mine.no_split,
-        mine.dtype,
-        mine.notes,
-        tree,
-    )
+    return mine
 
 
 def _span(blocks: Sequence[str]) -> str:
@@ -241,7 +239,7 @@ def build_stage_module(
     loadable = {a for load in load_plan.loads for a in load.aliases}
     module, names, method, fallback = _stage_module(model, model_plan, rank, split, example_args, loadable)
     _check_fillable(model, names, loadable)
-    result = _load(model, checkpoint, load_plan, names, device, dtype if dtype is not None else model_plan.dtype)
+    result = _load(model, checkpoint, names, device, dtype if dtype is not None else model_plan.dtype)
     if method == "trace":
         for name in names:
             _set_tensor(module, name, _model_tensor(model, name))
@@ -300,12 +298,12 @@ def _traced(
         warnings.simplefilter("ignore", FutureWarning)
         pipe = pipeline(model, mb_args=args, split_spec={p: SplitPoint.BEGINNING for p in plan.split_points})
     if pipe.num_stages != plan.n_stages:
-        raise RuntimeError(f"the tracer made {pipe.num_stages} stages, the plan has {plan.n_stages}")
+        raise StateError(f"the tracer made {pipe.num_stages} stages, the plan has {plan.n_stages}")
     for stage in range(plan.n_stages):
         names = _held(pipe.get_stage_module(stage))
         bad = [n for n in names if (t := _model_tensor(model, n)) is None or (t.is_meta and n not in loadable)]
         if bad:
-            raise RuntimeError(f"traced stage {stage} holds tensors the checkpoint cannot fill: {bad[:5]}")
+            raise StateError(f"traced stage {stage} holds tensors the checkpoint cannot fill: {bad[:5]}")
     module = pipe.get_stage_module(rank)
     return module, _held(module)
 
@@ -361,18 +359,26 @@ def _set_tensor(root: nn.Module, name: str, tensor: torch.Tensor | None) -> None
 def _load(
     model: nn.Module,
     checkpoint: str | Path | CheckpointIndex,
-    load_plan: LoadPlan,
     names: Sequence[str],
     device: torch.device,
     dtype: torch.dtype | str | None,
 ) -> LoadResult:
-    """Load the checkpoint keys that fill ``names`` (and their tied names), nothing else."""
+    """Load the tensors that fill ``names`` (and their tied names), and nothing else.
+
+    The load is planned for the whole model from headers (so transformers' conversion
+    rules see every key: a fused expert tensor is read from the keys it is converted from),
+    then cut to this stage's tensors before anything is read: every other stage's tensors
+    stay on meta, neither read nor initialised as missing, so a rank's peak memory is its
+    stage's bytes.
+    """
     wanted = set(names)
-    keys = {load.key for load in load_plan.loads if wanted.intersection(load.aliases)}
-    index = CheckpointIndex.open(checkpoint).subset(keys)
-    return load_checkpoint_in_model(
-        model, index, device_map={"": str(device)}, dtype=dtype, strict=False, progress=False
+    index, full = plan_load(model, checkpoint, {"": str(device)}, dtype=dtype, check=False)
+    mine = replace(
+        full,
+        loads=tuple(load for load in full.loads if wanted.intersection(load.aliases)),
+        computed=tuple(load for load in full.computed if wanted.intersection(load.aliases)),
     )
+    return execute_load_plan(inventory_of(model), index, mine, progress=False)
 
 
 def _check_fillable(model: nn.Module, names: Sequence[str], loadable: set[str]) -> None:

@@ -10,14 +10,16 @@ Modules, bottom up:
   ``LazyWeights`` over safetensors); the offload folder.
 - :mod:`~bigviz.engine.binding`: a dispatch plan's units bound to the model's tensor slots
   and stores (``BoundUnit``), and its resident tensors.
-- :mod:`~bigviz.engine.prefetch`: zero-copy CPU fetches, side-stream CUDA fetches through
-  pinned staging, and the scheduler that fetches the next unit in recorded order.
-- :mod:`~bigviz.engine.readahead`: streaming for models larger than RAM: disk units read
-  ahead by parallel readers, dropped from the page cache after use.
-- :mod:`~bigviz.engine.resident`: "cpu" weights of a model larger than RAM read once into
-  process memory (``load_checkpoint_and_dispatch(..., resident="auto")``).
+- :mod:`~bigviz.engine.fetchers`: how a unit's weights are read, one class per way (zero-copy
+  CPU, side-stream CUDA through pinned staging, an ``O_DIRECT`` ring, the page cache).
+- :mod:`~bigviz.engine.scheduler`: when: the next units in recorded order, as far ahead as
+  the stream plan says.
+- :mod:`~bigviz.engine.resident`: the resident copy ("cpu" weights of a model larger than
+  RAM read once into process memory, when the stream plan says ``"copy"``) and
+  ``bigviz.residency(model)``, what a dispatch did.
 - :mod:`~bigviz.engine.offload_hooks`: the hooks a dispatch attaches.
-- :mod:`~bigviz.engine.dispatch`: ``dispatch_model`` (executes a dispatch plan).
+- :mod:`~bigviz.engine.dispatch`: ``dispatch_model`` (executes a dispatch plan, its stream
+  plan included: the engine decides nothing).
 - :mod:`~bigviz.engine.big_modeling`: ``load_checkpoint_and_dispatch``, ``cpu_offload``,
   ``cpu_offload_with_hook``, ``disk_offload``.
 

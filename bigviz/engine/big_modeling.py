@@ -22,23 +22,19 @@ import torch
 from torch import Tensor, nn
 
 from bigviz.checkpoint.index import CheckpointIndex
-from bigviz.checkpoint.load import execute_load_plan, inventory_of, load_checkpoint_in_model, plan_load
-from bigviz.checkpoint.load_plan import LoadPlan, check_plan, plan_problems
-from bigviz.checkpoint.model_names import device_map_in_model_names
-from bigviz.checkpoint.quantized import packed_on_disk, prepare_for_checkpoint
-from bigviz.core.devices import MISSING_DEVICE_FIX
-from bigviz.core.errors import DeviceMapError
+from bigviz.checkpoint.load import execute_load_plan, inventory_of, torch_load_dtype
+from bigviz.checkpoint.quantized import prepare_for_checkpoint
 from bigviz.core.names import owner, parent
-from bigviz.core.quant import QuantConfig, with_stored
+from bigviz.core.stream_plan import MachineFacts
 from bigviz.engine.devices import DeviceLike, torch_device
-from bigviz.engine.dispatch import dispatch_inventory, execute_dispatch
+from bigviz.engine.dispatch import dispatch_inventory, execute_dispatch, refuse_dispatched
 from bigviz.engine.hooks import add_hook_to_module
 from bigviz.engine.offload_hooks import CpuOffload, UserCpuOffloadHook
 from bigviz.engine.weights import open_offload_folder
 from bigviz.modeling.budgets import default_execution_device
 from bigviz.modeling.inventory import ModelInventory
-from bigviz.modeling.quant import as_quant_config, torch_dtype
-from bigviz.planning.chain import INVALID_MAP, dispatch_plan_for, map_problems, resolve_device_map
+from bigviz.modeling.quant import as_quant_config
+from bigviz.planning.chain import plan_chain
 
 __all__ = ["load_checkpoint_and_dispatch", "cpu_offload", "cpu_offload_with_hook", "disk_offload"]
 
@@ -59,6 +55,8 @@ def load_checkpoint_and_dispatch(
     force_hooks: bool = False,
     strict: bool = True,
     resident: str = "auto",
+    stream: str = "ring",
+    machine: MachineFacts | None = None,
     quantization: object = None,
 ) -> nn.Module:
     """Plan (if asked), load ``checkpoint`` into ``model`` and dispatch it; returns it in eval mode.
@@ -86,8 +84,14 @@ def load_checkpoint_and_dispatch(
         strict: Refuse checkpoints with missing or unexpected keys.
         resident: ``"auto"``: a model that does not fit in RAM has its "cpu" weights read once
             into process memory and its disk units streamed through reused buffers; one that
-            fits keeps zero-copy memory maps. ``"copy"`` / ``"map"`` force either
-            (:func:`~bigviz.engine.resident.settle_residency`).
+            fits keeps zero-copy memory maps. ``"copy"`` / ``"map"`` force either.
+        stream: How the CPU streams disk units once the resident part is copied: ``"ring"``
+            (``O_DIRECT`` into one reused ring) or ``"cache"`` (through the page cache,
+            dropped after use).
+        machine: The machine's facts the stream plan is made for (default: this machine's
+            available RAM now). ``bigviz.dispatch_plan(...)`` with the same arguments prints
+            the plan this carries out, before anything moves; ``bigviz.residency(model)`` says
+            what was done.
         quantization: ``"int8"`` (torchao, one scale per row) or ``"int4"`` (bitsandbytes 4-bit),
             or a `~bigviz.core.quant.QuantConfig` or transformers' ``TorchAoConfig`` /
             ``BitsAndBytesConfig``: the linear layers' weights are quantized while they load,
@@ -97,8 +101,8 @@ def load_checkpoint_and_dispatch(
             needs none: it loads as stored. Needs ``pip install 'bigviz[quant]'``.
 
     Raises:
-        ValueError: a GPU named by the map is absent, or the map does not fit the model
-            (before anything is loaded).
+        ValueError: a GPU named by the map is absent, the map does not fit the model, or a
+            resident copy would not fit in RAM (before anything is loaded).
 
     Example:
         >>> import torch, tempfile
@@ -108,105 +112,49 @@ def load_checkpoint_and_dispatch(
         >>> with torch.device("meta"):
         ...     model = torch.nn.Linear(2, 2)
         >>> model = load_checkpoint_and_dispatch(model, folder, {"": "disk"})
-        >>> model(torch.ones(1, 2)).shape, model.weight.device.type
-        (torch.Size([1, 2]), 'meta')
+        >>> model(torch.ones(1, 2)).shape, model.weight.is_meta  # read at forward time
+        (torch.Size([1, 2]), True)
     """
-    from bigviz.engine.resident import check_mode, settle_residency  # larger than RAM
-
-    check_mode(resident)  # before anything is read
+    refuse_dispatched(model, "load_checkpoint_and_dispatch")  # before anything is read
+    dtype = torch_load_dtype(dtype)  # floating only, before planning with it
     config = as_quant_config(quantization)
-    checkpoint = CheckpointIndex.open(checkpoint)  # headers read once for this call
-    prepare_for_checkpoint(model, checkpoint, config, dtype=torch_dtype(dtype))  # quantized layers, on meta
+    index = CheckpointIndex.open(checkpoint)  # headers read once for this call
+    prepare_for_checkpoint(model, index, config, dtype=dtype)  # quantized layers, on meta
     inventory = inventory_of(model)  # ties made, then the model's one walk for this call
-    mapping, made = resolve_device_map(
+    _, loads, plan = plan_chain(
         inventory,
+        index,
         device_map,
         max_memory=max_memory,
-        dtype=dtype,
         no_split_module_classes=no_split_module_classes,
         preload_module_classes=preload_module_classes,
         offload_buffers=offload_buffers,
+        prefetch=prefetch,
+        dtype=dtype,
+        strict=strict,
+        offload_folder=offload_folder,
+        resident=resident,
+        stream=stream,
+        machine=machine,
         quantization=config,
     )
-    if mapping is None:
-        load_checkpoint_in_model(
-            inventory,
-            checkpoint,
-            None,
-            dtype=dtype,
-            offload_folder=offload_folder,
-            strict=strict,
-            progress=False,
-            quantization=config,
-        )
-        return model.eval()
-    mapping = device_map_in_model_names(inventory, checkpoint, mapping)  # a map planned from headers
-    index, loads, canonical = _checked_plans(
-        inventory, checkpoint, mapping, dtype=dtype, strict=strict, offload_folder=offload_folder, quantization=config
-    )
+    assert loads is not None
     result = execute_load_plan(inventory, index, loads, progress=False)
-    inventory = inventory.refreshed()  # same structure, the tensors the load put in
-    blocks = no_split_module_classes
-    if blocks is None and made is not None and made.rule is not None:
-        blocks = made.rule.blocks  # the planner's blocks (globs too): the units it reserved room for
-    plan = dispatch_plan_for(
-        inventory,
-        canonical,
-        main_device=made.main_device if made is not None else None,
-        no_split_module_classes=blocks,
-        preload_module_classes=preload_module_classes,
-        offload_buffers=offload_buffers,
-        prefetch=prefetch,
-        tree=with_stored(inventory.tree(), packed_on_disk(loads)),  # streamed packed: sized packed
-    )
+    if plan is None:  # no map: loaded on the CPU, nothing to dispatch
+        return model.eval()
     stores = [result.disk] if result.disk is not None else []
     execute_dispatch(
-        inventory,
+        inventory.refreshed(),  # same structure, the tensors the load put in
         plan,
         stores,
         skip_keys=skip_keys,
         force_hooks=force_hooks,
         offload_folder=offload_folder,
         owned=stores,
+        stamps=index.stamps.values(),
+        progress=True,
     )
-    settle_residency(model, resident=resident)
     return model.eval()
-
-
-def _checked_plans(
-    inventory: ModelInventory,
-    checkpoint: str | Path,
-    mapping: Mapping[str, Any],
-    *,
-    dtype: Any,
-    strict: bool,
-    offload_folder: str | Path | None,
-    quantization: QuantConfig | None = None,
-) -> tuple[CheckpointIndex, LoadPlan, dict[str, Any]]:
-    """The one validation pass of a load-and-dispatch: the device map (names, devices this
-    machine has, coverage) and the checkpoint (keys, shapes, files), every problem in one
-    error, before anything is read."""
-    canonical, problems = map_problems(inventory.tree(), mapping)
-    index, loads = plan_load(
-        inventory,
-        checkpoint,
-        canonical if not problems else mapping,
-        dtype=dtype,
-        offload_folder=offload_folder,
-        strict=strict,
-        check=False,
-        quantization=quantization,
-    )
-    if problems and not plan_problems(loads, strict=strict, map_checked=True)[0]:
-        DeviceMapError.check(problems, INVALID_MAP, fix=MISSING_DEVICE_FIX)
-    check_plan(
-        loads,
-        strict=strict,
-        where=f"'{index.path}' into {type(inventory.model).__name__}",
-        more=problems,
-        map_checked=True,
-    )
-    return index, loads, canonical
 
 
 def _offload_map(
@@ -258,6 +206,7 @@ def cpu_offload(
         >>> model(torch.ones(1, 2)).shape
         torch.Size([1, 2])
     """
+    refuse_dispatched(model, "cpu_offload")
     inventory = ModelInventory.of(model)
     return dispatch_inventory(
         inventory,
@@ -293,9 +242,10 @@ def disk_offload(
     Example:
         >>> import torch, tempfile
         >>> model = disk_offload(torch.nn.Sequential(torch.nn.Linear(2, 2)), tempfile.mkdtemp())
-        >>> model(torch.ones(1, 2)).shape, model[0].weight.device.type
-        (torch.Size([1, 2]), 'meta')
+        >>> model(torch.ones(1, 2)).shape, model[0].weight.is_meta
+        (torch.Size([1, 2]), True)
     """
+    refuse_dispatched(model, "disk_offload")  # before the folder is opened
     inventory = ModelInventory.of(model)
     weights = open_offload_folder(offload_dir) if inventory.has_meta() else None  # an earlier disk_offload's
     stores = [weights] if weights is not None else []

@@ -12,10 +12,10 @@ Nothing is moved or written here: :mod:`bigviz.engine.dispatch` carries the bind
 Example:
     >>> import torch
     >>> from bigviz.modeling.inventory import ModelInventory
-    >>> from bigviz.planning.chain import dispatch_plan_for
+    >>> from bigviz.planning.chain import plan_chain
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     >>> inventory = ModelInventory.of(model)
-    >>> binding = bind(dispatch_plan_for(inventory, {"0": "cpu", "1": "disk"}), inventory)
+    >>> binding = bind(plan_chain(inventory, None, {"0": "cpu", "1": "disk"}).dispatch, inventory)
     >>> [(u.name, u.storage, sorted(u.slots)) for u in binding.units], sorted(binding.to_write)
     ([('1', 'disk', ['1.bias', '1.weight'])], ['1.bias', '1.weight'])
 """
@@ -33,7 +33,7 @@ from bigviz.core.dispatch_plan import DispatchPlan
 from bigviz.core.names import join
 from bigviz.core.offload_units import Fetch, OffloadUnit, Resident
 from bigviz.engine.devices import torch_device
-from bigviz.engine.weights import Slot, meta_like, nbytes, set_slot
+from bigviz.engine.weights import Slot, nbytes, offloaded_placeholder, set_slot
 from bigviz.modeling.inventory import ModelInventory, is_container
 from bigviz.modeling.packed import release_module_state, split
 
@@ -50,7 +50,8 @@ class BoundUnit:
         module: the module the hook sits on.
         slots: store key -> the slots that key fills (several: a tie inside the unit).
         sources: store key -> the mapping it is read from (set at dispatch).
-        placeholders: slot -> the ``meta`` tensor it holds between forwards.
+        placeholders: slot -> the ``meta`` tensor it holds between forwards (reporting the
+            execution device: :class:`~bigviz.engine.weights.Offloaded`).
         materialised: keys that were in memory before dispatch (restored by ``remove_hooks``).
         dtypes: key -> the dtype the model declares for it (a store's other dtype is cast).
         key_nbytes: key -> its bytes (their sum, ``nbytes``, is fetched per forward).
@@ -65,6 +66,7 @@ class BoundUnit:
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     key_nbytes: dict[str, int] = field(default_factory=dict)
     requires_grad: bool = False
+    grads: dict[str, Tensor] = field(default_factory=dict)  # key -> its placeholder (whose requires_grad counts)
 
     @property
     def name(self) -> str:
@@ -136,6 +138,7 @@ def bind(plan: DispatchPlan, inventory: ModelInventory, stores: Sequence[Mapping
     group_of = {n: g for g in inventory.tree().ties for n in g}
     sources: dict[str, tuple[str, Mapping[str, Tensor] | None] | None] = {}
     placeholders: dict[int, Tensor] = {}  # one per tensor object: a tie stays one object on meta
+    device = torch_device(plan.main_device)  # where offloaded weights are used: what they report
     for unit in plan.units:
         bound = BoundUnit(unit, inventory.modules[unit.name])
         for fetch in unit.fetches:
@@ -144,7 +147,7 @@ def bind(plan: DispatchPlan, inventory: ModelInventory, stores: Sequence[Mapping
                 sources[fetch.key] = _stream_source(plan, inventory, fetch.key, group, stores, binding)
             found = sources[fetch.key]
             if found is not None:
-                _add_fetch(bound, inventory, fetch, found, placeholders)
+                _add_fetch(bound, inventory, fetch, found, placeholders, device)
         binding.units.append(bound)
     for resident in plan.resident:
         _bind_resident(binding, inventory, resident, stores)
@@ -166,10 +169,12 @@ def bound_units(
         >>> [u.name for u in bound_units(model, {"0": "disk", "1": "disk"}, main_device="cpu")]
         ['0', '1']
     """
-    from bigviz.planning.chain import dispatch_plan_for
+    from bigviz.planning.chain import plan_chain
 
     inventory = ModelInventory.of(model)
-    return bind(dispatch_plan_for(inventory, device_map, main_device=main_device), inventory, stores).units
+    plan = plan_chain(inventory, None, dict(device_map), main_device=main_device, resident="map").dispatch
+    assert plan is not None
+    return bind(plan, inventory, stores).units
 
 
 def _stream_source(
@@ -213,6 +218,7 @@ def _add_fetch(
     fetch: Fetch,
     found: tuple[str, Mapping[str, Tensor] | None],
     placeholders: dict[int, Tensor],
+    device: torch.device,
 ) -> None:
     key, store = found
     tensor = inventory.tensor(fetch.key)
@@ -232,8 +238,11 @@ def _add_fetch(
         if (id(slot[0]), slot[1]) not in unit.placeholders:  # a shared module's slot: once
             unit.slots[key].append(slot)
             if id(current) not in placeholders:
-                placeholders[id(current)] = meta_like(current, slot[2])
+                placeholders[id(current)] = offloaded_placeholder(
+                    current, slot[2], device=device, name=name, unit=unit.name
+                )
             unit.placeholders[(id(slot[0]), slot[1])] = (slot, placeholders[id(current)])
+            unit.grads.setdefault(key, placeholders[id(current)])  # its requires_grad, read per forward in C
         unit.requires_grad |= slot[2] == "param" and current.requires_grad
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from bigviz.core.devices import MISSING_DEVICE_FIX, computes, normalize_device, torch_name
-from bigviz.core.errors import DeviceMapError
+from bigviz.core.errors import DeviceMapError, UsageError
 from bigviz.modeling.budgets import absent_device_problems, available_devices
 
 __all__ = [
@@ -49,7 +49,7 @@ def torch_device(device: DeviceLike) -> torch.device:
         return device if device.type != "cuda" or device.index is not None else torch.device("cuda", 0)
     canonical = normalize_device(device)
     if not computes(canonical):
-        raise ValueError("'disk' stores weights; it cannot execute a module (use 'cpu' or a GPU)")
+        raise UsageError("'disk' stores weights; it cannot execute a module (use 'cpu' or a GPU)")
     return torch.device(torch_name(canonical))
 
 

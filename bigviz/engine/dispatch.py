@@ -13,7 +13,8 @@ in the map, else the CPU):
                memory-mapped pages (no copy); a GPU gets them via pinned staging buffers
 =============  ==========================================================================
 
-Offloaded tensors sit on ``meta`` between forwards. One hook per offloaded entry fetches
+Offloaded tensors sit on ``meta`` between forwards (``is_meta``; their ``.device`` says where they
+run: :class:`~bigviz.engine.weights.Offloaded`). One hook per offloaded entry fetches
 all its tensors; the next entry is fetched while the current one computes (``prefetch``).
 
 Example:
@@ -23,8 +24,8 @@ Example:
     >>> expected = model(x)
     >>> with tempfile.TemporaryDirectory() as folder:
     ...     _ = dispatch_model(model, {"0": "cpu", "1": "cpu", "2": "disk"}, offload_folder=folder)
-    ...     torch.equal(model(x), expected), model[2].weight.device.type
-    (True, 'meta')
+    ...     torch.equal(model(x), expected), model[2].weight.is_meta, model[2].weight.device.type
+    (True, True, 'cpu')
 """
 
 from __future__ import annotations
@@ -39,19 +40,23 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from bigviz.checkpoint.offload_folder import offload_problems
+from bigviz.checkpoint.offload_folder import offload_problems, offload_weights
 from bigviz.checkpoint.packed_weights import PackedWeights, flatten
 from bigviz.core.dispatch_plan import DispatchPlan
-from bigviz.core.errors import DeviceMapError
+from bigviz.core.errors import BigvizError, DeviceMapError, StateError
 from bigviz.engine.binding import Binding, BoundUnit, bind, called_modules
 from bigviz.engine.devices import torch_device
 from bigviz.engine.hooks import GUARDED_METHODS, add_hook_to_module, remove_hook_from_module
-from bigviz.engine.offload_hooks import AlignDevicesHook, ForwardLock, OffloadHook
-from bigviz.engine.prefetch import CpuFetcher, CudaFetcher, Fetcher
+from bigviz.engine.mapped import MappedFiles
+from bigviz.engine.offload_hooks import AlignDevicesHook, CpuOffload, ForwardLock, OffloadHook
+from bigviz.core.stream_plan import StreamOptions, StreamPlan, make_stream_plan
+from bigviz.engine.fetchers import make_fetcher
+from bigviz.engine.fetchers.ring import RingFetcher
+from bigviz.engine.resident import Residency, make_resident
 from bigviz.engine.scheduler import Scheduler
-from bigviz.engine.weights import as_slot_value, open_offload_folder, pin, set_slot, write_offload_folder
+from bigviz.engine.weights import as_slot_value, pin, set_slot
 from bigviz.modeling.inventory import ModelInventory
-from bigviz.planning.chain import dispatch_plan_for
+from bigviz.planning.chain import plan_chain
 
 __all__ = [
     "dispatch_model",
@@ -60,6 +65,8 @@ __all__ = [
     "DispatchOptions",
     "DispatchState",
     "DEFAULT_SKIP_KEYS",
+    "refuse_dispatched",
+    "AlreadyDispatchedError",
 ]
 
 DEFAULT_SKIP_KEYS: tuple[str, ...] = ("cache", "past_key_values")
@@ -90,6 +97,8 @@ class DispatchState:
         scheduler: The prefetch scheduler (``scheduler.order``: recorded execution order).
         owned: Stores opened by the dispatch (closed by ``remove_hooks``).
         lock: Held by a forward of the model (threads calling it take turns).
+        mapped: The files its CPU weights are memory-mapped from, checked before each forward.
+        residency: How the weights are kept and streamed, as carried out (``bigviz.residency``).
     """
 
     device_map: dict[str, int | str]
@@ -99,6 +108,8 @@ class DispatchState:
     scheduler: Scheduler | None = None
     owned: list[Any] = field(default_factory=list)
     lock: ForwardLock = field(default_factory=ForwardLock)  # one forward at a time, whatever the thread
+    mapped: MappedFiles | None = None
+    residency: Residency | None = None
 
     def close(self) -> None:
         """Detach remaining unit hooks, stop prefetching and close the files opened."""
@@ -112,6 +123,9 @@ class DispatchState:
             if close is not None:
                 close()
         self.owned.clear()
+        if self.mapped is not None:
+            self.mapped.close()
+            self.mapped = None
 
 
 class _RootHook(AlignDevicesHook):
@@ -123,6 +137,8 @@ class _RootHook(AlignDevicesHook):
 
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         self.state.lock.acquire(self)  # first: another thread's forward finishes before this one starts
+        if self.state.mapped is not None:
+            self.state.mapped.verify()  # a truncated shard under zero-copy CPU weights: an error, not SIGBUS
         return super().pre_forward(module, *args, **kwargs)
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
@@ -159,6 +175,45 @@ def _explain_meta_error(error: BaseException, idle: list[BoundUnit]) -> None:
         "device that computes, or pass preload_module_classes=[<the parent's class name>] so the "
         "parent fetches them."
     )
+
+
+class AlreadyDispatchedError(BigvizError, ValueError):
+    """A model (or a module in it) that a dispatch already hooked, given to a dispatch again."""
+
+
+_DISPATCH_HOOKS = (AlignDevicesHook, OffloadHook, CpuOffload)
+
+
+def refuse_dispatched(model: nn.Module, entry: str) -> None:
+    """The one guard of every dispatching entry point, run before anything is read, opened or
+    moved: a model already dispatched (by bigviz or accelerate: its modules carry their
+    hooks) is refused. Dispatching it again would stack hooks on hooks, and leak the first
+    dispatch's open files and prefetch threads.
+
+    Raises:
+        AlreadyDispatchedError: naming the entry point and where the model is hooked.
+
+    Example:
+        >>> import torch
+        >>> model = dispatch_model(torch.nn.Sequential(torch.nn.Linear(2, 2)), {"": "cpu"}, force_hooks=True)
+        >>> refuse_dispatched(model, "cpu_offload")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        bigviz.engine.dispatch.AlreadyDispatchedError: cpu_offload: this model is already dispatched ...
+    """
+    hooked = []
+    for name, module in model.named_modules():
+        hook = getattr(module, "_hf_hook", None)
+        hooks = getattr(hook, "hooks", (hook,)) if hook is not None else ()
+        ours = getattr(module, "_bigviz_dispatch", None) is not None
+        if ours or any(isinstance(h, _DISPATCH_HOOKS) or type(h).__module__.startswith("accelerate.") for h in hooks):
+            hooked.append(repr(name) if name else "the model itself")
+    if hooked:
+        shown = ", ".join(hooked[:4]) + (f" and {len(hooked) - 4} more modules" if len(hooked) > 4 else "")
+        raise AlreadyDispatchedError(
+            f"{entry}: this model is already dispatched (hooks on {shown}); dispatching it again would stack "
+            "hooks and leave the first dispatch's files and threads open. Call bigviz.remove_hooks(model) "
+            "first (weights go back where they were before), then dispatch it again"
+        )
 
 
 def dispatch_model(
@@ -251,17 +306,19 @@ def dispatch_inventory(
 ) -> nn.Module:
     """`dispatch_model` on a model's inventory: plan (one validation pass: names, devices,
     coverage, all problems at once, before anything moves), then execute."""
-    if getattr(inventory.model, "_bigviz_dispatch", None) is not None:
-        raise ValueError("dispatch_model: this model is already dispatched; call bigviz.remove_hooks(model) first")
-    plan = dispatch_plan_for(
+    refuse_dispatched(inventory.model, "dispatch_model")
+    _, _, plan = plan_chain(
         inventory,
-        device_map,
+        None,
+        dict(device_map),
         main_device=main_device,
         no_split_module_classes=no_split_module_classes,
         preload_module_classes=preload_module_classes,
         offload_buffers=offload_buffers,
         prefetch=prefetch,
+        resident="map",  # weights in memory, or a store the caller opened: kept as they are
     )
+    assert plan is not None
     return execute_dispatch(
         inventory,
         plan,
@@ -282,12 +339,20 @@ def execute_dispatch(
     force_hooks: bool = False,
     offload_folder: str | Path | None = None,
     owned: Sequence[Any] = (),
+    stamps: Iterable[tuple[int, ...]] = (),
+    progress: bool = False,
 ) -> nn.Module:
     """Carry out a checked dispatch plan on ``inventory``'s model: bind it (every problem
     raised at once, before anything moves), write or pin what streams from memory, place the
-    resident tensors, and hook the units. Returns the model, with ``hf_device_map`` set.
+    resident tensors, copy them into RAM when its stream plan says so, and hook the units
+    with the fetcher, read-ahead and ring it names. Returns the model, with ``hf_device_map``
+    set. Nothing here decides: what is copied and how units stream is ``plan.stream``.
 
-    ``owned`` are stores the dispatch closes on ``remove_hooks`` (a load's disk weights).
+    ``owned`` are stores the dispatch closes on ``remove_hooks`` (a load's disk weights);
+    ``progress`` shows a bar while a resident copy is read. ``stamps``: the files' stamps when
+    a load opened them (a checkpoint index's), so that the files under zero-copy CPU weights
+    are compared with those (:class:`MappedFiles`); a model with such weights is hooked even
+    on one device, for that check.
     """
     model = inventory.model
     options = DispatchOptions(
@@ -299,13 +364,29 @@ def execute_dispatch(
         preload_module_classes=tuple(sorted(plan.rule.preload)),
         no_split_module_classes=tuple(sorted(plan.rule.blocks)),
     )
+    stream = plan.stream if plan.stream is not None else _zero_copy(plan)
     binding = _checked_binding(inventory, plan, options, stores)
     state = DispatchState(dict(plan.device_map), options, plan, owned=list(owned))
     _materialise(binding, options, state)
-    if len(set(plan.device_map.values())) > 1 or binding.units or force_hooks:
-        _attach(inventory, binding, state)
+    copied = make_resident(model, readers=stream.readers, progress=progress) if stream.mode == "copy" else None
+    mapped = MappedFiles.of(model, stamps)  # what stays memory-mapped: its files checked before each forward
+    if len(set(plan.device_map.values())) > 1 or binding.units or force_hooks or len(mapped):
+        state.mapped = mapped if len(mapped) else None
+        _attach(inventory, binding, state, stream)
+    else:
+        mapped.close()
+    fetcher = state.scheduler.fetcher if state.scheduler is not None and binding.units else None
+    ring = (fetcher.capacity or 0) if isinstance(fetcher, RingFetcher) else 0
+    state.residency = Residency(stream, copied, type(fetcher).__name__ if fetcher is not None else "", ring)
     model.hf_device_map = dict(plan.device_map)
     return model
+
+
+def _zero_copy(plan: DispatchPlan) -> StreamPlan:
+    """The stream plan of a dispatch plan made without one: memory maps kept, the fetcher of
+    the execution device."""
+    units = [(u.name, u.storage, u.nbytes) for u in plan.units]
+    return make_stream_plan(units, {}, plan.main_device, None, StreamOptions(resident="map", prefetch=plan.prefetch))
 
 
 def _folder(folder: str | Path | None) -> Path | None:
@@ -344,8 +425,7 @@ def _materialise(binding: Binding, options: DispatchOptions, state: DispatchStat
     if binding.to_write:
         assert options.offload_folder is not None  # checked in _checked_binding
         flat, recipes = flatten(binding.to_write)  # a quantized weight is written packed: its parts
-        write_offload_folder(flat, options.offload_folder)
-        store: Mapping[str, Tensor] = open_offload_folder(options.offload_folder)
+        store: Mapping[str, Tensor] = offload_weights(flat, options.offload_folder)  # what this write made, locked
         store = PackedWeights(store, recipes) if recipes else store
         state.owned.append(store)
         new_sources.update(dict.fromkeys(binding.to_write, store))
@@ -384,16 +464,16 @@ def _place(
         set_slot(slot, new)
 
 
-def _attach(inventory: ModelInventory, binding: Binding, state: DispatchState) -> None:
+def _attach(inventory: ModelInventory, binding: Binding, state: DispatchState, stream: StreamPlan) -> None:
     model = inventory.model
     options = state.options
-    fetcher: Fetcher
-    if options.main_device.type == "cuda":
-        fetcher = CudaFetcher(options.main_device, binding.units, background=options.prefetch)
-    else:
-        fetcher = CpuFetcher(options.main_device)
+    fetcher = make_fetcher(
+        stream.fetcher, binding.units, options.main_device, readers=stream.readers, background=options.prefetch
+    )
     wrap = options.main_device.type == "cpu"  # page-in hints only; GPU memory is not held between calls
-    state.scheduler = Scheduler(binding.units, fetcher, prefetch=options.prefetch, wrap=wrap)
+    state.scheduler = Scheduler(
+        binding.units, fetcher, prefetch=options.prefetch, wrap=wrap, depth=max(1, stream.depth)
+    )
     add_hook_to_module(model, _RootHook(state, skip_keys=options.skip_keys), append=True)
     several = len({_exec_device(d, options.main_device) for d in state.device_map.values()}) > 1
     if several:
@@ -403,6 +483,8 @@ def _attach(inventory: ModelInventory, binding: Binding, state: DispatchState) -
         hook = OffloadHook(unit, state.scheduler, skip_keys=options.skip_keys, restored=restored, lock=state.lock)
         add_hook_to_module(unit.module, hook, append=True)
     model._bigviz_dispatch = state
+    if options.prefetch and stream.fetch_ahead:
+        state.scheduler.fetch_ahead(stream.fetch_ahead)  # the first forward's first streamed units
     if binding.units or several:
         for method in GUARDED_METHODS:
             if hasattr(model, method):
@@ -435,7 +517,7 @@ def _refuse_move(model: nn.Module, method: str, *args: Any, **kwargs: Any) -> An
     where = f"modules offloaded ({', '.join(offloaded)}{', ...' if len(state.units) > 3 else ''})"
     if not state.units:
         where = f"modules spread over {sorted({str(d) for d in state.device_map.values()})}"
-    raise RuntimeError(
+    raise StateError(
         f"model.{method}() refused: this model is dispatched with {where}; moving or casting it "
         "would leave its hooks and offloaded weights behind. Call bigviz.remove_hooks(model) "
         "first (offloaded weights return where they were before dispatch), or dispatch again "

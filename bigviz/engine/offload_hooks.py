@@ -34,7 +34,7 @@ from bigviz.engine.hooks import ModelHook
 from bigviz.modeling.budgets import default_execution_device
 from bigviz.engine.scheduler import Scheduler
 from bigviz.engine.binding import BoundUnit
-from bigviz.engine.weights import as_slot_value, set_slot
+from bigviz.engine.weights import as_slot_value, get_slot, meta_like, set_slot
 from bigviz.modeling.packed import clone
 
 __all__ = [
@@ -45,6 +45,8 @@ __all__ = [
     "OffloadedTrainingError",
     "ForwardLock",
 ]
+
+_requires_grad = torch._C.TensorBase.requires_grad.__get__  # C-level read, past a subclass's Python hooks
 
 
 class OffloadedTrainingError(RuntimeError):
@@ -185,14 +187,14 @@ class OffloadHook(ModelHook):
     Example:
         >>> import torch
         >>> from bigviz.engine.binding import bound_units
-        >>> from bigviz.engine.prefetch import CpuFetcher
+        >>> from bigviz.engine.fetchers.cpu import CpuFetcher
         >>> layer = torch.nn.Linear(2, 2)
         >>> unit = bound_units(layer, {"": "disk"}, main_device="cpu")[0]
         >>> unit.sources = {k: {"weight": torch.eye(2), "bias": torch.zeros(2)} for k in unit.slots}
         >>> hook = OffloadHook(unit, Scheduler([unit], CpuFetcher(), prefetch=False))
         >>> _ = hook.init_hook(layer)
-        >>> layer.weight.device
-        device(type='meta')
+        >>> layer.weight.is_meta, layer.weight.device  # no data; used on the CPU
+        (True, device(type='cpu'))
     """
 
     no_grad = True
@@ -225,11 +227,14 @@ class OffloadHook(ModelHook):
         self.lock.acquire(self)
         self._guards.append(self._needs_guard(args, kwargs))
         tensors = self.scheduler.acquire(self.unit)
+        grads = self.unit.grads
         for key, slots in self.unit.slots.items():
-            # the flags the model declares (some kernels choose their path by requires_grad,
-            # nn.MultiheadAttention even under no_grad): the same numbers as in memory
-            grad = self.unit.placeholders[(id(slots[0][0]), slots[0][1])][1].requires_grad
-            value = as_slot_value(tensors[key], slots[0][2], requires_grad=grad)
+            # the flags the model declares now (some kernels choose their path by requires_grad,
+            # nn.MultiheadAttention even under no_grad; model.requires_grad_(False) changes them):
+            # the same numbers as in memory. Read through torch's C getter, not the placeholder's
+            # Python attribute lookup (a forward reads it once per key).
+            wants = key in grads and _requires_grad(grads[key])
+            value = as_slot_value(tensors[key], slots[0][2], requires_grad=wants)
             for slot in slots:
                 set_slot(slot, value)
         return args, kwargs
@@ -237,7 +242,7 @@ class OffloadHook(ModelHook):
     def _needs_guard(self, args: tuple, kwargs: dict) -> bool:
         if not torch.is_grad_enabled():
             return False
-        if any(p.requires_grad for _, p in self.unit.placeholders.values()):
+        if any(_requires_grad(p) for p in self.unit.grads.values()):
             return True
         return any_tensor((args, kwargs), lambda t: t.requires_grad, skip_keys=self.skip_keys)
 
@@ -260,7 +265,14 @@ class OffloadHook(ModelHook):
             self.lock.release(self)
 
     def detach_hook(self, module: nn.Module) -> nn.Module:
-        """Put back in memory (on the CPU) the weights that were in memory before dispatch."""
+        """Put back in memory (on the CPU) the weights that were in memory before dispatch;
+        the others go back to plain ``meta`` (no longer reporting an execution device)."""
+        for slot, placeholder in self.unit.placeholders.values():
+            if get_slot(slot) is placeholder:
+                plain = self.restored.get((id(placeholder), "meta"))
+                if plain is None:
+                    plain = self.restored[(id(placeholder), "meta")] = meta_like(placeholder, slot[2])
+                set_slot(slot, plain)
         for key in self.unit.materialised:
             store = self.unit.sources[key]
             for slot in self.unit.slots[key]:

@@ -2,14 +2,14 @@
 
 :class:`Scheduler` records the order units run in during the first forward (guessing
 definition order until then) and, as each unit starts, starts fetching the next ``depth`` ones
-with its fetcher (:mod:`bigviz.engine.prefetch`, :mod:`bigviz.engine.ring`,
-:mod:`bigviz.engine.readahead`: *how* a unit is read). A fetch that fails in the background
-raises :class:`~bigviz.engine.prefetch.FetchError` in the caller, naming the unit.
+with its fetcher (:mod:`bigviz.engine.fetchers`: *how* a unit is read). How many units ahead
+is the dispatch's stream plan's (``depth``). A fetch that fails in the background raises
+:class:`~bigviz.core.errors.FetchError` in the caller, naming the unit.
 
 Example:
     >>> import torch
     >>> from bigviz.engine.binding import bound_units
-    >>> from bigviz.engine.prefetch import CpuFetcher
+    >>> from bigviz.engine.fetchers.cpu import CpuFetcher
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     >>> units = bound_units(model, {"0": "disk", "1": "disk"}, main_device="cpu")
     >>> for unit in units:
@@ -23,11 +23,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
 from bigviz.engine.binding import BoundUnit
-from bigviz.engine.prefetch import Fetcher, Handle
+from bigviz.engine.fetchers.protocol import Fetcher, Handle
+
+if TYPE_CHECKING:
+    from bigviz.engine.timeline import Timeline
 
 __all__ = ["Scheduler"]
 
@@ -61,6 +65,7 @@ class Scheduler:
         self._pending: OrderedDict[int, Handle] = OrderedDict()
         self._depth = 0
         self._this_pass: set[int] = set()  # units fetched since the outermost pass began
+        self.timeline: Timeline | None = None  # set while bigviz.timeline(model) records
 
     def __enter__(self) -> Scheduler:
         return self
@@ -78,6 +83,8 @@ class Scheduler:
         if self._depth == 0:
             self._this_pass = set()
         self._depth += 1
+        if self.timeline is not None:
+            self.timeline.forward_began()
 
     def not_fetched(self) -> list[BoundUnit]:
         """Units not fetched since the outermost forward began (for error messages)."""
@@ -86,6 +93,8 @@ class Scheduler:
     def end_pass(self, *, completed: bool = True) -> None:
         """A forward of the whole model ended: the first complete one fixes the order."""
         self._depth = max(0, self._depth - 1)
+        if self.timeline is not None:
+            self.timeline.forward_ended()
         if not completed and self._next is None:
             self._seen, self._seen_ids = [], set()  # a failed pass says nothing about the order
         elif self._depth == 0 and self._next is None and self._seen:
@@ -96,15 +105,27 @@ class Scheduler:
     def acquire(self, unit: BoundUnit) -> dict[str, Tensor]:
         """Key -> tensor for ``unit``, ready on the execution device (starts the next fetch)."""
         self._this_pass.add(id(unit))
+        if self.timeline is not None:
+            self.timeline.waiting(unit)
         handle = self._pending.pop(id(unit), None)
         if handle is None:
-            handle = self.fetcher.start(unit, background=False)
+            handle = self._start(unit, background=False)
         if self._next is None and id(unit) not in self._seen_ids:
             self._seen_ids.add(id(unit))
             self._seen.append(unit)
         if self.prefetch:
             self._prefetch_after(unit)
-        return handle.wait()
+        tensors = handle.wait()
+        if self.timeline is not None:
+            self.timeline.computing(unit)
+        return tensors
+
+    def _start(self, unit: BoundUnit, *, background: bool) -> Handle:
+        handle = self.fetcher.start(unit, background=background)
+        if self.timeline is not None and not hasattr(self.fetcher, "timeline"):  # else it times its own reads
+            self.timeline.requested(unit, handle)
+            handle.add_done_callback(lambda _: self.timeline.read_done(unit, handle) if self.timeline else None)
+        return handle
 
     def _prefetch_after(self, unit: BoundUnit, count: int | None = None) -> None:
         nxt: BoundUnit | None = unit
@@ -113,7 +134,7 @@ class Scheduler:
             if nxt is None or nxt is unit:
                 break
             if id(nxt) not in self._pending:
-                self._pending[id(nxt)] = self.fetcher.start(nxt, background=True)
+                self._pending[id(nxt)] = self._start(nxt, background=True)
         while len(self._pending) > self.depth + 1:  # a guess that did not come true: drop the oldest
             self._pending.popitem(last=False)
 
@@ -122,17 +143,19 @@ class Scheduler:
         their reads overlap whatever runs first (the resident part of a model larger than RAM)."""
         for unit in self.units[:n]:
             if id(unit) not in self._pending:
-                self._pending[id(unit)] = self.fetcher.start(unit, background=True)
+                self._pending[id(unit)] = self._start(unit, background=True)
 
     def release(self, unit: BoundUnit) -> None:
         """``unit``'s forward is over: a fetcher that keeps something for it may let it go.
 
         A fetcher whose ``reads_on_release`` is true (memory it holds is freed by the release:
-        :class:`~bigviz.engine.ring.RingFetcher`,
-        :class:`~bigviz.engine.readahead.StreamingFetcher`) then starts the next read at once,
+        :class:`~bigviz.engine.fetchers.ring.RingFetcher`,
+        :class:`~bigviz.engine.fetchers.cache.StreamingFetcher`) then starts the next read at once,
         ``depth + 1`` units on: the reads keep running while resident units between two
         streamed ones compute, instead of waiting for the next streamed unit to start.
         """
+        if self.timeline is not None:
+            self.timeline.computed(unit)
         release = getattr(self.fetcher, "release", None)
         streaming = getattr(self.fetcher, "reads_on_release", False)
         if release is not None and streaming:

@@ -1,10 +1,10 @@
 """Where a model's tensors live, and the stores offloaded tensors are read from.
 
 A *slot* is a place a tensor lives in a module: ``(module, attribute)``. One tensor can sit
-in several slots (a tie: GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``), so the
-engine works on :class:`TensorGroup` objects (one tensor, all its names and slots) and
-writes tensors into slots directly, never through ``nn.Module.__setattr__`` (fast, and it
-accepts a meta placeholder where a real tensor was).
+in several slots (a tie: GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``: the model's
+inventory, :mod:`bigviz.modeling.inventory`, groups them), and the engine writes tensors into
+slots directly, never through ``nn.Module.__setattr__`` (fast, and it accepts a meta
+placeholder where a real tensor was).
 
 A *store* is any ``Mapping[str, Tensor]`` of CPU tensors: a plain dict, the pinned copies
 made at dispatch, or a :class:`~bigviz.checkpoint.lazy.LazyWeights` over safetensors files
@@ -13,109 +13,42 @@ as safetensors; nothing is rewritten per access.
 
 Example:
     >>> import torch
-    >>> model = torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2), "b": torch.nn.Linear(2, 2)})
-    >>> model["b"].weight = model["a"].weight
-    >>> [g.names for g in tensor_groups(model) if len(g.names) > 1]
-    [['a.weight', 'b.weight']]
+    >>> layer = torch.nn.Linear(2, 2)
+    >>> set_slot((layer, "bias", "param"), meta_like(layer.bias, "param"))
+    >>> layer.bias.device.type
+    'meta'
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 
-from bigviz.core.names import join
 from bigviz.modeling.packed import is_packed, split, stored_nbytes
 
 __all__ = [
     "Slot",
-    "TensorGroup",
-    "tensor_groups",
     "set_slot",
     "get_slot",
     "meta_like",
+    "Offloaded",
+    "OffloadedParameter",
+    "OffloadedBuffer",
+    "OffloadedWeightError",
+    "offloaded_placeholder",
     "nbytes",
     "pin",
-    "find_source",
     "write_offload_folder",
     "open_offload_folder",
 ]
 
 Slot = tuple[nn.Module, str, str]  # (module, attribute, "param" | "buffer")
 _PLAIN = (Tensor, nn.Parameter)  # a quick test before asking whether a tensor is packed
-
-
-@dataclass(eq=False)
-class TensorGroup:
-    """One tensor object with every name and slot that holds it (more than one: a tie).
-
-    Attributes:
-        tensor: The tensor (a ``Parameter`` for parameters), as found before dispatch.
-        names: Its full names in definition order (the first is its canonical name).
-        slots: Every ``(module, attribute, kind)`` holding it (a shared module's slot once).
-        aliases: Names of *other* tensor objects sharing its memory (ties by storage),
-            tried as store keys when none of ``names`` is in a store.
-        slot_of: name -> the slot it names.
-    """
-
-    tensor: Tensor
-    names: list[str]
-    slots: list[Slot] = field(default_factory=list)
-    aliases: list[str] = field(default_factory=list)
-    slot_of: dict[str, Slot] = field(default_factory=dict)
-
-    @property
-    def kind(self) -> str:
-        return self.slots[0][2]
-
-    @property
-    def is_meta(self) -> bool:
-        return self.tensor.device.type == "meta"
-
-
-def tensor_groups(model: nn.Module, *, ties: Iterable[Iterable[str]] = ()) -> list[TensorGroup]:
-    """Every parameter and buffer of ``model`` once, with all its names and slots.
-
-    Args:
-        model: The model to walk (shared submodules and tied tensors are found once).
-        ties: Extra groups of names known to be one tensor (e.g. from
-            :func:`bigviz.modeling.sizes.find_tied_parameters`), recorded as aliases.
-
-    Example:
-        >>> import torch
-        >>> [g.names for g in tensor_groups(torch.nn.Linear(2, 3))]
-        [['weight'], ['bias']]
-    """
-    groups: dict[int, TensorGroup] = {}
-    seen_slots: set[tuple[int, str]] = set()
-    for mname, module in model.named_modules(remove_duplicate=False):
-        for kind, table in (("param", module._parameters), ("buffer", module._buffers)):
-            for attr, tensor in table.items():
-                if tensor is None:
-                    continue
-                group = groups.setdefault(id(tensor), TensorGroup(tensor, []))
-                name, slot = join(mname, attr), (module, attr, kind)
-                group.names.append(name)
-                group.slot_of[name] = slot
-                if (id(module), attr) not in seen_slots:
-                    seen_slots.add((id(module), attr))
-                    group.slots.append(slot)
-    result = list(groups.values())
-    _add_aliases(result, ties)
-    return result
-
-
-def _add_aliases(groups: list[TensorGroup], ties: Iterable[Iterable[str]]) -> None:
-    by_name = {name: g for g in groups for name in g.names}
-    for tie in ties:
-        names = [n for n in tie if n in by_name]
-        for name in names:
-            group = by_name[name]
-            group.aliases.extend(n for n in names if n not in group.names and n not in group.aliases)
 
 
 def get_slot(slot: Slot) -> Tensor:
@@ -168,12 +101,126 @@ def meta_like(tensor: Tensor, kind: str) -> Tensor:
         >>> meta_like(torch.zeros(2, 3), "param").device
         device(type='meta')
     """
-    if tensor.device.type == "meta":
+    if tensor.device.type == "meta" and not isinstance(tensor, Offloaded):
         return tensor
     if type(tensor) not in _PLAIN and is_packed(tensor):  # a plain stand-in with the weight's shape and dtype
         return as_slot_value(torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"), kind)
-    placeholder = torch.empty_like(tensor, device="meta")
+    placeholder = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
     return as_slot_value(placeholder, kind, requires_grad=tensor.requires_grad)
+
+
+class OffloadedWeightError(RuntimeError):
+    """An offloaded weight was computed with outside its module's forward (it holds no data
+    then: the result would be garbage)."""
+
+
+class Offloaded:
+    """What an offloaded tensor is between forwards: a ``meta`` tensor (no data) that reports
+    the device it will be used on.
+
+    Model code places its inputs by a child's weight (Llama 4:
+    ``input_ids.to(self.embed_tokens.weight.device)``, Mllama's ``pixel_values``, transformers'
+    ``model.device`` in ``generate``). A plain ``meta`` placeholder sends the inputs to ``meta``,
+    and ``F.embedding`` of ``meta`` ids with real weights returns uninitialised memory, no
+    error. So ``.device`` gives the execution device, while ``is_meta`` stays true (nothing is
+    in memory: the weight is fetched when its module runs). And computing with it outside that
+    forward, beside tensors that hold data, is refused naming the weight
+    (:class:`OffloadedWeightError`) instead of giving garbage: a parent reading a child's
+    weight without calling the child. Operations on ``meta`` tensors alone (sizing, planning)
+    work as on any ``meta`` tensor.
+    """
+
+    _bigviz_device: torch.device | None = None
+    _bigviz_name: str = ""
+    _bigviz_unit: str = ""
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        found = self.__dict__.get("_bigviz_device")
+        return found if found is not None else torch._C.TensorBase.device.__get__(self)  # type: ignore[attr-defined]
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not kwargs and len(args) == 1:  # an attribute or a method of the placeholder alone: no data met
+            ours = [args[0]] if isinstance(args[0], Offloaded) else []
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args)
+        else:
+            leaves = tree_leaves((args, kwargs or {}))
+            ours = [t for t in leaves if isinstance(t, Offloaded)]
+            if any(isinstance(t, Tensor) and not t.is_meta for t in leaves):
+                raise _used_outside(func, ours)
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **(kwargs or {}))
+        if not ours:
+            return out
+        # what is derived from it (``weight.T``, ``weight.detach()``, a chunk) is the same no-data weight
+        if type(out) is Tensor:
+            return _derived(out, ours[0])
+        if type(out) in (tuple, list):
+            return type(out)(_derived(t, ours[0]) if type(t) is Tensor else t for t in out)
+        return out  # torch.Size, dtypes, numbers: as they are
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+        return (
+            f"{type(self).__name__}({self._bigviz_name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"runs on {self.device}, no data between forwards: offloaded with {self._bigviz_unit!r})"
+        )
+
+
+class OffloadedParameter(Offloaded, nn.Parameter):
+    """An offloaded parameter between forwards (see :class:`Offloaded`)."""
+
+
+class OffloadedBuffer(Offloaded, Tensor):
+    """An offloaded buffer between forwards (see :class:`Offloaded`)."""
+
+
+def offloaded_placeholder(tensor: Tensor, kind: str, *, device: torch.device, name: str, unit: str) -> Tensor:
+    """The placeholder an offloaded ``tensor`` (named ``name``, fetched by unit ``unit``)
+    holds between forwards: on ``meta``, reporting ``device`` (see :class:`Offloaded`).
+
+    Example:
+        >>> import torch
+        >>> w = offloaded_placeholder(torch.zeros(2, 3), "param", device=torch.device("cpu"), name="w", unit="")
+        >>> w.device, w.is_meta, isinstance(w, torch.nn.Parameter)
+        (device(type='cpu'), True, True)
+        >>> torch.ones(3) @ w.T  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        bigviz.engine.weights.OffloadedWeightError: offloaded weight 'w' was used ...
+    """
+    meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+    cls = OffloadedParameter if kind == "param" else OffloadedBuffer
+    out = Tensor._make_subclass(cls, meta, kind == "param" and tensor.requires_grad and meta.is_floating_point())
+    out._bigviz_device, out._bigviz_name, out._bigviz_unit = device, name, unit  # type: ignore[attr-defined]
+    return out
+
+
+def _derived(tensor: Tensor, source: Offloaded) -> Tensor:
+    """``tensor`` (computed from ``source`` alone) as an offloaded placeholder too, so that it
+    is refused beside real data as ``source`` is (no graph: there is nothing to differentiate)."""
+    if not tensor.is_meta:
+        return tensor
+    out = Tensor._make_subclass(OffloadedBuffer, tensor.detach(), False)
+    out._bigviz_device, out._bigviz_name, out._bigviz_unit = (  # type: ignore[attr-defined]
+        source._bigviz_device,
+        source._bigviz_name,
+        source._bigviz_unit,
+    )
+    return out
+
+
+def _used_outside(func: Any, placeholders: list[Offloaded]) -> OffloadedWeightError:
+    names = ", ".join(repr(p._bigviz_name) for p in placeholders) or "an offloaded weight"
+    units = sorted({p._bigviz_unit for p in placeholders})
+    what = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+    return OffloadedWeightError(
+        f"offloaded weight {names} was used (by {what}) outside the forward of {', '.join(map(repr, units))}, "
+        "where it is fetched: between forwards it is on meta and holds no data, so the result would be "
+        "garbage. A module's code reads it without calling the module that owns it: pass "
+        "preload_module_classes=[<that module's class name>] so it fetches its children's weights, or keep "
+        "that module on a device that computes"
+    )
 
 
 def nbytes(tensor: Tensor) -> int:
@@ -204,23 +251,6 @@ def pin(tensor: Tensor) -> Tensor:
     if not torch.cuda.is_available():
         return cpu.clone() if cpu.data_ptr() == tensor.data_ptr() else cpu
     return cpu.pin_memory()
-
-
-def find_source(group: TensorGroup, stores: Iterable[Mapping[str, Tensor]]) -> tuple[str, Mapping[str, Tensor]] | None:
-    """The first ``(key, store)`` holding this tensor under one of its names or aliases.
-
-    Example:
-        >>> import torch
-        >>> g = TensorGroup(torch.zeros(1), ["a.weight", "b.weight"])
-        >>> find_source(g, [{"b.weight": torch.ones(1)}])[0]
-        'b.weight'
-    """
-    stores = list(stores)
-    for name in [*group.names, *group.aliases]:
-        for store in stores:
-            if name in store:
-                return name, store
-    return None
 
 
 def write_offload_folder(tensors: Mapping[str, Tensor], folder: str | Path) -> None:

@@ -15,10 +15,9 @@ import torch
 
 from bigviz.core.devices import Device, execution_device, missing_device_problems
 from bigviz.core.sizes import parse_max_memory
+from bigviz.core.stream_plan import RAM_SHARE, MachineFacts
 
-__all__ = ["get_max_memory", "available_devices", "default_execution_device", "absent_device_problems"]
-
-RAM_SHARE = 0.9  # transformers keeps 10% of available RAM for everything else
+__all__ = ["get_max_memory", "available_devices", "default_execution_device", "absent_device_problems", "machine_facts"]
 SINGLE_GPU_SHARE = 0.9  # with one GPU and no budget given, leave room for the CUDA context
 
 
@@ -51,6 +50,18 @@ def absent_device_problems(device_map: Mapping[str, object], *, main_device: obj
     """
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return missing_device_problems(device_map, available_devices(), main_device=main_device, cuda_count=gpus)
+
+
+def machine_facts(*, disk_bandwidth: float | None = None, compute_rate: float | None = None) -> MachineFacts:
+    """This machine's facts for a stream plan: its available RAM now (and the disk bandwidth,
+    when one was measured: ``bigviz.checkpoint.probe.measure_read_bandwidth``; the compute
+    rate, when one was: ``bigviz.modeling.compute_rate.measure_compute_rate``).
+
+    Example:
+        >>> machine_facts().available_ram > 0
+        True
+    """
+    return MachineFacts(int(psutil.virtual_memory().available), disk_bandwidth, compute_rate)
 
 
 def get_max_memory(max_memory: Mapping[object, object] | None = None) -> dict[Device, int]:

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from bigviz.core.errors import ArgumentTypeError
+
 __all__ = [
     "Packed",
     "is_packed",
@@ -115,7 +117,7 @@ def _split_subclass(tensor: Tensor, kind: str) -> Packed:
     names, context = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
     parts = {name: getattr(tensor, name) for name in names}
     if any(type(p) is not Tensor for p in parts.values()):
-        raise TypeError(f"{kind}: nested tensor subclasses cannot be moved packed by bigviz")
+        raise ArgumentTypeError(f"{kind}: nested tensor subclasses cannot be moved packed by bigviz")
     cls, shape, stride = type(tensor), tensor.shape, tensor.stride()
     requires_grad = tensor.requires_grad
 

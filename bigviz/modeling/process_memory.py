@@ -8,7 +8,8 @@ Two numbers matter for a model that does not fit:
 * ``VmRSS`` (``RssAnon + RssFile + RssShmem``): also counts the pages of memory-mapped files
   (safetensors read in place), which the kernel can drop at will (page cache).
 
-They are read from ``/proc/self/status`` (Linux); elsewhere psutil's RSS stands for both.
+They are read from ``/proc/self/status`` (Linux, :func:`bigviz.osio.procfs.status_fields`);
+elsewhere psutil's RSS stands for both.
 A peak is sampled by a thread every ``interval`` seconds (a spike shorter than that can be
 missed; ``max_rss`` is the kernel's own lifetime high-water mark to check against).
 
@@ -29,6 +30,8 @@ import threading
 from collections.abc import Sequence
 from types import TracebackType
 
+from bigviz.osio.procfs import mapped_file_bytes, status_fields
+
 __all__ = [
     "status_bytes",
     "rss",
@@ -37,45 +40,9 @@ __all__ = [
     "mapped_file_bytes",
     "max_rss",
     "PeakMemory",
-    "release_free_heap",
 ]
 
 FIELDS = ("VmRSS", "RssAnon")
-
-
-def release_free_heap() -> None:
-    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere a
-    no-op).
-
-    Why: glibc serves large allocations from its heap once a large block has been freed (its
-    mmap threshold rises to 32 MiB), so a loop that makes a big temporary and keeps a smaller
-    result (quantizing weights one by one: float temporaries, int8 results) leaves the freed
-    temporaries as holes between the results, counted in the process's memory: quantizing
-    gpt2-large to int8 peaked at 2.9x the int8 bytes without this, at their size with it.
-
-    Example:
-        >>> release_free_heap()
-    """
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-_TRIM: list[object] = []
-
-
-def _malloc_trim() -> object:
-    if not _TRIM:
-        fn = None
-        if sys.platform.startswith("linux"):
-            import ctypes
-
-            try:
-                fn = ctypes.CDLL(None).malloc_trim
-            except (OSError, AttributeError):  # not glibc (musl has none)
-                fn = None
-        _TRIM.append(fn)
-    return _TRIM[0]
 
 
 def status_bytes(*fields: str) -> dict[str, int]:
@@ -86,17 +53,8 @@ def status_bytes(*fields: str) -> dict[str, int]:
         >>> sorted(status_bytes("VmRSS", "RssAnon"))
         ['RssAnon', 'VmRSS']
     """
-    found = _proc_status(fields)
+    found = status_fields(*fields)
     return found if found is not None else dict.fromkeys(fields, _psutil_rss())
-
-
-def _proc_status(fields: Sequence[str]) -> dict[str, int] | None:
-    try:
-        with open("/proc/self/status") as f:
-            values = {k: v for k, _, v in (line.partition(":") for line in f)}
-        return {name: int(values[name].split()[0]) * 1024 for name in fields}
-    except (OSError, KeyError, ValueError):
-        return None
 
 
 def _psutil_rss() -> int:
@@ -117,23 +75,8 @@ def rss() -> int:
 
 def resident_bytes() -> int:
     """Resident bytes, memory-mapped file pages included (``RssAnon + RssFile``)."""
-    found = _proc_status(("RssAnon", "RssFile"))
+    found = status_fields("RssAnon", "RssFile")
     return found["RssAnon"] + found["RssFile"] if found is not None else _psutil_rss()
-
-
-def mapped_file_bytes() -> int:
-    """Bytes of regular files mapped into this process (0 where ``/proc`` is missing)."""
-    total = 0
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                if len(parts) == 6 and parts[5].startswith("/") and not parts[5].startswith(("/dev", "/proc")):
-                    start, end = (int(x, 16) for x in parts[0].split("-"))
-                    total += end - start
-    except OSError:
-        return 0
-    return total
 
 
 def max_rss() -> int:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from bigviz.core.errors import UsageError
 from bigviz.core.names import join, parent
 from bigviz.core.quant import QuantConfig
 from bigviz.core.quant import as_quant_config as _core_config
@@ -116,13 +117,13 @@ def as_quant_config(value: object) -> QuantConfig | None:
         kind = type(getattr(value, "quant_type", None)).__name__
         if kind == "Int8WeightOnlyConfig":
             return QuantConfig("int8", modules_to_not_convert=skip)
-        raise ValueError(
+        raise UsageError(
             f"quantization=TorchAoConfig({kind}): bigviz quantizes with torchao's Int8WeightOnlyConfig only "
             "(the torchao config with a CPU kernel here); use quantization='int8', or 'int4' (bitsandbytes)"
         )
     if method == "bitsandbytes" and getattr(value, "load_in_4bit", False):
         return QuantConfig("int4", quant_type=str(value.bnb_4bit_quant_type), modules_to_not_convert=skip)
-    raise ValueError(
+    raise UsageError(
         f"quantization config {type(value).__name__} ({method}): bigviz quantizes while loading with "
         "'int8' (torchao) or 'int4' (bitsandbytes 4-bit); a checkpoint stored quantized (bitsandbytes 8-bit "
         "included) loads as it is, with no quantization= argument"

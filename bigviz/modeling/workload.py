@@ -27,12 +27,9 @@ Example:
 
 from __future__ import annotations
 
-import json
-import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,157 +37,15 @@ import torch.nn as nn
 
 from bigviz.core.dtypes import FLOATING_DTYPES, canonical_dtype
 from bigviz.core.workload import CacheSpec, RunSpec, StepSpec, Term, Workload
+from bigviz.modeling.configs import model_from_config
 from bigviz.models.gpt import GPT
 from bigviz.models.llama import Llama
+from bigviz.core.errors import UsageError
 
-__all__ = [
-    "run_spec",
-    "kv_cache_bytes",
-    "model_from_config",
-    "is_config_source",
-    "compute_dtype",
-    "shipped_configs",
-    "config_path",
-]
+__all__ = ["run_spec", "kv_cache_bytes", "compute_dtype"]
 
 ModelOrConfig = Any  # nn.Module, transformers PretrainedConfig, GPTConfig/LlamaConfig, config path
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _INT64 = 8.0
-
-
-# ---- configs --------------------------------------------------------------------------------
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
-
-
-def shipped_configs() -> list[str]:
-    """Names of the configs bigviz ships (published hyperparameters of well-known models).
-
-    Example:
-        >>> "llama-3.1-70b" in shipped_configs() and "deepseek-v3" in shipped_configs()
-        True
-    """
-    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
-
-
-def config_path(name: str) -> Path:
-    """The path of a shipped config by name (``"llama-3.1-70b"``), to plan a model you do not have.
-
-    Raises:
-        ValueError: naming the configs there are.
-
-    Example:
-        >>> config_path("mixtral-8x7b").name
-        'mixtral-8x7b.json'
-    """
-    path = CONFIG_DIR / f"{name.removesuffix('.json')}.json"
-    if not path.is_file():
-        raise ValueError(f"bigviz ships no config named {name!r}; it has: {', '.join(shipped_configs())}")
-    return path
-
-
-def is_config_source(source: object) -> bool:
-    """True for a ``config.json`` path, or a folder that holds a ``config.json`` and no weights.
-
-    Example:
-        >>> import json, os, tempfile
-        >>> folder = tempfile.mkdtemp()
-        >>> _ = open(os.path.join(folder, "config.json"), "w").write("{}")
-        >>> is_config_source(folder), is_config_source(os.path.join(folder, "nothing.json"))
-        (True, False)
-    """
-    if not isinstance(source, (str, os.PathLike)):
-        return False
-    path = Path(source)
-    if path.is_file():
-        return path.suffix == ".json" and not path.name.endswith("index.json")
-    if path.is_dir() and (path / "config.json").is_file():
-        return not any(p.name.endswith(_WEIGHT_SUFFIXES) for p in path.iterdir())
-    return False
-
-
-def model_from_config(source: Any) -> nn.Module:
-    """Build a transformers model on ``meta`` (no memory) from its config alone.
-
-    ``source`` is a ``config.json`` path, a folder holding one, a dict of its contents or a
-    ``PretrainedConfig``. The architecture named in the config is built (a causal LM when the
-    config names one, else the base model), in the config's dtype, with its ties made. A
-    config of one of bigviz's reference models (``bigviz.save_sharded(model, folder,
-    config=model.config)`` writes one) builds that model, without transformers.
-
-    Raises:
-        ValueError: when the file is not JSON, names no model type transformers knows, or
-            transformers is not installed (saying how to install it).
-
-    Example:
-        >>> model = model_from_config(config_path("mixtral-8x7b"))
-        >>> type(model).__name__, round(sum(p.numel() for p in model.parameters()) / 1e9, 1)
-        ('MixtralForCausalLM', 46.7)
-    """
-    reference = _reference_model(source)
-    if reference is not None:
-        return reference
-    try:
-        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
-    except ImportError as err:  # an optional dependency: planning from checkpoints needs none
-        raise ValueError(
-            "planning from a config.json builds the model with transformers: pip install transformers"
-        ) from err
-    config = _read_config(source, AutoConfig, PretrainedConfig)
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    dtype = getattr(torch, str(dtype).removeprefix("torch."), None) if dtype is not None else None
-    kwargs = {"dtype": dtype} if isinstance(dtype, torch.dtype) else {}
-    with torch.device("meta"):
-        try:
-            model = AutoModelForCausalLM.from_config(config, **kwargs)
-        except ValueError:  # no causal-LM head for this architecture: the base model
-            model = AutoModel.from_config(config, **kwargs)
-    model.tie_weights()
-    return model.eval()
-
-
-def _reference_model(source: Any) -> nn.Module | None:
-    """The bigviz reference model a config describes (on meta, eval), or None for any other."""
-    from bigviz.models import MODEL_TYPES, from_config
-
-    data: Any = source
-    if isinstance(source, (str, os.PathLike)):
-        path = Path(source) / "config.json" if Path(source).is_dir() else Path(source)
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None  # not readable here: _read_config says why
-    if not isinstance(data, Mapping) or data.get("model_type") not in MODEL_TYPES:
-        return None
-    with torch.device("meta"):
-        return from_config(data).eval()
-
-
-def _read_config(source: Any, auto_config: Any, base: type) -> Any:
-    if isinstance(source, base):
-        return source
-    if isinstance(source, Mapping):
-        data = dict(source)
-        where = "the config dict"
-    else:
-        path = Path(source)
-        path = path / "config.json" if path.is_dir() else path
-        where = str(path)
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise ValueError(f"cannot read {where} as a model config: {err}") from err
-    model_type = data.pop("model_type", None)
-    if not model_type:
-        raise ValueError(
-            f'{where} has no \'model_type\' key: it must be a transformers config.json (e.g. "model_type": "llama")'
-        )
-    try:
-        return auto_config.for_model(model_type, **data)
-    except (ValueError, KeyError) as err:
-        raise ValueError(
-            f"{where}: model_type {model_type!r} is not one transformers knows ({err}); "
-            f"upgrade transformers or check the file"
-        ) from err
 
 
 # ---- public entry points ---------------------------------------------------------------------
@@ -228,14 +83,7 @@ def kv_cache_bytes(
 
 
 def _as_model(source: ModelOrConfig) -> nn.Module:
-    from bigviz.models import GPTConfig, LlamaConfig
-
-    if isinstance(source, nn.Module):
-        return source
-    if isinstance(source, (GPTConfig, LlamaConfig)):
-        with torch.device("meta"):
-            return GPT(source) if isinstance(source, GPTConfig) else Llama(source)
-    return model_from_config(source)
+    return source if isinstance(source, nn.Module) else model_from_config(source)  # a config: checked, on meta
 
 
 def run_spec(model: nn.Module, *, dtype: torch.dtype | str | None = None, device_type: str = "cuda") -> RunSpec:
@@ -268,7 +116,7 @@ def run_spec(model: nn.Module, *, dtype: torch.dtype | str | None = None, device
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
         if getattr(config, "is_encoder_decoder", False):
-            raise ValueError(
+            raise UsageError(
                 f"bigviz plans the run of decoder-only models; {type(model).__name__} is an "
                 f"encoder-decoder: give kv_cache={{module: bytes}} and activations={{module: bytes}}"
             )
@@ -282,7 +130,7 @@ def run_spec(model: nn.Module, *, dtype: torch.dtype | str | None = None, device
                 (*spec.notes, "no KV cache: the model does not generate"),
             )
         return spec
-    raise ValueError(
+    raise UsageError(
         f"bigviz does not know the attention layout of {type(model).__name__}: it reads bigviz's "
         f"GPT and Llama and transformers models. Give the bytes per module yourself: "
         f"bigviz.plan(model, ..., kv_cache={{module: bytes}}, activations={{module: bytes}})"
@@ -303,7 +151,7 @@ def _layer_list(model: nn.Module, n_layers: int) -> str:
     for name, module in model.named_modules():  # layers without a layer_idx anywhere
         if isinstance(module, nn.ModuleList) and len(module) == n_layers:
             return name
-    raise ValueError(
+    raise UsageError(
         f"cannot find the {n_layers} decoder layers of {type(model).__name__} (an nn.ModuleList of {n_layers} modules)"
     )
 
@@ -433,7 +281,7 @@ def _hf_caches(config: Any, dims: _Dims, names: Sequence[str]) -> dict[str, tupl
             specs.append(CacheSpec("none"))
         out[name] = tuple(specs)
     if problems:
-        raise ValueError(
+        raise UsageError(
             "bigviz does not know the recurrent state of: "
             + "; ".join(problems)
             + ". Give the bytes per module with kv_cache={module: bytes}"

@@ -3,7 +3,10 @@ checkpoint path or a ``config.json``: the chain of plans, each printable before 
 
 - :func:`plan` / :func:`infer_auto_device_map`: the device plan (module -> device, reasons);
 - :func:`load_plan`: the load plan (tensor -> file, bytes, dtype conversion, target device);
-- :func:`dispatch_plan`: the dispatch plan (offload units, storage, fetch order, resident);
+- :func:`dispatch_plan`: the dispatch plan (offload units, storage, fetch order, resident, and
+  how each unit lives at run time: mapped, resident copy or streamed);
+- :func:`plan_chain`: all three at once, validated once (what ``load_checkpoint_and_dispatch``
+  carries out);
 - :func:`check_device_map`, :func:`max_context`, :func:`plan_pipeline`.
 
 This layer sits above ``modeling`` (trees from modules) and ``checkpoint`` (trees from
@@ -19,9 +22,10 @@ Example:
 
 from __future__ import annotations
 
-from bigviz.planning.chain import dispatch_plan, dispatch_plan_for, load_plan
+from bigviz.planning.chain import PlanChain, dispatch_plan, load_plan, plan_chain
 from bigviz.planning.context import max_context, position_limit
-from bigviz.planning.device_plan import check_device_map, infer_auto_device_map, plan, unit_knobs
+from bigviz.planning.device_plan import check_device_map, infer_auto_device_map, plan
+from bigviz.planning.inputs import PlannerInputs, place, planner_inputs
 from bigviz.planning.models import ModelLike, as_tree, default_no_split, resolve_model
 from bigviz.planning.pipeline import plan_pipeline
 from bigviz.planning.workload import model_run_spec, workload_bytes
@@ -32,7 +36,11 @@ __all__ = [
     "check_device_map",
     "default_no_split",
     "dispatch_plan",
-    "dispatch_plan_for",
+    "plan_chain",
+    "PlanChain",
+    "planner_inputs",
+    "PlannerInputs",
+    "place",
     "infer_auto_device_map",
     "load_plan",
     "max_context",
@@ -41,6 +49,5 @@ __all__ = [
     "plan_pipeline",
     "position_limit",
     "resolve_model",
-    "unit_knobs",
     "workload_bytes",
 ]

@@ -11,18 +11,18 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch.nn as nn
-
+from bigviz.core.counts import check_count
 from bigviz.core.errors import PlanError
+from bigviz.core.pipeline import PipelinePlan
 from bigviz.core.plan import DevicePlan
-from bigviz.core.workload import longest_fit
-from bigviz.modeling.budgets import get_max_memory
-from bigviz.modeling.inventory import ModelInventory
-from bigviz.planning.device_plan import plan
+from bigviz.core.workload import Workload, longest_fit
+from bigviz.planning.inputs import place, planner_inputs, with_workload
 from bigviz.planning.models import ModelLike, resolve_model
+from bigviz.planning.pipeline import plan_pipeline
+from bigviz.planning.positions import position_limit
 
 __all__ = ["max_context", "position_limit"]
 
@@ -35,6 +35,8 @@ def max_context(
     allow_offload: bool = False,
     device_map: DevicePlan | Mapping[str, object] | None = None,
     limit: int | None = None,
+    stages: Sequence[int | str] | PipelinePlan | None = None,
+    microbatches: int = 1,
     **plan_kwargs: object,
 ) -> int:
     """The longest context whose run fits, by bisection on the (linear-time) planner.
@@ -47,7 +49,11 @@ def max_context(
     * with ``allow_offload=True``, the planner may stream modules in from cpu and disk,
       re-planning for each context;
     * with ``device_map`` (a plan or a map), that placement is kept as it is, offload
-      included, and only the run must fit beside it.
+      included, and only the run must fit beside it;
+    * with ``stages`` (one budget per pipeline stage, or a :class:`PipelinePlan` whose cuts
+      and budgets to keep; a plan may also be given in place of ``max_memory``), the run of a pipeline: every stage's weights, its layers' KV
+      cache for the whole batch and one micro-batch's activations within its budget
+      (:func:`bigviz.plan_pipeline`; the cuts move with the context unless a plan is given).
 
     Args:
         model: what :func:`plan` takes.
@@ -55,7 +61,10 @@ def max_context(
         batch_size: sequences run together.
         limit: the largest context worth trying (default: the model's position limit,
             ``max_position_embeddings`` / ``n_positions`` / ``block_size``, else 2**24).
-        **plan_kwargs: more :func:`plan` options (``dtype``, ``kv_dtype``, ``strategy``, ...).
+        stages: plan pipeline stages instead of devices (``max_memory`` is then not given).
+        microbatches: the pipeline's micro-batches (with ``stages``).
+        **plan_kwargs: more :func:`plan` options (``dtype``, ``kv_dtype``, ``strategy``, ...;
+            with ``stages``, those of :func:`bigviz.plan_pipeline`).
 
     Returns:
         The number of tokens, 0 when not even the weights fit.
@@ -67,34 +76,68 @@ def max_context(
         ...     model = build("gpt-tiny")        # 123.5 KiB of weights, block_size 64
         >>> max_context(model, {"cpu": "10MiB"}), max_context(model, {"cpu": 160_000})
         (64, 15)
+        >>> max_context(model, stages=["100KB", "100KB"], batch_size=2)   # two ranks of 100 kB each
+        6
     """
+    if isinstance(max_memory, PipelinePlan):  # max_context(model, pipeline_plan): that plan's stages
+        max_memory, stages = None, max_memory
+    batch_size = check_count("batch_size", batch_size)
+    if limit is not None:
+        limit = check_count("limit", limit)
     model = resolve_model(model)
-    budgets = get_max_memory(max_memory)
     top = limit if limit is not None else position_limit(model) or 2**24
-    model = ModelInventory.of(model) if isinstance(model, nn.Module) else model  # walked once, planned often
+    if stages is not None:
+        return _pipeline_context(model, stages, batch_size, microbatches, top, max_memory, plan_kwargs)
     kwargs = dict(plan_kwargs)
+    kv_dtype = kwargs.pop("kv_dtype", None)
     if device_map is not None:
         units = device_map.unit_map if isinstance(device_map, DevicePlan) else device_map
         given: Mapping[str, object] = kwargs.get("overrides") or {}  # type: ignore[assignment]
         kwargs["overrides"] = {**dict(units), **dict(given)}
+    # prepared once, as bigviz.plan prepares them (the default cpu budget included); each
+    # context tried only changes the run planned beside the weights
+    inputs = planner_inputs(model, max_memory, **kwargs)  # type: ignore[arg-type]
 
     def fits(tokens: int) -> bool:
+        workload = Workload(batch_size, tokens, None if kv_dtype is None else str(kv_dtype))
         try:
-            result = plan(model, budgets, batch_size=batch_size, context_length=tokens, **kwargs)  # type: ignore[arg-type]
+            result = place(with_workload(inputs, workload))
         except PlanError:
             return False
-        if any(u.free < 0 for u in result.usage):
-            return False
-        return allow_offload or device_map is not None or not any(result.offloaded_bytes().values())
+        return result.fits(allow_offload=allow_offload or device_map is not None)
 
     return longest_fit(fits, top)
 
 
-def position_limit(model: ModelLike) -> int | None:
-    """The longest context a model's positions allow, when it says."""
-    config = getattr(model, "config", None)
-    for key in ("max_position_embeddings", "n_positions", "block_size", "max_seq_len"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+def _pipeline_context(
+    model: ModelLike,
+    stages: Sequence[int | str] | PipelinePlan,
+    batch_size: int,
+    microbatches: int,
+    top: int,
+    max_memory: object,
+    plan_kwargs: Mapping[str, object],
+) -> int:
+    """The longest context whose pipeline run fits the stages' budgets."""
+    budgets = stages.budgets if isinstance(stages, PipelinePlan) else stages
+    if max_memory is not None or isinstance(budgets, int) or any(b is None for b in budgets):
+        raise PlanError(
+            "max_context(stages=...) needs one budget per stage (e.g. stages=['40GiB', '40GiB'] or a "
+            "PipelinePlan made with budgets), and no max_memory: the stages are the budgets"
+        )
+
+    def fits(tokens: int) -> bool:
+        try:
+            plan_pipeline(
+                model,
+                stages,
+                batch_size=batch_size,
+                context_length=tokens,
+                microbatches=microbatches,
+                **plan_kwargs,  # type: ignore[arg-type]
+            )
+        except PlanError:
+            return False
+        return True
+
+    return longest_fit(fits, top)

@@ -21,7 +21,8 @@ from bigviz.checkpoint.tree import detect_no_split, tree_from_checkpoint
 from bigviz.core.tree import SizeTree
 from bigviz.modeling.inventory import ModelInventory
 from bigviz.modeling.sizes import module_tree
-from bigviz.modeling.workload import is_config_source, model_from_config
+from bigviz.modeling.configs import is_config_source, model_from_config
+from bigviz.core.errors import ArgumentTypeError
 
 __all__ = ["ModelLike", "resolve_model", "as_tree", "default_no_split", "inventory_or_none"]
 
@@ -57,7 +58,7 @@ def as_tree(
             return as_tree(model_from_config(model), dtype, special_dtypes)
         meta = meta_model_from_folder(os.fspath(model))
         return as_tree(tree_from_checkpoint(os.fspath(model), model=meta), dtype, special_dtypes)
-    raise TypeError(f"expected an nn.Module, a SizeTree or a checkpoint path, got {type(model).__name__}")
+    raise ArgumentTypeError(f"expected an nn.Module, a SizeTree or a checkpoint path, got {type(model).__name__}")
 
 
 def default_no_split(model: ModelLike, tree: SizeTree) -> list[str]:

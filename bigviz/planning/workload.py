@@ -24,8 +24,10 @@ from bigviz.core.devices import Device
 from bigviz.core.tree import SizeTree
 from bigviz.core.workload import RunSpec, Workload
 from bigviz.modeling.inventory import ModelInventory
-from bigviz.modeling.workload import model_from_config, run_spec
+from bigviz.modeling.configs import model_from_config
+from bigviz.modeling.workload import run_spec
 from bigviz.planning.models import ModelLike
+from bigviz.core.errors import UsageError
 
 __all__ = ["workload_bytes", "model_run_spec", "device_type"]
 
@@ -64,7 +66,7 @@ def model_run_spec(model: ModelLike, tree: SizeTree, *, dtype: object = None, de
     if isinstance(model, (str, os.PathLike)):
         config = Path(model) / "config.json" if Path(model).is_dir() else None
         if config is None or not config.is_file():
-            raise ValueError(
+            raise UsageError(
                 f"to plan a run (context_length) bigviz reads the attention layout from the "
                 f"model or its config.json, and {str(model)!r} has none next to its weights: pass "
                 f"the model, put its config.json there, or give kv_cache= and activations="
@@ -73,7 +75,7 @@ def model_run_spec(model: ModelLike, tree: SizeTree, *, dtype: object = None, de
     if isinstance(source, ModelInventory):
         source = source.model
     if not isinstance(source, nn.Module):
-        raise ValueError(
+        raise UsageError(
             "to plan a run (context_length) from a SizeTree, give kv_cache= and activations= "
             "(bytes per module): a tree does not say how the model attends"
         )
@@ -103,7 +105,7 @@ def _renamed(spec: RunSpec, tree: SizeTree) -> RunSpec:
         else:
             mapping[name] = found
     if missing:
-        raise ValueError(
+        raise UsageError(
             f"the checkpoint has no modules named like the model's layers ({', '.join(missing[:4])}"
             f"{' ...' if len(missing) > 4 else ''}): give kv_cache= and activations= by module name"
         )

@@ -19,8 +19,7 @@ _EXPORTS: dict[str, str] = {
     "Planner": "bigviz.ui.planner",
     "save_html": "bigviz.ui.report",
     "render_report": "bigviz.ui.report",
-    "HARDWARE_PRESETS": "bigviz.core.cost",
-    "plan_cost": "bigviz.core.cost",
+    "HARDWARE_PRESETS": "bigviz.core.hardware",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -23,7 +23,7 @@ import ipywidgets as widgets
 from bigviz.core.plan import STRATEGIES
 from bigviz.core.devices import Device, device_label
 from bigviz.ui.palette import chip
-from bigviz.core.cost import DISK_BANDWIDTH, HARDWARE_PRESETS, LINK_BANDWIDTH
+from bigviz.core.hardware import DISK_BANDWIDTH, HARDWARE_PRESETS, LINK_BANDWIDTH
 from bigviz.ui.presets import DTYPE_CHOICES
 
 __all__ = [

@@ -17,6 +17,7 @@ from typing import Any
 from bigviz.core.pipeline import PipelinePlan
 from bigviz.core.plan import DevicePlan
 from bigviz.ui.svg import figure_svg
+from bigviz.core.errors import StateError
 from bigviz.ui.treemap import (
     TreemapLayout,
     TreemapStyle,
@@ -58,7 +59,7 @@ class FigureView:
         parts: list[Any] = []
         try:
             if not live:
-                raise RuntimeError("a static figure was asked for (live=False)")
+                raise StateError("a static figure was asked for (live=False)")
             from bigviz.ui.livefigure import FigureHelper, LiveFigure
 
             self.figure: Any = LiveFigure(static)

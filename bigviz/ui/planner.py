@@ -23,62 +23,49 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import functools
 import html
-import json
 import os
 import time
-import traceback
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
-from bigviz.core.pipeline import PipelinePlan
+from bigviz.core.cost import ForwardEstimate
+from bigviz.core.devices import Device
 from bigviz.core.dispatch_plan import DispatchPlan
+from bigviz.core.dtypes import canonical_dtype
+from bigviz.core.hardware import preset_budgets
+from bigviz.core.pipeline import PipelinePlan
 from bigviz.core.plan import DevicePlan
+from bigviz.core.planner import PlanError
 from bigviz.core.serialize import save_device_map
 from bigviz.core.stages import make_pipeline_plan, pipeline_units
-from bigviz.core.planner import PlanError, check_no_split
-from bigviz.core.dtypes import canonical_dtype
-from bigviz.core.devices import Device
-from bigviz.core.sizes import format_size
 from bigviz.core.workload import Workload
+from bigviz.core.counts import check_count
 from bigviz.ui import controls as ctl
 from bigviz.ui.figure import FigureView
-from bigviz.ui.palette import chip, legend_html
-from bigviz.core.cost import plan_cost, preset_budgets
-from bigviz.ui.presets import DTYPE_CHOICES, cost_html
-from bigviz.ui.report import dispatch_html, report_fragment, save_html, table_html, usage_html
-from bigviz.ui.run import describe_error, run_plan
-from bigviz.ui.stages import StageControls, stage_legend_html
+from bigviz.ui.planner_controller import PlannerController
+from bigviz.ui.planner_view import PlannerView
+from bigviz.ui.presets import DTYPE_CHOICES
+from bigviz.ui.report import report_fragment, save_html
+from bigviz.ui.run import run_plan
+from bigviz.ui.stages import StageControls
 from bigviz.ui.state import PlannerState
 from bigviz.ui.svg import figure_svg
-from bigviz.ui.treemap import TreemapLayout, layout_of, treemap
+from bigviz.ui.treemap import treemap
+from bigviz.core.errors import UsageError
 
 __all__ = ["Planner"]
-
-DISPATCH_TAB = 1  # index of the Dispatch tab (ui/controls.assemble)
-TABLE_ROWS = 300  # rows drawn in the widget; planner.table has them all
-
-
-def _guarded(method: Callable[..., None]) -> Callable[..., None]:
-    """A widget callback whose errors land, visible, in the planner's log (not lost)."""
-
-    @functools.wraps(method)
-    def callback(self: Planner, *args: Any) -> None:
-        if self._quiet:
-            return
-        try:
-            method(self, *args)
-        except Exception as err:  # shown to the person at the controls, who can fix it
-            self.controls.status.value = describe_error(err)
-            self.controls.log.append_stderr(traceback.format_exc())
-
-    return callback
 
 
 class Planner:
     """An ipywidgets app to plan where a model's modules go, see it, fix it, export it, run it.
+
+    A facade over three parts: the model (:class:`~bigviz.ui.state.PlannerState`: the
+    settings, planned the way ``bigviz.plan`` plans), the view
+    (:class:`~bigviz.ui.planner_view.PlannerView`: the plan drawn into the widgets, and the
+    treemap, ``planner.view``) and the controller
+    (:class:`~bigviz.ui.planner_controller.PlannerController`: widget events in).
 
     Args:
         model_or_checkpoint: an ``nn.Module`` (on meta is fine), a ``SizeTree`` or a
@@ -125,24 +112,46 @@ class Planner:
         self._longest: tuple[Any, dict[str, Any]] | None = None
         self._plan: DevicePlan = self.state.replan()
         self._error = ""
-        self._quiet = False
-        self._layouts: dict[tuple[str | None, tuple[str, ...]], TreemapLayout] = {}
+        self.quiet = False  # widget values set from code: their callbacks do not re-plan
         self.last_update_s = 0.0
         self.last_run: Any = None
-        layout = self._layout()
-        self.depth = depth if depth is not None else min(4, layout.max_depth)
-        self.view = FigureView(self._plan, depth=self.depth, live=live)
         self._stages: PipelinePlan | None = None  # set in stage mode
         blocks = sum(role == "block" for _, role in pipeline_units(self.state.tree, self.state.no_split))
         self.stage_controls = StageControls(max_stages=blocks)
+        self.controls = self._make_controls(strategy, depth)
+        self.view = FigureView(self._plan, depth=self.depth, live=live)
+        self.controller = PlannerController(self)
+        self._rows = ctl.DeviceRows(self.controls.devices, self.controller.on_budget, self.controller.on_reserve)
+        self.budget_sliders: dict[Device, Any] = self._rows.sliders  # the same dicts, kept in sync
+        self.reserve_inputs: dict[Device, Any] = self._rows.reserves
+        self.sync_device_rows()
+        self.widget = ctl.assemble(self.controls, self.view.box, self.stage_controls.widget)
+        self.panels = PlannerView(self.controls, self.stage_controls, self.state, self.widget.children[-1])
+        self.panels.tabs.observe(
+            lambda _: self.panels.show_dispatch(self._plan, error=bool(self._error)), names="selected_index"
+        )
+        self.controller.wire()
+        if self.state.workload.active:
+            self.find_longest_context()
+        self._show(self._plan)
+        if not self.view.live:
+            self.controls.log.append_stdout(
+                f"treemap shown static (FigureWidget unavailable: "
+                f"{self.view.fallback_reason}); install anywidget for live updates\n"
+            )
+
+    def _make_controls(self, strategy: str, depth: int | None) -> Any:
+        from bigviz.ui.treemap import layout_of
+
+        layout = layout_of(self.state.tree)
+        self.depth = depth if depth is not None else min(4, layout.max_depth)
         dtype_label = (
             next(k for k, v in DTYPE_CHOICES.items() if v == self.state.dtype)
             if self.state.dtype in DTYPE_CHOICES.values()
             else "as built"
         )
         w = self.state.workload
-        kv_label = next((k for k, v in ctl.KV_DTYPES.items() if v == w.kv_dtype), "as compute")
-        self.controls = ctl.make_controls(
+        return ctl.make_controls(
             strategy=strategy,
             dtype_label=dtype_label,
             no_split=", ".join(self.state.no_split),
@@ -151,26 +160,9 @@ class Planner:
             max_depth=layout.max_depth,
             batch=w.batch_size,
             context=w.context_length,
-            kv_label=kv_label,
+            kv_label=next((k for k, v in ctl.KV_DTYPES.items() if v == w.kv_dtype), "as compute"),
             max_context=self.state.position_limit,
         )
-        self._rows = ctl.DeviceRows(self.controls.devices, self._on_budget, self._on_reserve)
-        self.budget_sliders: dict[Device, Any] = self._rows.sliders  # the same dicts, kept in sync
-        self.reserve_inputs: dict[Device, Any] = self._rows.reserves
-        self._sync_device_rows()
-        self.widget = ctl.assemble(self.controls, self.view.box, self.stage_controls.widget)
-        self._tabs = self.widget.children[-1]
-        self._dispatch_shown: DevicePlan | None = None  # the plan the Dispatch tab shows
-        self._tabs.observe(lambda _: self._show_dispatch(), names="selected_index")
-        self._wire()
-        if w.active:
-            self.find_longest_context()
-        self._show(self._plan)
-        if not self.view.live:
-            self.controls.log.append_stdout(
-                f"treemap shown static (FigureWidget unavailable: "
-                f"{self.view.fallback_reason}); install anywidget for live updates\n"
-            )
 
     # ---- what it exports -----------------------------------------------------------
     @property
@@ -195,7 +187,9 @@ class Planner:
     def show_stages(self, stages: int | None = None, *, balance: str | None = None) -> None:
         """Colour the treemap by pipeline stage: ``stages`` stages (default: the control's),
         cut between no-split blocks as ``bigviz.plan_pipeline`` cuts them."""
-        with self._quietly():
+        if stages is not None:
+            check_count("stages", stages)
+        with self.quietly():
             if stages is not None:
                 self.stage_controls.count.value = stages
             if balance is not None:
@@ -205,7 +199,7 @@ class Planner:
 
     def show_devices(self) -> None:
         """Colour the treemap by device again."""
-        with self._quietly():
+        with self.quietly():
             self.stage_controls.mode.value = "devices"
         self.refresh()
 
@@ -221,8 +215,9 @@ class Planner:
     @property
     def dispatch_plan(self) -> DispatchPlan:
         """What a dispatch of the current plan will do: its offload units (the module each
-        hook sits on, where its weights are stored, what it fetches), in fetch order, and the
-        tensors that stay resident; the Dispatch tab shows it (see ``bigviz.dispatch_plan``)."""
+        hook sits on, where its weights are stored, what it fetches), in fetch order, the
+        tensors that stay resident, and how each unit lives at run time; the Dispatch tab
+        shows it (see ``bigviz.dispatch_plan``)."""
         return self.plan.dispatch_plan()
 
     @property
@@ -230,17 +225,19 @@ class Planner:
         """Every placement as a pandas DataFrame (module, class, device, bytes, reason, ...)."""
         return self.plan.to_frame()
 
-    def cost(self, *, link: str | None = None, disk: str | None = None) -> dict[str, Any]:
-        """Bytes streamed per forward pass and their predicted time (see ``plan_cost``);
-        the bandwidths default to the ones chosen in the UI."""
-        plan = self.plan
-        cost = plan_cost(
-            plan.offloaded_bytes(),
-            main_device=plan.main_device,
-            link=link or self.controls.link.value,
-            disk=disk or self.controls.disk.value,
-        )
-        return _with_forward_estimate(cost, plan, getattr(self, "disk_probe", None))  # issue 12
+    def cost(
+        self, *, link: str | None = None, disk: str | None = None, plan: DevicePlan | None = None
+    ) -> ForwardEstimate:
+        """The predicted time per forward pass of the plan (``DevicePlan.cost``: reads from
+        disk and copies to the GPU overlapped as its dispatch will stream them), at the disk
+        bandwidth measured by :meth:`measure_disk`, else the bandwidths chosen in the UI."""
+        plan = plan or self.plan
+        probe = getattr(self, "disk_probe", None)
+        bandwidth = probe.bandwidth if probe is not None else (disk or self.controls.disk.value)
+        return plan.cost(disk_bandwidth=bandwidth, link_bandwidth=link or self.controls.link.value)
+
+    def _cost_source(self) -> str:
+        return "measured" if getattr(self, "disk_probe", None) is not None else "preset"
 
     def measure_disk(self, path: str | os.PathLike[str], **probe_options: Any) -> Any:
         """Measure the read bandwidth of the disk holding ``path`` (a checkpoint; cached per
@@ -267,7 +264,7 @@ class Planner:
         dtype = kv_dtype if kv_dtype is False or kv_dtype is None else canonical_dtype(kv_dtype)
         self.state.set_workload(batch_size=batch_size, context_length=context_length, kv_dtype=dtype)
         w = self.state.workload
-        with self._quietly():
+        with self.quietly():
             self.controls.batch.value, self.controls.context.value = w.batch_size, w.context_length
             self.controls.kv_dtype.value = next((k for k, v in ctl.KV_DTYPES.items() if v == w.kv_dtype), "as compute")
         self.find_longest_context()
@@ -279,15 +276,9 @@ class Planner:
         return self.state.longest_context(allow_offload=allow_offload)
 
     def time_per_token(self, plan: DevicePlan | None = None) -> float:
-        """Seconds each generated token spends at least streaming offloaded weights (the cost
-        model of :meth:`cost`, at the bandwidths chosen in the UI)."""
-        plan = plan or self.plan
-        return plan_cost(
-            plan.offloaded_bytes(),
-            main_device=plan.main_device,
-            link=self.controls.link.value,
-            disk=self.controls.disk.value,
-        )["seconds_per_forward"]
+        """Seconds each generated token spends streaming offloaded weights (:meth:`cost` of
+        the plan, compute not counted, at the bandwidths chosen in the UI)."""
+        return self.cost(plan=plan).seconds
 
     def find_longest_context(self) -> dict[str, Any]:
         """Find the longest context with and without offloading (what the "Longest context"
@@ -331,7 +322,7 @@ class Planner:
     def set_budget(self, device: object, size: int | str) -> None:
         """Set one device's budget (bytes or ``"10GiB"``); its slider follows."""
         self.state.set_budget(device, size)
-        self._sync_device_rows()
+        self.sync_device_rows()
         self.refresh()
 
     def add_gpu(self, size: int | str | None = None) -> int:
@@ -344,11 +335,11 @@ class Planner:
         """Remove the last GPU (and the overrides that named it) and re-plan."""
         gpus = self.state.gpus()
         if not gpus:
-            raise ValueError("there is no GPU to remove")
+            raise UsageError("there is no GPU to remove")
         self._devices_changed(self.state.remove_device(gpus[-1]), ctl.CUSTOM)
 
     def apply_preset(self, name: str) -> None:
-        """Plan for a hardware preset (see ``bigviz.ui.presets.HARDWARE_PRESETS``)."""
+        """Plan for a hardware preset (see ``bigviz.core.hardware.HARDWARE_PRESETS``)."""
         budgets = preset_budgets(name)
         label = next((k for k in self.controls.preset.options if k.startswith(name)), ctl.CUSTOM)
         self._devices_changed(self.state.set_budgets(budgets), label)
@@ -362,7 +353,7 @@ class Planner:
         """
         model = kwargs.pop("model", None) or self.model
         if model is None:
-            raise ValueError(
+            raise UsageError(
                 "this planner was made from a checkpoint or a size tree: pass the model "
                 "to run, e.g. planner.load_and_dispatch(path, model=model)"
             )
@@ -397,19 +388,18 @@ class Planner:
             stages = self._plan_stages()
         except PlanError as err:  # a PipelineError too
             self._error = str(err)
-            self.controls.status.value = (
-                f"<div style='color:#D55E00;white-space:pre-wrap'><b>Does not plan:</b> {html.escape(str(err))}</div>"
-            )
-            self.controls.fit.value = self._fit_html()
+            self.panels.show_error(self._error, self._fit_html())
             return
         self._error = ""
         self._plan, self._stages = plan, stages
-        self.view.update(stages or plan, self._layout())
+        self.view.update(stages or plan, self.panels.layout())
         self._show(plan)
         self.last_update_s = time.perf_counter() - start
-        self.controls.status.value = (
-            f"<span style='color:#555;font-size:12px'>re-planned in {self.last_update_s * 1000:.0f} ms</span>"
-        )
+        self.panels.show_timing(self.last_update_s)
+
+    def show_cost(self) -> None:
+        """Draw the cost sentence again (the bandwidths changed)."""
+        self.controls.cost.value = self.panels.cost_html(self.cost(), self._cost_source())
 
     def _plan_stages(self) -> PipelinePlan | None:
         """The pipeline plan in stage mode (same tree, dtype and no-split classes), else None."""
@@ -442,40 +432,13 @@ class Planner:
     def __repr__(self) -> str:
         return f"Planner({self._plan.summary()})"
 
-    def _cost_or_none(self) -> dict[str, Any] | None:
+    def _cost_or_none(self) -> ForwardEstimate | None:
         return None if self._error else self.cost()
 
     def _show(self, plan: DevicePlan) -> None:
-        c = self.controls
-        root = plan.tree.nodes[""] if plan.tree is not None else None
-        dtype = self.state.dtype or "as built"
-        c.title.value = (
-            f"<b style='font-size:15px'>bigviz planner</b>: {html.escape(root.class_name if root else '')}"
-            f", {format_size(root.total_bytes if root else 0)} ({dtype})"
+        self.panels.show(
+            plan, self._stages, self.panels.cost_html(self.cost(plan=plan), self._cost_source()), self._fit_html()
         )
-        captions = {u.device: f"{format_size(u.used)}" for u in plan.usage}
-        c.legend.value = (
-            legend_html([u.device for u in plan.usage], captions=captions)
-            if self._stages is None
-            else stage_legend_html(self._stages)
-        )
-        self.stage_controls.show(self._stages)
-        c.usage.value = usage_html(plan) + "".join(
-            f"<div style='font-size:11px;color:#555'>{html.escape(n)}</div>" for n in plan.notes
-        )
-        c.cost.value = cost_html(self.cost())
-        c.fit.value = self._fit_html()
-        c.table.value = table_html(plan, max_rows=TABLE_ROWS)
-        self._show_dispatch()
-        c.overrides.value = self._overrides_html()
-
-    def _show_dispatch(self) -> None:
-        """Fill the Dispatch tab when it is open (a slider move re-plans in milliseconds; the
-        dispatch plan of a thousand modules is made only when someone looks at it)."""
-        if self._tabs.selected_index != DISPATCH_TAB or self._error or self._dispatch_shown is self._plan:
-            return
-        self.controls.dispatch.value = dispatch_html(self._plan)
-        self._dispatch_shown = self._plan
 
     def _settings(self) -> tuple[Any, ...]:
         """What the longest context depends on (to tell when a result is out of date)."""
@@ -485,6 +448,7 @@ class Planner:
             tuple(s.reserve.items()),
             s.strategy,
             s.dtype,
+            s.unquantized,
             s.no_split,
             tuple(s.overrides.items()),
             s.workload.batch_size,
@@ -493,36 +457,13 @@ class Planner:
 
     def _fit_html(self) -> str:
         """The run's verdict: this plan's time per token, and the longest context that fits."""
-        w = self.state.workload
-        lines = []
-        if w.active and not self._error:
-            seconds = self.time_per_token(self._plan)
-            lines.append(
-                f"This plan ({w.batch_size} x {w.context_length:,} tokens): "
-                + (
-                    f"at least <b>{seconds * 1000:,.0f} ms per token</b> streaming offloaded weights"
-                    if seconds
-                    else "nothing offloaded, no weights stream per token"
-                )
-            )
+        plan = None if self._error else self._plan
+        per_token = self.time_per_token(plan) if plan is not None and self.state.workload.active else None
+        longest, stale = None, False
         if self._longest is not None:
-            settings, found = self._longest
-            stale = " <i>(settings changed: press Longest context)</i>" if settings != self._settings() else ""
-            per_token = found["seconds_per_token"]
-            cost = f", at least {per_token * 1000:,.1f} ms per token" if per_token else ""
-            lines.append(
-                f"Longest context (batch {found['batch_size']}): <b>{found['no_offload']:,} tokens</b> "
-                f"without offloading, {found['with_offload']:,} with offloading{cost}{stale}"
-            )
-        elif self.state.run_specs is not None:
-            lines.append("<i>Set a context length, or press Longest context.</i>")
-        return "<div class='bigviz-fit' style='font-size:12px'>" + "<br>".join(lines) + "</div>"
-
-    def _overrides_html(self) -> str:
-        if not self.state.overrides:
-            return "<i>No overrides: pick a module and a device, then Assign.</i>"
-        items = "".join(f"<li><code>{html.escape(m)}</code> on {chip(d)}</li>" for m, d in self.state.overrides.items())
-        return f"<ul>{items}</ul>"
+            settings, longest = self._longest
+            stale = settings != self._settings()
+        return self.panels.fit_html(plan, per_token, longest, stale)
 
     def keep_unquantized(self, *modules: str) -> None:
         """With the dtype ``int8`` / ``int4``: keep ``modules`` in high precision (their weights
@@ -530,170 +471,28 @@ class Planner:
         self.state.keep_unquantized(modules)
         self.refresh()
 
-    def _layout(self) -> TreemapLayout:
-        key = (self.state.dtype, self.state.unquantized)
-        if key not in self._layouts:
-            self._layouts[key] = layout_of(self.state.tree)
-        return self._layouts[key]
-
     # ---- wiring --------------------------------------------------------------------
     @contextlib.contextmanager
-    def _quietly(self) -> Iterator[None]:
+    def quietly(self) -> Iterator[None]:
         """Set widget values from code without their callbacks re-planning."""
-        self._quiet = True
+        self.quiet = True
         try:
             yield
         finally:
-            self._quiet = False
+            self.quiet = False
 
-    def _sync_device_rows(self) -> None:
+    def sync_device_rows(self) -> None:
+        """The budget and reserve rows follow the state's devices (a slider per device)."""
         model_bytes = max(t.total("") for t in [self.state.base_tree, self.state.tree])
-        self._rows.sync(self.state.max_memory, self.state.reserve, model_bytes, self._quietly)
+        self._rows.sync(self.state.max_memory, self.state.reserve, model_bytes, self.quietly)
         targets = list(self.state.budgets) + ([] if "disk" in self.state.budgets else ["disk"])
-        with self._quietly():
+        with self.quietly():
             self.controls.target.options = ctl.device_options(targets)
 
     def _devices_changed(self, dropped: list[str], preset_label: str) -> None:
-        with self._quietly():
+        with self.quietly():
             self.controls.preset.value = preset_label
-        self._sync_device_rows()
+        self.sync_device_rows()
         self.refresh()
         if dropped:
             self.controls.log.append_stdout(f"overrides dropped with their device: {', '.join(dropped)}\n")
-
-    def _wire(self) -> None:
-        c = self.controls
-        c.preset.observe(self._on_preset, names="value")
-        c.add_gpu.on_click(self._on_add_gpu)
-        c.remove_gpu.on_click(self._on_remove_gpu)
-        c.strategy.observe(self._on_strategy, names="value")
-        c.dtype.observe(self._on_dtype, names="value")
-        c.no_split.observe(self._on_no_split, names="value")
-        c.link.observe(self._on_bandwidth, names="value")
-        c.disk.observe(self._on_bandwidth, names="value")
-        c.depth.observe(self._on_depth, names="value")
-        c.assign.on_click(self._on_assign)
-        c.unassign.on_click(self._on_unassign)
-        c.save_json.on_click(self._on_save_json)
-        c.save_html.on_click(self._on_save_html)
-        c.run.on_click(self._on_run)
-        for control in (self.stage_controls.mode, self.stage_controls.count, self.stage_controls.balance):
-            control.observe(self._on_stages, names="value")
-        c.batch.observe(self._on_workload, names="value")
-        c.context.observe(self._on_workload, names="value")
-        c.kv_dtype.observe(self._on_workload, names="value")
-        c.find_context.on_click(self._on_find_context)
-        self.view.on_pick(self._on_pick)
-
-    @_guarded
-    def _on_budget(self, device: Device, change: Mapping[str, Any]) -> None:
-        self.state.set_budget(device, round(change["new"] * ctl.GiB))
-        self.refresh()
-
-    @_guarded
-    def _on_reserve(self, device: Device, change: Mapping[str, Any]) -> None:
-        self.state.set_reserve(device, round(change["new"] * ctl.GiB))
-        self.refresh()
-
-    @_guarded
-    def _on_preset(self, change: Mapping[str, Any]) -> None:
-        if change["new"] != ctl.CUSTOM:
-            self.apply_preset(change["new"])
-
-    @_guarded
-    def _on_add_gpu(self, _button: Any) -> None:
-        self.add_gpu()
-
-    @_guarded
-    def _on_remove_gpu(self, _button: Any) -> None:
-        self.remove_gpu()
-
-    @_guarded
-    def _on_strategy(self, change: Mapping[str, Any]) -> None:
-        self.state.strategy = change["new"]
-        self.refresh()
-
-    @_guarded
-    def _on_dtype(self, change: Mapping[str, Any]) -> None:
-        self.state.set_dtype(DTYPE_CHOICES[change["new"]])
-        self._sync_device_rows()  # a bigger dtype may need longer sliders
-        self.refresh()
-
-    @_guarded
-    def _on_no_split(self, change: Mapping[str, Any]) -> None:
-        names = tuple(s.strip() for s in change["new"].split(",") if s.strip())
-        check_no_split(self.state.base_tree, names)  # a typo is shown, not silently ignored
-        self.state.no_split = names
-        self.refresh()
-
-    @_guarded
-    def _on_bandwidth(self, _change: Mapping[str, Any]) -> None:
-        self.controls.cost.value = cost_html(self.cost())
-
-    @_guarded
-    def _on_depth(self, change: Mapping[str, Any]) -> None:
-        self.depth = change["new"]
-        self.view.set_depth(self.depth)
-
-    @_guarded
-    def _on_stages(self, _change: Mapping[str, Any]) -> None:
-        self.refresh()
-
-    def _on_pick(self, module: str) -> None:
-        """A treemap tile was clicked: its module goes into the search box, ready to assign."""
-        self.controls.module.value = module
-
-    @_guarded
-    def _on_assign(self, _button: Any) -> None:
-        self.assign(self.controls.module.value, self.controls.target.value)
-
-    @_guarded
-    def _on_unassign(self, _button: Any) -> None:
-        self.unassign(self.controls.module.value)
-
-    @_guarded
-    def _on_save_json(self, _button: Any) -> None:
-        path = self.save_json(self.controls.json_path.value)
-        text = json.dumps(self.device_map, indent=1)
-        self.controls.json_view.value = (
-            f"<div>Wrote <code>{html.escape(os.path.abspath(path))}</code>:</div>"
-            f"<pre style='max-height:300px;overflow:auto'>{html.escape(text)}</pre>"
-        )
-
-    @_guarded
-    def _on_save_html(self, _button: Any) -> None:
-        path = self.save_html(self.controls.html_path.value)
-        self.controls.json_view.value = f"<div>Wrote <code>{html.escape(os.path.abspath(path))}</code></div>"
-
-    @_guarded
-    def _on_workload(self, _change: Mapping[str, Any]) -> None:
-        c = self.controls
-        self.set_workload(
-            batch_size=c.batch.value, context_length=c.context.value, kv_dtype=ctl.KV_DTYPES[c.kv_dtype.value]
-        )
-
-    @_guarded
-    def _on_find_context(self, _button: Any) -> None:
-        self.find_longest_context()
-
-    @_guarded
-    def _on_run(self, _button: Any) -> None:
-        kwargs = {"offload_folder": self.controls.offload_folder.value} if self.controls.offload_folder.value else {}
-        self.load_and_dispatch(self.controls.checkpoint.value, **kwargs)
-
-
-def _with_forward_estimate(cost: dict[str, Any], plan: DevicePlan, probe: Any) -> dict[str, Any]:
-    """``cost`` plus the pipeline prediction of a forward (reads overlapped with compute, the
-    resident part read once), at the measured disk bandwidth when there is one."""
-    from bigviz.core.streaming import forward_estimate
-
-    bandwidth = probe.bandwidth if probe is not None else cost["disk_bandwidth"]
-    link = cost["link_bandwidth"] if plan.main_device != "cpu" else None
-    estimate = forward_estimate(plan, disk_bandwidth=bandwidth, link_bandwidth=link)
-    source = f"measured {bandwidth / 1e9:.2f} GB/s" if probe is not None else f"preset {bandwidth / 1e9:.2f} GB/s"
-    return {
-        **cost,
-        "forward_seconds": estimate.seconds,
-        "forward_first_seconds": estimate.first_seconds,
-        "forward": f"Predicted (disk {source}, compute not counted): {estimate.explain()}",
-    }

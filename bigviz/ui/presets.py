@@ -1,24 +1,24 @@
 """The Planner's choices of hardware, dtype and bandwidth, and the cost sentence it shows.
 
-The hardware presets, bandwidths and the cost model itself are pure and live in
-:mod:`bigviz.core.cost` (re-exported here); this module adds the dtype choices of the
-dtype dropdown and the cost as HTML.
+The hardware presets and bandwidths are pure data in :mod:`bigviz.core.hardware`
+(re-exported here), the cost model in :mod:`bigviz.core.cost` (``DevicePlan.cost()``); this
+module adds the dtype choices of the dtype dropdown and the cost as HTML.
 
 Example:
     >>> budgets = preset_budgets("2x A100 80 GB")
     >>> sorted(budgets, key=str), budgets[1] // 2**30
     ([0, 1, 'cpu'], 80)
-    >>> "nothing is offloaded" in cost_html(plan_cost({"cpu": 0, "disk": 0}, main_device=0))
+    >>> from bigviz.core.cost import UnitCost, predict_forward
+    >>> "nothing is offloaded" in cost_html(predict_forward([UnitCost("a")], disk_bandwidth=1e9))
     True
 """
 
 from __future__ import annotations
 
 import html
-from collections.abc import Mapping
-from typing import Any
 
-from bigviz.core.cost import DISK_BANDWIDTH, HARDWARE_PRESETS, LINK_BANDWIDTH, plan_cost, preset_budgets
+from bigviz.core.cost import ForwardEstimate
+from bigviz.core.hardware import DISK_BANDWIDTH, HARDWARE_PRESETS, LINK_BANDWIDTH, preset_budgets
 from bigviz.core.sizes import format_size
 
 __all__ = [
@@ -27,7 +27,6 @@ __all__ = [
     "LINK_BANDWIDTH",
     "DISK_BANDWIDTH",
     "preset_budgets",
-    "plan_cost",
     "cost_html",
 ]
 
@@ -44,20 +43,19 @@ DTYPE_CHOICES: dict[str, str | None] = {
 quantization=...)`` loads them (see :mod:`bigviz.core.quant`)."""
 
 
-def cost_html(cost: Mapping[str, Any]) -> str:
-    """One or two sentences saying what a plan costs per forward pass."""
-    if not cost["streamed_bytes"]:
+def cost_html(cost: ForwardEstimate, sentence: str = "") -> str:
+    """One or two sentences saying what a plan costs per forward pass (``sentence``: the
+    prediction in words, shown under it)."""
+    if not cost.streamed:
         return "<div class='bigviz-cost'><b>Cost:</b> nothing is offloaded: no weights stream per forward pass.</div>"
     parts = []
-    if cost["cpu_bytes"]:
-        parts.append(f"{format_size(cost['cpu_bytes'])} from CPU RAM")
-    if cost["disk_bytes"]:
-        parts.append(f"{format_size(cost['disk_bytes'])} from disk")
+    if cost.read_bytes:
+        parts.append(f"{format_size(cost.read_bytes)} read from disk")
+    if cost.copy_bytes:
+        parts.append(f"{format_size(cost.copy_bytes)} copied to the GPU")
     return (
-        f"<div class='bigviz-cost'><b>Cost per forward pass:</b> {' and '.join(parts)} streamed in, "
-        f"at least <b>{cost['seconds_per_forward'] * 1000:,.0f} ms</b> "
-        f"(link {cost['link_seconds'] * 1000:,.0f} ms, disk {cost['disk_seconds'] * 1000:,.0f} ms). "
-        f"Every generated token pays it again."
-        + (f"<br>{html.escape(cost['forward'])}" if cost.get("forward") else "")
-        + "</div>"
+        f"<div class='bigviz-cost'><b>Cost per forward pass:</b> {' and '.join(parts)}, "
+        f"about <b>{cost.seconds * 1000:,.0f} ms</b> "
+        f"(link {cost.copy_seconds * 1000:,.0f} ms, disk {cost.read_seconds * 1000:,.0f} ms, overlapped). "
+        f"Every generated token pays it again." + (f"<br>{html.escape(sentence)}" if sentence else "") + "</div>"
     )

@@ -19,7 +19,6 @@ from __future__ import annotations
 import html
 import json
 import os
-from collections.abc import Mapping
 from typing import Any
 
 from bigviz.core.plan import DevicePlan, DeviceUsage
@@ -27,7 +26,7 @@ from bigviz.core.serialize import write_text_atomic
 from bigviz.core.devices import device_label
 from bigviz.core.sizes import UNLIMITED, format_size
 from bigviz.ui.palette import chip, device_color, legend_html
-from bigviz.core.cost import plan_cost
+from bigviz.core.cost import ForwardEstimate
 from bigviz.ui.presets import cost_html
 from bigviz.ui.svg import figure_svg, svg_img
 from bigviz.ui.treemap import OVERRIDE_MARK, plan_of, treemap
@@ -146,7 +145,7 @@ def table_html(plan: DevicePlan, *, max_rows: int | None = None) -> str:
     more = len(plan.placements) - len(shown)
     if more > 0:
         rows.append(
-            f"<tr><td colspan='6'>... and {more} more units (the full table: planner.table "
+            f"<tr><td colspan='7'>... and {more} more units (the full table: planner.table "
             f"or plan.to_frame())</td></tr>"
         )
     head = "<tr><th>module</th><th>class</th><th>device</th><th>size</th><th>share</th><th>reason</th></tr>"
@@ -155,8 +154,9 @@ def table_html(plan: DevicePlan, *, max_rows: int | None = None) -> str:
 
 def dispatch_html(plan: DevicePlan, *, max_rows: int = 200) -> str:
     """What a dispatch of ``plan`` does, as HTML: the dispatch plan's summary (resident bytes,
-    room held for streamed units), then one row per offload unit in fetch order (the module
-    its hook sits on, where its weights are stored, its tensors, bytes and names).
+    room held for streamed units, how each unit lives at run time), then one row per offload
+    unit in fetch order (the module its hook sits on, where its weights are stored, the fetcher
+    its stream plan names, its tensors, bytes and names).
 
     Example:
         >>> import torch.nn as nn, bigviz
@@ -174,17 +174,17 @@ def dispatch_html(plan: DevicePlan, *, max_rows: int = 200) -> str:
         note = ""
     rows = [
         f"<tr><td {_NUM}>{r['order']}</td><td><code>{html.escape(r['unit'])}</code></td><td>{chip(r['storage'])}</td>"
-        f"<td {_NUM}>{r['tensors']}</td><td {_NUM}>{r['size']}</td>"
+        f"<td>{html.escape(r['fetcher'])}</td><td {_NUM}>{r['tensors']}</td><td {_NUM}>{r['size']}</td>"
         f"<td style='font-size:11px'>{html.escape(_shorten(r['fetches']))}</td></tr>"
         for r in dispatch.rows()[:max_rows]
     ]
     more = len(dispatch.units) - max_rows
     if more > 0:
         rows.append(
-            f"<tr><td colspan='6'>... and {more} more units (all of them: planner.dispatch_plan.to_frame())</td></tr>"
+            f"<tr><td colspan='7'>... and {more} more units (all of them: planner.dispatch_plan.to_frame())</td></tr>"
         )
     head = (
-        "<tr><th>fetch order</th><th>unit (hooked module)</th><th>stored on</th><th>tensors</th>"
+        "<tr><th>fetch order</th><th>unit (hooked module)</th><th>stored on</th><th>fetcher</th><th>tensors</th>"
         "<th>size</th><th>fetches</th></tr>"
     )
     summary = html.escape(dispatch.summary()).replace("\n", "<br>")
@@ -221,7 +221,7 @@ def report_fragment(
     *,
     include_plotlyjs: bool | str | None = None,
     max_rows: int | None = None,
-    cost: Mapping[str, Any] | None = None,
+    cost: ForwardEstimate | None = None,
     depth: int | None = None,
     figure: Any = None,
 ) -> str:
@@ -233,7 +233,8 @@ def report_fragment(
             ``data:`` URI, which HTML sanitizers keep), with no script at all; otherwise plotly's interactive figure, with plotly.js inlined
             (``True``) or loaded from its CDN (``"cdn"``).
         max_rows: rows of the placements table (``None``: all).
-        cost: a ``plan_cost`` result (default: the planner's, or PCIe 4 and NVMe).
+        cost: the plan's predicted cost per forward (``DevicePlan.cost()``; default: the
+            planner's, or PCIe 4 and NVMe).
         depth: module levels drawn in the treemap.
         figure: the ``bigviz.treemap`` figure of this plan, when already made.
 
@@ -246,8 +247,8 @@ def report_fragment(
     plan = plan_of(plan_or_planner)
     if cost is None and plan_or_planner is not plan:  # a Planner: its chosen link and disk
         cost = plan_or_planner.cost()
-    if cost is None:  # a DevicePlan (whose .cost() is the time per forward, not this table)
-        cost = plan_cost(plan.offloaded_bytes(), main_device=plan.main_device)
+    if cost is None:  # a DevicePlan: at the presets' bandwidths
+        cost = plan.cost()
     fig = figure if figure is not None else treemap(plan_or_planner, depth=depth)
     if include_plotlyjs is None:
         alt = f"treemap: {fig.layout.title.text or 'the plan'}"

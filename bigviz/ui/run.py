@@ -35,6 +35,7 @@ from bigviz.core.devices import Device
 from bigviz.core.sizes import format_size
 from bigviz.modeling.process_memory import mapped_file_bytes, resident_bytes
 from bigviz.ui.palette import chip
+from bigviz.core.errors import UsageError
 
 __all__ = ["memory_snapshot", "RunReport", "run_plan"]
 
@@ -111,14 +112,14 @@ def run_plan(
     from bigviz.engine.big_modeling import load_checkpoint_and_dispatch
 
     if not Path(checkpoint).exists():
-        raise ValueError(
+        raise UsageError(
             f"checkpoint {str(checkpoint)!r} does not exist: give a weights file, an index "
             "file or a folder holding them"
         )
     if dtype in QUANT_METHODS:  # the plan sized them quantized: quantize them while they load
         kwargs.setdefault("quantization", dtype)
     elif dtype is not None and dtype not in FLOATING_DTYPES:
-        raise ValueError(
+        raise UsageError(
             f"the plan sizes weights as {dtype}, which bigviz cannot load into: choose a "
             "floating dtype, int8, int4 (or 'as built') in the planner to run it"
         )

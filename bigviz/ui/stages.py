@@ -23,7 +23,7 @@ from bigviz.core.names import ancestors, owner, parent
 from bigviz.core.pipeline import PipelinePlan
 from bigviz.core.sizes import format_size
 from bigviz.ui.palette import SPLIT_COLOR, chip, device_color
-from bigviz.ui.treemap import TreemapLayout, TreemapStyle
+from bigviz.ui.tiles import TreemapLayout, TreemapStyle
 
 __all__ = ["stage_color", "stage_style_of", "stage_title", "stage_legend_html"]
 
@@ -85,15 +85,29 @@ def _tied_notes(plan: PipelinePlan) -> Mapping[str, str]:
 
 
 def stage_title(plan: PipelinePlan) -> str:
-    """The figure title: model, size, stages and balance."""
+    """The figure title: model, size, stages and balance (and the run they hold)."""
     root = plan.tree.nodes[""] if plan.tree is not None else None
     size = format_size(root.total_bytes) if root is not None else ""
     name = (root.class_name if root is not None else "") or "model"
-    return f"{name}: {size}, {plan.n_stages} pipeline stages balanced by {plan.balance}"
+    title = f"{name}: {size}, {plan.n_stages} pipeline stages balanced by {plan.balance}"
+    if plan.run is not None:
+        title += f"; run: batch {plan.run.batch_size}, {plan.run.context_length} tokens"
+    return title
+
+
+def _stage_chip_text(plan: PipelinePlan, stage: int) -> str:
+    """``"stage 0: 1.2 GiB"``, with a run ``"stage 0: 1.2 GiB weights + 64 MiB KV cache + 8 MiB
+    activations = ..."``, and the budget."""
+    budget = plan.budgets[stage]
+    text = f"stage {stage}: {format_size(plan.stage_bytes[stage])}"
+    if plan.run is not None:
+        text = f"stage {stage}: {plan.stage_text(stage)}"
+    return text + (f" of {format_size(budget)}" if budget is not None else "")
 
 
 def stage_legend_html(plan: PipelinePlan) -> str:
-    """One chip per stage with its bytes (and budget), then the split chip.
+    """One chip per stage with its bytes (weights, KV cache and activations when the plan
+    counts a run) and budget, then the split chip.
 
     Example:
         >>> from bigviz.core.tree import SizeTree, TensorSpec
@@ -102,11 +116,7 @@ def stage_legend_html(plan: PipelinePlan) -> str:
         >>> "stage 1: 1.0 KiB" in stage_legend_html(make_pipeline_plan(t, 2, no_split=["h.*"]))
         True
     """
-    chips = []
-    for i, nbytes in enumerate(plan.stage_bytes):
-        budget = plan.budgets[i]
-        text = f"stage {i}: {format_size(nbytes)}" + (f" of {format_size(budget)}" if budget is not None else "")
-        chips.append(chip(i, text))
+    chips = [chip(i, _stage_chip_text(plan, i)) for i in range(plan.n_stages)]
     chips.append(chip(None, "several stages"))
     return f"<div class='bigviz-legend' style='line-height:1.9'>{''.join(chips)}</div>"
 

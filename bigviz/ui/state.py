@@ -1,7 +1,10 @@
 """What the Planner's controls set, and the re-plan it triggers: no widgets here.
 
-The model is sized once; a tree per dtype is cached, so a slider move is one call of the
-pure, linear-time :func:`~bigviz.core.planner.make_plan`.
+The model is sized once, by the same function that prepares ``bigviz.plan``'s inputs
+(:func:`~bigviz.planning.inputs.planner_inputs`: the default "cpu" budget, the no-split
+classes, the unit rule's knobs); a tree per dtype is cached, so a slider move is one call of
+:func:`~bigviz.planning.inputs.place` (the pure, linear-time planner and the direct-read rule),
+and a model planned here is placed as ``bigviz.plan`` places it.
 
 Example:
     >>> import torch.nn as nn
@@ -18,17 +21,22 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from bigviz.core.offload_units import UnitRule
 from bigviz.core.plan import STRATEGIES, DevicePlan, PlanOptions
-from bigviz.core.planner import PlanError, check_no_split, make_plan
+from bigviz.core.planner import PlanError
 from bigviz.core.dtypes import canonical_dtype, itemsize
 from bigviz.core.quant import QUANT_METHODS, QuantConfig, default_targets, quantized_tree
 from bigviz.core.tree import SizeTree
-from bigviz.core.errors import DeviceMapError
+from bigviz.core.errors import DeviceMapError, UsageError
 from bigviz.core.devices import Device, device_label, normalize_device
 from bigviz.core.sizes import UNLIMITED, parse_max_memory, parse_size
 from bigviz.core.workload import RunSpec, Workload, longest_fit
+from bigviz.core.counts import check_count
+
+if TYPE_CHECKING:
+    from bigviz.planning.positions import PositionLimit
 
 __all__ = ["PlannerState"]
 
@@ -49,6 +57,13 @@ class PlannerState:
         run_specs: makes the model's :class:`RunSpec` for a device type (``"cuda"``, ``"cpu"``);
             ``None`` when the model's layout is unknown (a bare size tree).
         position_limit: the longest context the model's positions allow, if it says.
+        positions: that limit, with the key that says it and whether it is a hard end.
+        rule: the unit rule's knobs the model gives (direct reads, shared modules); its blocks
+            are ``no_split``.
+        inventory: the model's inventory (for the direct-read rule), if it has one.
+        quant_tree: the size tree with the weights a quantization packs in their packed bytes
+            (:func:`~bigviz.planning.inputs.quantized_for_plan`, as ``bigviz.plan`` sizes them).
+        unquantized: modules kept in high precision when the dtype is ``int8`` / ``int4``.
     """
 
     base_tree: SizeTree
@@ -61,7 +76,10 @@ class PlannerState:
     workload: Workload = field(default_factory=Workload)
     run_specs: Callable[[str], RunSpec] | None = field(default=None, repr=False)
     position_limit: int | None = None
-    quant_targets: Callable[[QuantConfig], list[str]] | None = field(default=None, repr=False)
+    positions: PositionLimit | None = None
+    rule: UnitRule = field(default_factory=UnitRule, repr=False)
+    inventory: Any = field(default=None, repr=False)
+    quant_tree: Callable[[QuantConfig], SizeTree] | None = field(default=None, repr=False)
     unquantized: tuple[str, ...] = ()
     _trees: dict[str | None, SizeTree] = field(default_factory=dict, repr=False)
     _specs: dict[str, RunSpec] = field(default_factory=dict, repr=False)
@@ -80,28 +98,31 @@ class PlannerState:
 
         ``max_memory=None`` means this machine's free memory (``get_max_memory()``).
         """
-        from bigviz.planning import (
-            position_limit as _position_limit,
-            as_tree,
-            default_no_split,
-            model_run_spec,
-            resolve_model,
-        )
-        from bigviz.modeling.budgets import get_max_memory
+        from bigviz.planning import as_tree, model_run_spec, resolve_model
+        from bigviz.planning.inputs import no_split_names, planner_inputs, quantized_for_plan
+        from bigviz.planning.positions import position_rule
 
+        if strategy not in STRATEGIES:
+            raise UsageError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
         model = resolve_model(model)
-        tree = as_tree(model)
-        if no_split_module_classes is not None:
-            check_no_split(tree, no_split_module_classes)  # a typo would split every block silently
-        no_split = no_split_module_classes if no_split_module_classes is not None else default_no_split(model, tree)
-        state = cls(tree, dict(get_max_memory(max_memory)), strategy=strategy, no_split=tuple(no_split))
+        inputs = planner_inputs(
+            model, max_memory, strategy=strategy, no_split_module_classes=no_split_module_classes, dtype=dtype
+        )
+        tree = inputs.tree if dtype is None else as_tree(inputs.model)
+        state = cls(
+            tree,
+            inputs.budgets,
+            strategy=strategy,
+            no_split=tuple(no_split_names(inputs.model, inputs.tree, no_split_module_classes)),
+            rule=inputs.options.rule,
+            inventory=inputs.inventory,
+        )
         if not isinstance(model, SizeTree):  # a module, or a checkpoint whose config.json tells its layout
             state.run_specs = lambda device_type: model_run_spec(model, tree, device_type=device_type)
-            state.position_limit = _position_limit(model)
-        state.quant_targets = _targets_of(model, tree)
+            state.positions = position_rule(model)
+            state.position_limit = state.positions.tokens if state.positions else None
+        state.quant_tree = lambda config: quantized_for_plan(model, tree, config)  # bigviz.plan's rule
         state.set_dtype(None if dtype is None else str(dtype))
-        if strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
         return state
 
     # ---- the plan ------------------------------------------------------------------
@@ -114,9 +135,11 @@ class PlannerState:
             config = self.quantization
             if config is None:
                 self._trees[self.dtype] = self.base_tree.with_dtype(self.dtype)
+            elif self.quant_tree is not None:
+                self._trees[self.dtype] = self.quant_tree(config)
             else:
-                targets = self.quant_targets or (lambda c: default_targets(self.base_tree, c))
-                self._trees[self.dtype] = quantized_tree(self.base_tree, config, targets(config))
+                targets = default_targets(self.base_tree, config)
+                self._trees[self.dtype] = quantized_tree(self.base_tree, config, targets)
         return self._trees[self.dtype]
 
     @property
@@ -131,7 +154,7 @@ class PlannerState:
         override: e.g. a sensitive first block kept in bf16)."""
         unknown = [m for m in modules if m not in self.base_tree.nodes]
         if unknown:
-            raise ValueError(f"keep_unquantized: {unknown} name no module of this model")
+            raise UsageError(f"keep_unquantized: {unknown} name no module of this model")
         self.unquantized = tuple(dict.fromkeys(modules))
         for method in QUANT_METHODS:
             self._trees.pop(method, None)
@@ -141,23 +164,29 @@ class PlannerState:
         kv, act = self.run_bytes(workload)
         return PlanOptions(
             strategy=self.strategy,
-            no_split=frozenset(self.no_split),
             reserve=dict(self.reserve),
             overrides=dict(self.overrides),
             kv_cache=kv,
             activations=act,
             workload=workload if workload.active else None,
+            rule=replace(self.rule, blocks=frozenset(self.no_split)),
         )
 
-    def replan(self) -> DevicePlan:
-        """Plan with the current settings. Raises ``PlanError`` when nothing fits."""
-        return make_plan(self.tree, self.budgets, self.options())
+    def replan(self, workload: Workload | None = None) -> DevicePlan:
+        """Plan with the current settings (``bigviz.plan``'s planner and direct-read rule).
+        Raises ``PlanError`` when nothing fits."""
+        from bigviz.planning.inputs import PlannerInputs, place, quant_note
+
+        note = quant_note(None, self.tree, self.quantization)
+        return place(
+            PlannerInputs(None, self.tree, self.budgets, self.options(workload), self.inventory, quant_note=note)
+        )
 
     # ---- the run -------------------------------------------------------------------
     def run_spec(self) -> RunSpec:
         """The model's run spec for the planned hardware, at the chosen dtype (cached)."""
         if self.run_specs is None:
-            raise ValueError(
+            raise UsageError(
                 "this planner was made from a size tree: it cannot plan a run (context length); "
                 "make it from the model, a config.json, or a checkpoint with its config.json"
             )
@@ -178,27 +207,33 @@ class PlannerState:
     def set_workload(
         self, *, batch_size: int | None = None, context_length: int | None = None, kv_dtype: str | None | bool = False
     ) -> None:
-        """Change the run planned beside the weights (``kv_dtype=None``: the compute dtype)."""
+        """Change the run planned beside the weights (``kv_dtype=None``: the compute dtype).
+
+        Raises:
+            PlanError: a count that is not a whole number (``2.5`` is not taken as 2), or too small.
+        """
         new = Workload(
-            self.workload.batch_size if batch_size is None else int(batch_size),
-            self.workload.context_length if context_length is None else int(context_length),
+            self.workload.batch_size if batch_size is None else check_count("batch_size", batch_size),
+            self.workload.context_length
+            if context_length is None
+            else check_count("context_length", context_length, minimum=0),
             self.workload.kv_dtype if kv_dtype is False else kv_dtype,
         )  # type: ignore[arg-type]
         if new.active:
             self.run_spec()  # refuse a run the planner cannot describe, before it is set
+            from bigviz.planning.positions import check_context
+
+            check_context(self.positions, new.context_length)  # past a table of positions: refused
         self.workload = new
 
     def fits(self, workload: Workload, *, allow_offload: bool = False) -> DevicePlan | None:
-        """The plan of ``workload`` if its run fits (nothing offloaded unless allowed), else None."""
+        """The plan of ``workload`` if its run fits (``DevicePlan.fits``: nothing offloaded
+        unless allowed), else None."""
         try:
-            plan = make_plan(self.tree, self.budgets, self.options(workload))
+            plan = self.replan(workload)
         except PlanError:
             return None
-        if any(u.free < 0 for u in plan.usage):
-            return None
-        if not allow_offload and any(plan.offloaded_bytes().values()):
-            return None
-        return plan
+        return plan if plan.fits(allow_offload=allow_offload) else None
 
     def longest_context(self, *, allow_offload: bool = False) -> int:
         """The longest context whose run fits with these settings (0: not even the weights),
@@ -221,7 +256,7 @@ class PlannerState:
     def set_budget(self, device: object, size: int | str) -> None:
         device = normalize_device(device)
         if device not in self.budgets:
-            raise ValueError(f"{device_label(device)} has no budget: add it first (add_gpu or max_memory)")
+            raise UsageError(f"{device_label(device)} has no budget: add it first (add_gpu or max_memory)")
         self.budgets[device] = parse_size(size)
 
     def set_reserve(self, device: object, size: int | str) -> None:
@@ -243,7 +278,7 @@ class PlannerState:
         """Drop a device; returns the overrides that named it (dropped too)."""
         device = normalize_device(device)
         if device not in self.budgets:
-            raise ValueError(f"{device_label(device)} is not in the budgets")
+            raise UsageError(f"{device_label(device)} is not in the budgets")
         del self.budgets[device]
         self.reserve.pop(device, None)
         dropped = [m for m, d in self.overrides.items() if d == device]
@@ -273,7 +308,12 @@ class PlannerState:
         """
         problems = []
         tree = self.base_tree
-        if module not in tree.nodes and module not in tree.tensors:
+        if not isinstance(module, str):
+            problems.append(
+                f"module {module!r} is not a name: give the module's name as a string, e.g. "
+                f"{next((n for n in tree.nodes if n), '')!r}"
+            )
+        elif module not in tree.nodes and module not in tree.tensors:
             close = difflib.get_close_matches(module, list(tree.nodes) + list(tree.tensors), n=1)
             problems.append(
                 f"{module!r} names no module or tensor of the model"
@@ -294,19 +334,7 @@ class PlannerState:
 
     def unassign(self, module: str) -> None:
         """Let the planner place ``module`` again."""
-        if module not in self.overrides:
+        if not isinstance(module, str) or module not in self.overrides:
             have = ", ".join(self.overrides) or "none"
-            raise ValueError(f"{module!r} has no override (overrides: {have})")
+            raise UsageError(f"{module!r} has no override (overrides: {have})")
         del self.overrides[module]
-
-
-def _targets_of(model: Any, tree: SizeTree) -> Callable[[QuantConfig], list[str]]:
-    """Which weights a quantization packs, by the model's rule (its linear layers; a checkpoint
-    planned from headers alone: by names and shapes)."""
-    from bigviz.planning.models import inventory_or_none
-    from bigviz.modeling.quant import quant_targets
-
-    inventory = inventory_or_none(model)
-    if inventory is None:
-        return lambda config: default_targets(tree, config)
-    return lambda config: [t for t in quant_targets(inventory, config) if t in tree.tensors]

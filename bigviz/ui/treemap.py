@@ -23,7 +23,6 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from bigviz.core.names import ancestors, leaf, owner, parent
@@ -33,6 +32,9 @@ from bigviz.core.tree import SizeTree
 from bigviz.core.devices import Device, device_label, device_sort_key
 from bigviz.core.sizes import format_size
 from bigviz.ui.palette import device_color
+from bigviz.ui.stages import stage_style_of, stage_title
+from bigviz.ui.tiles import TreemapLayout, TreemapStyle
+from bigviz.core.errors import ArgumentTypeError, UsageError
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -66,36 +68,6 @@ HOVER = (
     "<b>%{customdata[0]}</b><br>%{customdata[1]} (%{customdata[2]} of the model)"
     "<br>device: %{customdata[3]}<br>%{customdata[4]}<extra></extra>"
 )
-
-
-@dataclass(frozen=True)
-class TreemapLayout:
-    """The shape of the treemap: one entry per drawn node, root first, in definition order."""
-
-    names: tuple[str, ...]  # module or tensor name; "" is the whole model
-    ids: tuple[str, ...]
-    parents: tuple[str, ...]
-    values: tuple[int, ...]
-    labels: tuple[str, ...]
-    depths: tuple[int, ...]
-
-    @property
-    def total(self) -> int:
-        return self.values[0]
-
-    @property
-    def max_depth(self) -> int:
-        return max(self.depths)
-
-
-@dataclass(frozen=True)
-class TreemapStyle:
-    """What a plan changes in the treemap."""
-
-    colors: tuple[str, ...]
-    labels: tuple[str, ...]
-    line_colors: tuple[str, ...]  # black marks an override (all tiles share BORDER_WIDTH)
-    customdata: tuple[tuple[str, ...], ...]
 
 
 def _node_id(name: str) -> str:
@@ -184,9 +156,9 @@ def plan_of(plan_or_planner: Any) -> DevicePlan:
     """The plan of a :class:`DevicePlan` or of anything with a ``.plan`` (a Planner)."""
     plan = plan_or_planner if isinstance(plan_or_planner, DevicePlan) else getattr(plan_or_planner, "plan", None)
     if not isinstance(plan, DevicePlan):
-        raise TypeError(f"expected a DevicePlan or a Planner, got {type(plan_or_planner).__name__}")
+        raise ArgumentTypeError(f"expected a DevicePlan or a Planner, got {type(plan_or_planner).__name__}")
     if plan.tree is None:
-        raise ValueError(
+        raise UsageError(
             "this DevicePlan carries no size tree (plan.tree is None): make it with "
             "bigviz.plan(...) or make_plan(tree, ...), which keep the tree"
         )
@@ -219,7 +191,7 @@ def treemap(
     """
     if isinstance(plan_or_planner, PipelinePlan):
         if plan_or_planner.tree is None:
-            raise ValueError(
+            raise UsageError(
                 "this PipelinePlan carries no size tree: make it with bigviz.plan_pipeline(...) "
                 "or PipelinePlan.load_json(path, tree=...)"
             )
@@ -279,8 +251,6 @@ def figure_of(layout: TreemapLayout, style: TreemapStyle, *, depth: int | None, 
 def style_for(layout: TreemapLayout, plan: DevicePlan | PipelinePlan) -> TreemapStyle:
     """The style of a device plan (by device) or of a pipeline plan (by stage)."""
     if isinstance(plan, PipelinePlan):
-        from bigviz.ui.stages import stage_style_of
-
         return stage_style_of(layout, plan)
     return style_of(layout, plan)
 
@@ -293,8 +263,6 @@ def maxdepth_for(depth: int | None) -> int:
 def figure_title(plan: DevicePlan | PipelinePlan) -> str:
     """The treemap's title: model class, size, parameters and strategy (or stages)."""
     if isinstance(plan, PipelinePlan):
-        from bigviz.ui.stages import stage_title
-
         return stage_title(plan)
     assert plan.tree is not None
     root = plan.tree.nodes[""]

@@ -88,7 +88,9 @@ def test_the_planners_reserve_is_what_the_dispatch_plan_holds(
     tree, limits, strategy, no_split, prefetch, offload_buffers, preload
 ):
     options = PlanOptions(
-        strategy=strategy, no_split=no_split, prefetch=prefetch, offload_buffers=offload_buffers, preload=preload
+        strategy=strategy,
+        rule=UnitRule(blocks=no_split, offload_buffers=offload_buffers, preload=preload),
+        prefetch=prefetch,
     )
     try:
         plan = make_plan(tree, limits, options)
@@ -127,7 +129,7 @@ def test_globs_are_honoured_by_the_planner_and_the_dispatch_alike():
     specs = [TensorSpec(f"body.h.{i}.{p}", 250, "float32") for i in range(6) for p in ("a", "b")]
     specs.append(TensorSpec("body.norm", 10, "float32"))
     tree = SizeTree.build(specs)
-    plan = make_plan(tree, {0: 4500, "cpu": 10**6}, PlanOptions(no_split=frozenset({"body.h.*"})))
+    plan = make_plan(tree, {0: 4500, "cpu": 10**6}, PlanOptions(rule=UnitRule(blocks=frozenset({"body.h.*"}))))
     assert plan.device_map == {"body.norm": 0, "body.h": "cpu"}
     dispatch = plan.dispatch_plan()
     assert [(u.name, u.nbytes) for u in dispatch.units] == [(f"body.h.{i}", 2000) for i in range(6)]

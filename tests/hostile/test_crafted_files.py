@@ -174,3 +174,58 @@ def test_crafted_device_map_and_max_memory_files(tmp_path: Path, text: str, need
     with pytest.raises(ValueError) as info:
         bigviz.load_max_memory(path)
     assert str(path) in str(info.value)
+
+
+def _two_shards(folder: Path) -> Path:
+    """A two-shard checkpoint of an ``nn.Linear(2, 2)``: weight in one shard, bias in the other."""
+    return bigviz.save_sharded(nn.Linear(2, 2).state_dict(), folder, max_shard_size=16, progress=False)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors.index.json", "index.json"])
+def test_an_index_naming_one_tensor_in_two_files_names_both(tmp_path: Path, name: str):
+    """JSON keeps the last duplicate key: the tensor would silently be read from the second
+    file. Refused, naming the tensor and both files."""
+    folder = _two_shards(tmp_path / "c")
+    index = folder / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    first, second = sorted(set(doc["weight_map"].values()))
+    lines = [
+        '{"metadata": {}, "weight_map": {',
+        f'"weight": "{first}",',
+        f'"weight": "{second}",',
+        f'"bias": "{second}"',
+    ]
+    text = "\n".join(lines) + "}}"
+    if name == "index.json":  # accelerate's flat index
+        index.unlink()
+        text = "{" + "\n".join(lines[1:]) + "}"
+    (folder / name).write_text(text)
+    _refused(folder / name, "'weight'", first, second, "listed 2 times")
+    _refused(folder, "'weight'", first, second)  # the folder too
+
+
+def test_an_index_naming_a_tensor_twice_in_the_same_file_is_refused_too(tmp_path: Path):
+    folder = _two_shards(tmp_path / "c")
+    index = folder / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    shard = doc["weight_map"]["weight"]
+    body = ", ".join(f'"{k}": "{v}"' for k, v in doc["weight_map"].items())
+    index.write_text('{"weight_map": {' + body + f', "weight": "{shard}"' + "}}")
+    _refused(index, "'weight'", "the same file each time")
+
+
+def test_a_safetensors_header_naming_a_tensor_twice_is_refused(tmp_path: Path):
+    header = (
+        b'{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
+        b'"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}'
+    )
+    path = _raw_safetensors(tmp_path / "twice.safetensors", header + b" " * (-len(header) % 8))
+    _refused(path, str(path), "'w' appears twice")
+
+
+def test_a_device_map_file_naming_a_module_twice_is_refused(tmp_path: Path):
+    path = tmp_path / "map.json"
+    path.write_text('{"0": "cpu", "0": "disk"}')
+    with pytest.raises(ValueError, match=r"'0' appears twice \('cpu', then 'disk'\)") as info:
+        bigviz.load_device_map(path)
+    assert str(path) in str(info.value)

@@ -193,16 +193,58 @@ def test_a_write_error_mid_save_changes_nothing(tmp_path: Path, monkeypatch, cod
     assert snapshot(folder) == files and sorted(p.name for p in tmp_path.iterdir()) == ["c"]
 
 
-def test_a_full_disk_changes_nothing(small_fs: Path):
-    folder = bigviz.save_sharded(_state(1, n=4, width=128), small_fs / "c", max_shard_size="70KB", progress=False)
+@pytest.mark.parametrize("safe", [True, False], ids=["safetensors", "bin"])
+def test_a_full_disk_changes_nothing(small_fs: Path, safe: bool):
+    kw = {"max_shard_size": "70KB", "safe_serialization": safe, "progress": False}
+    folder = bigviz.save_sharded(_state(1, n=4, width=128), small_fs / "c", **kw)
     _with_extras(folder)
     files = snapshot(folder)
-    with pytest.raises(OSError) as info:  # 1.5 MiB of new weights on a 1 MiB disk
-        bigviz.save_sharded(_state(2, n=24, width=128), folder, max_shard_size="70KB", overwrite=True, progress=False)
+    with pytest.raises(OSError) as info:  # 1.5 MiB of new weights on a 1 MiB disk (torch.save's too)
+        bigviz.save_sharded(_state(2, n=24, width=128), folder, overwrite=True, **kw)
     assert info.value.errno == errno.ENOSPC and str(folder) in str(info.value)
     assert snapshot(folder) == files and sorted(p.name for p in small_fs.iterdir()) == ["c"]
-    bigviz.save_sharded(_state(3, n=4, width=128), folder, max_shard_size="70KB", overwrite=True, progress=False)
-    assert _equal(_bigviz_view(folder), _state(3, n=4, width=128))  # the space came back
+    bigviz.save_sharded(_state(3, n=4, width=128), folder, overwrite=True, **kw)
+    stem, ext = ("model", "safetensors") if safe else ("pytorch_model", "bin")
+    assert _equal(_transformers_view(folder, stem, ext), _state(3, n=4, width=128))  # the space came back
+
+
+@pytest.mark.parametrize("safe", [True, False], ids=["safetensors", "bin"])
+def test_a_full_disk_with_a_config_keeps_the_old_config(small_fs: Path, safe: bool):
+    kw = {"max_shard_size": "70KB", "safe_serialization": safe, "progress": False}
+    folder = bigviz.save_sharded(_state(1, n=4, width=128), small_fs / "c", config={"n": 4}, **kw)
+    files = snapshot(folder)
+    with pytest.raises(OSError) as info:
+        bigviz.save_sharded(_state(2, n=24, width=128), folder, overwrite=True, config={"n": 24}, **kw)
+    assert info.value.errno == errno.ENOSPC and str(folder) in str(info.value)
+    assert snapshot(folder) == files
+
+
+def test_a_full_disk_into_a_new_folder_leaves_nothing(small_fs: Path):
+    with pytest.raises(OSError) as info:
+        bigviz.save_sharded(_state(2, n=24, width=128), small_fs / "new" / "c", safe_serialization=False)
+    assert info.value.errno == errno.ENOSPC and "small" in str(info.value)
+    assert list(small_fs.iterdir()) == []
+
+
+def test_the_same_config_again_changes_nothing_and_a_different_one_is_refused(tmp_path: Path):
+    folder = bigviz.save_sharded(_state(1), tmp_path / "c", config={"n": 6}, progress=False)
+    before = (folder / "config.json").stat()
+    bigviz.save_sharded(_state(2), folder, config={"n": 6}, overwrite=True, progress=False)
+    assert (folder / "config.json").stat().st_ino == before.st_ino  # the same text: not rewritten
+    (folder / "model.safetensors").unlink()  # a folder holding a config only
+    files = snapshot(folder)
+    with pytest.raises(FileExistsError, match="config.json exists and differs"):
+        bigviz.save_sharded(_state(3), folder, config={"n": 7}, progress=False)
+    assert snapshot(folder) == files
+
+
+def test_a_lone_shard_in_a_folder_is_refused_not_read_as_a_checkpoint(tmp_path: Path):
+    folder = bigviz.save_sharded(_state(1), tmp_path / "c", max_shard_size=2500, progress=False)
+    (folder / "model.safetensors.index.json").unlink()
+    for shard in sorted(folder.glob("model-*"))[1:]:
+        shard.unlink()
+    with pytest.raises(ValueError, match="incomplete checkpoint.*shard 1 of 3"):
+        CheckpointIndex.open(folder)
 
 
 def test_a_read_only_folder_changes_nothing(small_fs: Path):
@@ -255,7 +297,8 @@ KILL_SCRIPT = textwrap.dedent('''
 
     def save(cfg, seed, folder, overwrite):
         bigviz.save_sharded(state(seed, cfg["n"]), folder, max_shard_size=cfg["shard"],
-                            safe_serialization=cfg["safe"], overwrite=overwrite, progress=False)
+                            safe_serialization=cfg["safe"], overwrite=overwrite, progress=False,
+                            config=cfg.get("config"))
 
 
     def killed_at(k, new, folder):
@@ -283,14 +326,17 @@ KILL_SCRIPT = textwrap.dedent('''
             return real_open(file, mode, *args, **kwargs)
 
         builtins.open = opening
-        save(new, 2, folder, True)
+        save(new, 2, folder, new.get("overwrite", True))
 
 
     def scenario(work, old, new):
         run = work / "run"
-        save(old, 1, run / "ckpt", False)
+        if old is not None:
+            save(old, 1, run / "ckpt", False)
+        (run / "ckpt").mkdir(parents=True, exist_ok=True)
         for name, text in EXTRAS.items():
-            (run / "ckpt" / name).write_text(text)
+            if not (name == "config.json" and (new.get("config") or (old or {}).get("config"))):
+                (run / "ckpt" / name).write_text(text)
         shutil.copytree(run, work / "initial", symlinks=True)
         kills = 0
         for k in range(1, 400):
@@ -321,6 +367,29 @@ SCENARIOS = {  # (old save, new save): same shard names, single <-> sharded, few
     "fewer-shards": ({"n": 6, "shard": 2500, "safe": True}, {"n": 6, "shard": 4500, "safe": True}),
     "bin": ({"n": 6, "shard": 2500, "safe": False}, {"n": 6, "shard": 2500, "safe": False}),
 }
+CONFIG_A, CONFIG_B = {"model_type": "test", "n_layer": 6}, {"model_type": "test", "n_layer": 5}
+CONFIG_SCENARIOS = {  # config.json in the same commit; and saves without overwrite into an empty folder
+    "config-same-names": (
+        {"n": 6, "shard": 2500, "safe": True, "config": CONFIG_A},
+        {"n": 6, "shard": 2500, "safe": True, "config": CONFIG_B},
+    ),
+    "config-single-to-sharded": (
+        {"n": 6, "shard": 10**9, "safe": True, "config": CONFIG_A},
+        {"n": 5, "shard": 2500, "safe": True, "config": CONFIG_B},
+    ),
+    "config-sharded-to-single": (
+        {"n": 6, "shard": 2500, "safe": True, "config": CONFIG_A},
+        {"n": 5, "shard": 10**9, "safe": True, "config": CONFIG_B},
+    ),
+    "config-added": ({"n": 6, "shard": 2500, "safe": True}, {"n": 5, "shard": 2500, "safe": True, "config": CONFIG_B}),
+    "config-bin": (
+        {"n": 6, "shard": 2500, "safe": False, "config": CONFIG_A},
+        {"n": 5, "shard": 2500, "safe": False, "config": CONFIG_B},
+    ),
+    "no-overwrite-sharded": (None, {"n": 6, "shard": 2500, "safe": True, "overwrite": False, "config": CONFIG_B}),
+    "no-overwrite-single": (None, {"n": 6, "shard": 10**9, "safe": True, "overwrite": False}),
+    "no-overwrite-bin": (None, {"n": 6, "shard": 2500, "safe": False, "overwrite": False}),
+}
 
 
 @pytest.fixture(scope="module")
@@ -329,7 +398,7 @@ def killed_saves(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     one subprocess (one torch import); what each kill left is copied for the checks."""
     root = tmp_path_factory.mktemp("killed")
     done = subprocess.run(
-        [sys.executable, "-c", KILL_SCRIPT, str(root), json.dumps(SCENARIOS), json.dumps(EXTRAS)],
+        [sys.executable, "-c", KILL_SCRIPT, str(root), json.dumps(SCENARIOS | CONFIG_SCENARIOS), json.dumps(EXTRAS)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -371,3 +440,70 @@ def test_a_save_killed_at_any_step_leaves_a_complete_checkpoint(killed_saves: tu
         assert all(n.startswith(stem) for n in left), (k, left)
         assert all((folder / name).read_text() == text for name, text in EXTRAS.items()), k
         assert _equal(_bigviz_view(folder), newer) and _equal(_transformers_view(folder, stem, ext), newer)
+
+
+def _config(folder: Path) -> dict | None:
+    path = folder / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _view_or_none(folder: Path, stem: str, ext: str) -> tuple[dict | None, dict | None]:
+    """bigviz's and transformers' view of the folder's checkpoint; None where there is none."""
+    out = []
+    for read in (_bigviz_view, lambda f: _transformers_view(f, stem, ext)):
+        try:
+            out.append(read(folder))
+        except (ValueError, OSError):
+            out.append(None)
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("scenario", sorted(CONFIG_SCENARIOS))
+def test_a_save_killed_at_any_step_never_pairs_weights_with_another_config(
+    killed_saves: tuple[Path, dict], scenario: str
+):
+    """At every kill: the weights are the old or the new ones (or, without ``overwrite`` into
+    an empty folder, none yet), and ``config.json`` is theirs or absent, never the other's; the
+    user's files are untouched; the next save finishes the job (an ``overwrite=False`` save
+    again is refused only when the killed one had completed)."""
+    root, results = killed_saves
+    result = results[scenario]
+    assert result["exit"] == 0 and result["kills"] >= 4, result
+    old_cfg, new_cfg = CONFIG_SCENARIOS[scenario]
+    old = _state16(1, old_cfg["n"]) if old_cfg is not None else None
+    new = _state16(2, new_cfg["n"])
+    old_config, new_config = (old_cfg or {}).get("config"), new_cfg.get("config")
+    stem, ext = ("model", "safetensors") if new_cfg["safe"] else ("pytorch_model", "bin")
+    extras = {k: v for k, v in EXTRAS.items() if not (k == "config.json" and (old_config or new_config))}
+    if old_cfg is not None and old_config is None:
+        old_config = json.loads(EXTRAS["config.json"])  # the user's own config.json
+    overwrite = new_cfg.get("overwrite", True)
+    for k in range(1, result["kills"] + 1):
+        folder = root / scenario / f"killed-{k}" / "ckpt"
+        config = _config(folder) if (old_config or new_config) else None
+        for view in _view_or_none(folder, stem, ext):
+            if view is not None and _equal(view, new):
+                assert config in (new_config, None) or (new_config is None and config == old_config), (k, config)
+            elif view is not None:
+                assert old is not None and _equal(view, old), f"killed before step {k}: neither old nor new"
+                assert config in (old_config, None), (k, config)
+            else:
+                assert old is None, f"killed before step {k}: the old checkpoint is gone"
+        for name, text in extras.items():
+            assert (folder / name).read_text() == text, (k, name)
+        complete = _view_or_none(folder, stem, ext)[0] is not None
+        again = {"max_shard_size": new_cfg["shard"], "safe_serialization": new_cfg["safe"], "progress": False}
+        if overwrite or not complete:  # the next save finishes the job and cleans what the kill left
+            bigviz.save_sharded(new, folder, overwrite=overwrite, config=new_config, **again)
+            assert _equal(_bigviz_view(folder), new) and _equal(_transformers_view(folder, stem, ext), new), k
+            if new_config or old_config:
+                assert _config(folder) == (new_config or old_config), k
+        else:
+            with pytest.raises(FileExistsError):  # the killed save had finished: its checkpoint is kept
+                bigviz.save_sharded(new, folder, overwrite=False, config=new_config, **again)
+            bigviz.save_sharded(new, folder, overwrite=True, config=new_config, **again)  # then tidied
+        assert [p.name for p in folder.parent.iterdir()] == ["ckpt"], (k, list(folder.parent.iterdir()))
+        left = sorted(p.name for p in folder.iterdir() if p.name not in extras and p.name != "config.json")
+        assert all(n.startswith(stem) for n in left), (k, left)
+        assert not [p for p in folder.iterdir() if p.name.startswith(".")], k  # no temporaries left
+        assert all((folder / name).read_text() == text for name, text in extras.items()), k

@@ -1,0 +1,115 @@
+"""The stream plan (pure, no torch): one rule for the planner's default cpu budget, cost() and
+the engine, and the refusal of a resident copy larger than the RAM (issue 22)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bigviz.core.errors import PlanError
+from bigviz.core.offload_units import UnitRule, largest_unit
+from bigviz.core.plan import PlanOptions
+from bigviz.core.planner import make_plan
+from bigviz.core.stream_plan import (
+    DEFAULT_DEPTH,
+    RAM_SHARE,
+    MachineFacts,
+    StreamOptions,
+    make_stream_plan,
+    resident_room,
+    ring_bytes,
+)
+from bigviz.core.tree import SizeTree, TensorSpec
+
+MB = 10**6
+
+
+def _tree(n: int, layer: int) -> SizeTree:
+    """``n`` blocks of ``layer`` bytes (class ``Block``: each one unit when streamed)."""
+    specs = [TensorSpec(f"h.{i}.{p}.weight", layer // 8, "float32") for i in range(n) for p in "ab"]
+    return SizeTree.build(
+        specs, {"": "Net", "h": "ModuleList", **{f"h.{i}": "Block" for i in range(n)}}, containers=["h"]
+    )
+
+
+BLOCKS = PlanOptions(rule=UnitRule(blocks=frozenset({"Block"})))
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(1, 30), layer=st.integers(1, 50).map(lambda k: 4 * k * MB), ram=st.integers(1, 2000))
+def test_a_model_planned_with_the_default_budget_streams_as_planned(n: int, layer: int, ram: int) -> None:
+    # the planner's default cpu budget and the stream plan are one rule: a model planned with
+    # resident_room on a machine is copied when it does not fit (never left mapped for lack of
+    # room, unless the ring alone is more than the RAM), and kept mapped when it does
+    facts = MachineFacts(ram * MB)
+    tree = _tree(n, layer)
+    budget = resident_room(facts, model_bytes=tree.total(""), largest_unit=largest_unit(tree, frozenset({"Block"})))
+    plan = make_plan(tree, {"cpu": budget, "disk": 10**15}, BLOCKS)
+    stream = plan.stream_plan(facts)
+    if plan.offloaded_bytes()["disk"] == 0:
+        assert stream.mode == "map"
+    elif ring_bytes(layer) > facts.room:
+        assert stream.mode == "map" and "do not fit" in stream.reason
+    else:
+        assert stream.mode == "copy" and stream.fetcher == "ring"
+        assert stream.resident_bytes + stream.ring_bytes <= facts.room
+    assert plan.dispatch_plan(machine=facts).stream == stream  # the dispatch carries the same plan
+
+
+def test_the_ring_or_the_page_cache_and_how_far_ahead() -> None:
+    units = [(f"h.{i}", "disk", 100 * MB) for i in range(6)]
+    facts = MachineFacts(int(500 * MB / RAM_SHARE))
+    ring = make_stream_plan(units, {"h.6": 200 * MB}, "cpu", facts)
+    assert (ring.mode, ring.fetcher, ring.ring_bytes, ring.depth) == (
+        "copy",
+        "ring",
+        ring_bytes(100 * MB),
+        DEFAULT_DEPTH,
+    )
+    cache = make_stream_plan(
+        units, {"h.6": 200 * MB}, "cpu", MachineFacts(8 * 10**9), StreamOptions(resident="copy", stream="cache")
+    )
+    assert (cache.fetcher, cache.ring_bytes, cache.depth) == ("cache", 0, DEFAULT_DEPTH)
+    tight = make_stream_plan(
+        units, {"h.6": 200 * MB}, "cpu", MachineFacts(1200 * MB), StreamOptions(resident="copy", stream="cache")
+    )
+    assert tight.depth == 1  # the RAM left beside the copy holds one unit ahead
+    off = make_stream_plan(units, {"h.6": 200 * MB}, "cpu", facts, StreamOptions(prefetch=False))
+    assert off.depth == 0 and off.fetch_ahead == 0
+    assert [u.residency for u in ring.units] == ["resident copy"] + ["streamed"] * 6
+
+
+def test_a_gpu_streams_through_pinned_staging_one_unit_ahead() -> None:
+    units = [("h.0", "cpu", 10), ("h.1", "disk", 10)]
+    plan = make_stream_plan(units, {"emb": 5}, 0, MachineFacts(10), resident_devices={"emb": 0})
+    assert (plan.mode, plan.fetcher, plan.depth, plan.resident_bytes) == ("map", "cuda", 1, 0)
+    assert [(u.residency, u.rereads) for u in plan.units] == [
+        ("on device", False),
+        ("streamed", False),
+        ("streamed", True),
+    ]
+
+
+def test_a_copy_larger_than_the_ram_is_kept_mapped_or_refused() -> None:
+    units = [("h.1", "disk", 100 * MB)]
+    facts = MachineFacts(int(300 * MB / RAM_SHARE))
+    auto = make_stream_plan(units, {"h.0": 400 * MB}, "cpu", facts)
+    assert auto.mode == "map" and "available RAM" in auto.reason and "lower the 'cpu' budget" in auto.reason
+    with pytest.raises(
+        PlanError, match=r"resident='copy' refused: the resident part \(381\.5 MiB\).*300 MB|resident='copy' refused"
+    ):
+        make_stream_plan(units, {"h.0": 400 * MB}, "cpu", facts, StreamOptions(resident="copy"))
+
+
+def test_without_machine_facts_the_budgets_are_the_machine() -> None:
+    plan = make_plan(_tree(4, 4 * MB), {"cpu": 8 * MB, "disk": 10**12})
+    assert plan.stream_plan().mode == "copy"  # it has disk units: the model did not fit its cpu budget
+    fits = make_plan(_tree(4, 4 * MB), {"cpu": 10**9})
+    assert fits.stream_plan().mode == "map" and fits.stream_plan().fetcher == ""
+
+
+@pytest.mark.parametrize("bad", [dict(resident="pinned"), dict(stream="fast"), dict(readers=0)])
+def test_bad_knobs_are_named(bad: dict) -> None:
+    with pytest.raises(PlanError, match=next(iter(bad))):
+        make_stream_plan([], {}, "cpu", None, StreamOptions(**bad))

@@ -1,0 +1,150 @@
+"""Generation across pipeline stages in one process: every stage of a model cut and loaded as
+its rank would, each with the KV cache of its own layers, chained by hand: the greedy tokens
+equal the model's own ``generate`` and each stage's cache bytes equal the stage plan's
+prediction. ``bigviz.distributed.generate`` on a one-rank group (the ring's bookkeeping, EOS,
+bad arguments); two and three processes are in ``test_pipeline_distributed.py``."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import bigviz
+from bigviz.core.pipeline import PipelineError
+from bigviz.distributed import build_stage_module, cache_nbytes, empty_model, generate, generation_ids
+from bigviz.distributed.models import generation_config
+from tests.distributed.pipeline_models import BUILDERS, build, save, single_process_generate
+
+pytestmark = pytest.mark.slow  # seven checkpoints saved and generated from once, then cut into stages
+
+PROMPT = torch.tensor([[5, 3, 17, 2, 9, 11], [1, 4, 1, 5, 9, 2]])
+NEW = 5
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, torch.Tensor]]:
+    """Each model's checkpoint and its own greedy tokens for PROMPT."""
+    out = {}
+    for name in BUILDERS:
+        model = build(name)
+        folder = save(model, tmp_path_factory.mktemp(name) / "ckpt")
+        out[name] = (folder, single_process_generate(model, PROMPT, NEW))
+    return out
+
+
+def _stages(folder: Path, n: int, **plan_kwargs) -> list:
+    """Every stage cut from its own model on meta, as each rank does."""
+    built = []
+    for rank in range(n):
+        model = empty_model(folder)
+        plan = bigviz.plan_pipeline(model, n, **plan_kwargs)
+        built.append(build_stage_module(model, folder, plan, rank, split="wrap"))
+    return built
+
+
+def _chain(stages: list, prompt: torch.Tensor, new: int) -> tuple[torch.Tensor, list]:
+    """Greedy generation through the stages in order, one cache per stage."""
+    caches = [s.module.new_cache() for s in stages]
+    ids, x, start = prompt, prompt, 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            for _ in range(new):
+                y = x
+                for stage, cache in zip(stages, caches):
+                    y = stage.module.step(y, cache=cache, start=start)
+                start += x.shape[1]
+                x = y[:, -1].argmax(dim=-1, keepdim=True)
+                ids = torch.cat((ids, x), dim=1)
+    finally:
+        torch.set_num_threads(threads)
+    return ids, caches
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_tokens_through_three_stages_equal_the_models_generate(folders, name):
+    folder, want = folders[name]
+    context = PROMPT.shape[1] + NEW - 1  # generate never caches its last token
+    stages = _stages(folder, 3, batch_size=len(PROMPT), context_length=context)
+    tokens, caches = _chain(stages, PROMPT, NEW)
+    assert torch.equal(tokens, want)
+    plan = stages[0].plan
+    got = [cache_nbytes(c) for c in caches]
+    if name == "hf-gemma2":  # sliding-window layers keep window - 1 tokens; the plan counts the window
+        assert got[2] == plan.stage_kv[2] and all(g <= p for g, p in zip(got, plan.stage_kv))
+    else:
+        assert got == list(plan.stage_kv), f"cache bytes per stage {got}, planned {plan.stage_kv}"
+
+
+def test_a_stage_keeps_only_its_own_layers_in_its_cache(folders):
+    folder, _ = folders["hf-llama"]
+    stages = _stages(folder, 2)
+    _, caches = _chain(stages, PROMPT, 2)
+    first = {id(layer) for layer in caches[0].layers}
+    assert len(first) == 2 and caches[0].layers[2] is caches[0].layers[0]  # the others' layers: aliases
+    assert caches[1].layers[2].keys.shape[2] == PROMPT.shape[1] + 1 and caches[1].layers[0] is caches[1].layers[2]
+
+
+# ---- the API on a one-rank group -------------------------------------------------------
+@pytest.fixture
+def one_rank():
+    """A gloo group of one process (this one)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_generate_on_one_rank_with_microbatches(folders, one_rank):
+    folder, want = folders["hf-qwen2"]
+    (stage,) = _stages(folder, 1)
+    result = generate(stage, PROMPT, NEW, microbatches=2)
+    assert torch.equal(result.tokens, want) and result.microbatches == 2 and result.passes == NEW
+    plan = bigviz.plan_pipeline(empty_model(folder), 1, batch_size=2, context_length=PROMPT.shape[1] + NEW - 1)
+    assert result.cache_bytes == plan.stage_kv[0] and 0 < result.busy_s <= result.wall_s
+
+
+def test_generation_stops_at_eos_as_transformers_does(tmp_path, one_rank):
+    """A token the model emits on its third step is its EOS: transformers stops there (and
+    pads a sequence that stopped while another goes on); so does the pipeline."""
+    model = build("hf-llama")
+    free = single_process_generate(model, PROMPT, NEW)
+    eos = int(free[0, PROMPT.shape[1] + 2])
+    folder = save(model, tmp_path / "ckpt", eos=eos)
+    want = single_process_generate(model, PROMPT, NEW)  # the model's generation config now has the EOS
+    assert want.shape[1] < free.shape[1] or (want == eos).any()
+    (stage,) = _stages(folder, 1)
+    ids = generation_ids(generation_config(folder))
+    assert ids == {"eos_token_id": [eos], "pad_token_id": eos}
+    got = generate(stage, PROMPT, NEW, **ids).tokens
+    assert torch.equal(got, want), (got, want)
+    rows = [generate(stage, PROMPT[i : i + 1], NEW, **ids).tokens for i in range(2)]  # each on its own
+    both = generate(stage, PROMPT, NEW, microbatches=2, **ids).tokens  # each micro-batch stops on its own
+    for i, row in enumerate(rows):
+        assert torch.equal(both[i, : row.shape[1]], row[0]) and (both[i, row.shape[1] :] == eos).all()
+
+
+def test_bad_arguments_are_refused_on_every_rank_before_anything_runs(folders, one_rank):
+    folder, _ = folders["gpt"]
+    (stage,) = _stages(folder, 1)
+    with pytest.raises(PipelineError) as info:
+        generate(stage, PROMPT[:1], 0, microbatches=2)
+    text = str(info.value)
+    assert "max_new_tokens=0: give 1 or more" in text and "at least one sequence per micro-batch" in text
+    with pytest.raises(PipelineError, match="integer tensor"):
+        generate(stage, PROMPT.float(), 2)
+    model = empty_model(folder)
+    traced = build_stage_module(model, folder, bigviz.plan_pipeline(model, 1), 0, example_args=(PROMPT[:1],))
+    assert traced.method == "trace"
+    with pytest.raises(PipelineError, match="keeps no cache: build the stage with split='wrap'"):
+        generate(traced, PROMPT, 2)

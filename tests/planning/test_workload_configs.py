@@ -1,0 +1,215 @@
+"""Will it fit, from a config alone: the shipped configs build on meta with their published
+sizes, ``plan`` and ``kv_cache_bytes`` take config paths, ``max_context`` keeps its
+definition, and ``bigviz plan CONFIG --batch --context`` prints the run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+import bigviz
+from bigviz.cli import main
+from bigviz.models import GPTConfig, LlamaConfig, build
+
+transformers = pytest.importorskip("transformers")
+GiB = 2**30
+
+# published sizes (billions of parameters) and KV cache bytes per token at bf16
+PUBLISHED = {
+    "llama-3.1-8b": (8.03, 32 * 8 * 128 * 2 * 2),
+    "llama-3.1-70b": (70.55, 80 * 8 * 128 * 2 * 2),
+    "mixtral-8x7b": (46.70, 32 * 8 * 128 * 2 * 2),
+    "qwen2.5-72b": (72.71, 80 * 8 * 128 * 2 * 2),
+    "deepseek-v3": (671.03, 61 * (512 + 64) * 2),  # the latent, not 128 heads of keys and values
+    "gemma-2-27b": (27.23, 46 * 16 * 128 * 2 * 2),  # under the 4096-token window every layer keeps all
+}
+
+
+@pytest.fixture(scope="module")
+def shipped() -> dict[str, nn.Module]:
+    return {name: bigviz.resolve_model(bigviz.config_path(name)) for name in PUBLISHED}
+
+
+def test_the_shipped_configs_have_their_published_shapes(shipped):
+    assert set(bigviz.shipped_configs()) == set(PUBLISHED)
+    for name, model in shipped.items():
+        billions, per_token = PUBLISHED[name]
+        params = sum(p.numel() for p in model.parameters())
+        assert abs(params / 1e9 - billions) < 0.01 * billions, name
+        assert all(p.is_meta for p in model.parameters()) and next(model.parameters()).dtype == torch.bfloat16
+        assert sum(bigviz.kv_cache_bytes(model, 1, 1000).values()) == 1000 * per_token, name
+
+
+def test_gemma2_alternates_sliding_and_full_layers(shipped):
+    per_layer = bigviz.kv_cache_bytes(shipped["gemma-2-27b"], 1, 32768)
+    sizes = sorted(set(per_layer.values()))
+    assert sizes == [4096 * 8192, 32768 * 8192]  # window-capped layers and full ones, 16 x 128 x 2 x 2 per token
+    assert list(per_layer.values())[:2] == sizes  # layer 0 slides, layer 1 attends to everything
+
+
+def test_llama_70b_with_32k_on_two_a100s(shipped):
+    model = shipped["llama-3.1-70b"]
+    budgets = {0: 80 * GiB, 1: 80 * GiB, "cpu": 340 * GiB}
+    plan = bigviz.plan(model, budgets, context_length=32768)
+    assert sum(plan.kv_cache.values()) == 10 * GiB  # 80 layers x 128 MiB
+    assert plan.offloaded_bytes() == {"cpu": 0, "disk": 0} and all(u.free >= 0 for u in plan.usage)
+    assert plan.activations[0] > 0 and plan.activations[1] > 0 and plan.activations["cpu"] == 0
+    longest = bigviz.max_context(model, budgets)
+    assert 32768 <= longest < 131072
+    assert bigviz.max_context(model, budgets, 4) < longest  # four sequences share the memory
+
+
+def test_plan_takes_a_config_file_or_a_folder_holding_only_one(tmp_path):
+    folder = tmp_path / "mistral"
+    folder.mkdir()
+    config = {
+        "model_type": "mistral",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 100,
+        "sliding_window": 8,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    by_file = bigviz.plan(folder / "config.json", {"cpu": "1GB"}, context_length=100, batch_size=3)
+    by_folder = bigviz.plan(folder, {"cpu": "1GB"}, context_length=100, batch_size=3)
+    assert by_file.kv_cache == by_folder.kv_cache == {"cpu": 2 * 3 * 8 * 2 * 16 * 2 * 4, "disk": 0}
+    assert bigviz.kv_cache_bytes(folder, 3, 100) == {
+        "model.layers.0": 3 * 8 * 2 * 16 * 2 * 4,
+        "model.layers.1": 3 * 8 * 2 * 16 * 2 * 4,
+    }
+
+
+@pytest.mark.parametrize("preset", ["gpt-mini", "llama-tiny"])
+def test_a_bigviz_checkpoint_with_its_config_plans_its_run(tmp_path, preset):
+    """``save_sharded(config=model.config)`` records a reference model's config: the run of a
+    checkpoint planned from its headers is the run of the model itself."""
+    torch.manual_seed(0)
+    model = build(preset, n_layer=3) if preset.startswith("gpt") else build(preset, n_layers=3)
+    folder = bigviz.save_sharded(model, tmp_path / "ckpt", max_shard_size="100KB", config=model.config, progress=False)
+    budget = {"cpu": bigviz.compute_module_sizes(model)[""] // 2}
+    from_headers = bigviz.plan(folder, budget, batch_size=2, context_length=40)
+    from_model = bigviz.plan(model, budget, batch_size=2, context_length=40)
+    assert from_headers.kv_cache == from_model.kv_cache and sum(from_headers.kv_cache.values()) > 0
+    assert from_headers.activations == from_model.activations
+    assert from_headers.device_map == {k: v for k, v in from_model.device_map.items() if k in from_headers.device_map}
+    assert "disk" in from_headers.device_map.values()
+    assert type(bigviz.model_from_config(folder / "config.json")) is type(model)
+
+
+def test_bad_configs_say_what_is_wrong(tmp_path):
+    (tmp_path / "a.json").write_text("{not json")
+    with pytest.raises(ValueError, match="a.json"):
+        bigviz.plan(tmp_path / "a.json", {"cpu": "1GB"})
+    (tmp_path / "b.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(ValueError, match="no 'model_type'"):
+        bigviz.model_from_config(tmp_path / "b.json")
+    (tmp_path / "c.json").write_text(json.dumps({"model_type": "no-such-model"}))
+    with pytest.raises(ValueError, match="no-such-model"):
+        bigviz.model_from_config(tmp_path / "c.json")
+    with pytest.raises(ValueError, match="ships no config named 'llama-9'"):
+        bigviz.config_path("llama-9")
+
+
+def test_kv_cache_bytes_takes_models_and_configs():
+    hf = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        vocab_size=50,
+    )
+    expected = {f"model.layers.{i}": 5 * 7 * 1 * 16 * 2 * 4 for i in range(2)}
+    assert bigviz.kv_cache_bytes(hf, 5, 7) == expected
+    assert bigviz.kv_cache_bytes(LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=1), 5, 7) == expected
+    half = bigviz.kv_cache_bytes(GPTConfig.preset("gpt-tiny"), 1, 10, dtype=torch.float16)
+    assert half == {"transformer.h.0": 10 * 32 * 2 * 2, "transformer.h.1": 10 * 32 * 2 * 2}
+
+
+def test_a_model_of_unknown_layout_takes_bytes_by_hand():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    with pytest.raises(ValueError, match="kv_cache="):
+        bigviz.plan(model, {"cpu": "1MB"}, context_length=10)
+    plan = bigviz.plan(
+        model, {"cpu": "1MB"}, context_length=10, kv_cache={"0": 100, "1": 100}, activations={"0": 50, "1": 70}
+    )
+    assert plan.kv_cache["cpu"] == 200 and plan.activations["cpu"] == 70
+
+
+def test_max_context_keeps_its_definition():
+    with torch.device("meta"):
+        model = build("llama-tiny", max_seq_len=4096)
+    budgets = {0: 1_000_000, "cpu": 10**8}
+    longest = bigviz.max_context(model, budgets)
+    fits = bigviz.plan(model, budgets, context_length=longest)
+    assert not any(fits.offloaded_bytes().values()) and all(u.free >= 0 for u in fits.usage)
+    over = bigviz.plan(model, budgets, context_length=longest + 1)  # still plans, but offloads
+    assert any(over.offloaded_bytes().values())
+    assert bigviz.max_context(model, budgets, allow_offload=True) > longest
+    kept = bigviz.max_context(model, budgets, device_map=fits)  # this placement, nothing moved
+    assert kept >= longest
+    with pytest.raises(bigviz.PlanError):
+        bigviz.plan(model, budgets, context_length=kept + 1, overrides=dict(fits.unit_map))
+    assert bigviz.max_context(model, {0: 1000, "cpu": 1000, "disk": 1000}) == 0  # not even the weights
+    assert bigviz.max_context(model, {0: 10**9}, limit=300) == 300
+
+
+def test_cli_plans_a_config_with_a_workload(tmp_path, capsys):
+    out = tmp_path / "map.json"
+    code = main(
+        [
+            "plan",
+            "llama-3.1-8b",
+            "--batch",
+            "4",
+            "--context",
+            "8192",
+            "--max-memory",
+            "0=80GiB,1=80GiB",
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "workload: batch 4 x 8,192 tokens" in text and "KV cache" in text and "activations" in text
+    assert "longest context that fits (batch 4)" in text and out.exists()
+    shutil.copy(bigviz.config_path("mixtral-8x7b"), tmp_path / "config.json")
+    assert (
+        main(
+            [
+                "plan",
+                str(tmp_path / "config.json"),
+                "--context",
+                "1024",
+                "--max-memory",
+                "0=80GiB,1=80GiB",
+                "--out",
+                str(out),
+                "--overwrite",  # the map of the run above
+            ]
+        )
+        == 0
+    )
+    assert "KV cache" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["plan", "llama-3.1-8b", "--context", "many"])
+    assert "'many'" in capsys.readouterr().err
+
+
+def test_an_encoder_caches_nothing_and_an_encoder_decoder_is_refused(hf_bert):
+    assert set(bigviz.kv_cache_bytes(hf_bert, 2, 64).values()) == {0}
+    plan = bigviz.plan(hf_bert, {"cpu": "1GB"}, context_length=64)
+    assert plan.kv_cache["cpu"] == 0 and plan.activations["cpu"] > 0
+    t5 = transformers.T5ForConditionalGeneration(
+        transformers.T5Config(num_layers=2, d_model=32, d_ff=64, num_heads=2, d_kv=16, vocab_size=100)
+    )
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        bigviz.kv_cache_bytes(t5, 1, 10)
