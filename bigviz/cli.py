@@ -60,16 +60,20 @@ def parse_max_memory_arg(text: str) -> dict[str, str]:
 
 DESCRIPTION = "Plan, see and run PyTorch models bigger than one device's memory."
 EPILOG = """examples:
-  bigviz demo                                    the whole story on this machine, in under half a minute
+  bigviz demo                                    the whole story on this machine (about 10 s on an idle
+                                                 2-core machine; longer while it is busy)
   bigviz plan llama-70b --dtype float16 --max-memory 0=24GiB,cpu=64GiB --html report.html
   bigviz plan path/to/checkpoint --max-memory cpu=8GiB,0=16GiB --out device_map.json
   bigviz plan llama-3.1-70b --batch 4 --context 8192 --max-memory 0=80GiB,1=80GiB
 
 Notebooks that explain each step: notebooks/01_quickstart.ipynb to 09_pipeline.ipynb in the bigviz
 repository (pip install -e ".[notebooks]")."""
-DEMO_HELP = "plan, save, load with disk offload and run a small trained GPT (under half a minute)"
+DEMO_HELP = (
+    "plan, save, load with disk offload and run a small trained GPT (about 10 s on an idle 2-core machine, "
+    "longer while it is busy: it times real token generation)"
+)
 DEMO_DESCRIPTION = (
-    "Plans gpt2-xl and a 70B Llama on the meta device, then saves bigviz's tiny trained GPT as a "
+    "Plans gpt2-xl and Llama 2 70B (bigviz's llama-70b preset) on the meta device, then saves bigviz's tiny trained GPT as a "
     "sharded checkpoint, plans it from the checkpoint's headers under a budget that puts part of it "
     "on disk, loads it, generates text, and compares predicted with measured memory and time per "
     "token. Writes device_map.json and report.html into --out, which must be new, empty or an "
@@ -160,6 +164,7 @@ def _positive(text: str) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     import bigviz
+    from bigviz.core.sizes import format_count
     from bigviz.models import PRESETS, build
     from bigviz.modeling.configs import config_path, shipped_configs
 
@@ -202,7 +207,7 @@ def _plan(args: argparse.Namespace) -> int:
             f"{offloaded:,} with offloading"
         )
     write_output(args.out, lambda tmp: bigviz.save_device_map(plan.device_map, tmp), overwrite=args.overwrite)
-    print(f"wrote {args.out} ({len(plan.device_map)} entries)")
+    print(f"wrote {args.out} ({format_count(len(plan.device_map), 'entry', 'entries')})")
     if args.html:
         write_output(args.html, lambda tmp: bigviz.save_html(plan, tmp), overwrite=args.overwrite)
         print(f"wrote {args.html}")

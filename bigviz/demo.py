@@ -1,6 +1,9 @@
-"""``bigviz demo``: the whole story in one run, on a CPU, in well under two minutes.
+"""``bigviz demo``: the whole story in one run, on a CPU (about 10 s on an idle 2-core machine,
+several times that while other programs keep the cores busy, or on the first run after an
+install, when Python compiles its bytecode; it prints its own total).
 
-1. Plan two models too big for this machine (gpt2-xl, a 70B Llama) on the ``meta`` device.
+1. Plan two models too big for this machine (gpt2-xl; Llama 2 70B's shape, ``llama-70b``) on the
+   ``meta`` device.
 2. Take bigviz's tiny trained byte-level GPT (shipped, so its text is readable) and save it
    as a sharded safetensors checkpoint with its config.
 3. Plan it from the checkpoint's headers alone, with its run (KV cache and activations),
@@ -34,7 +37,7 @@ import torch
 import bigviz
 from bigviz.core.serialize import parse_json, write_json_atomic
 from bigviz.core.devices import device_label
-from bigviz.core.sizes import format_size
+from bigviz.core.sizes import format_count, format_size
 from bigviz.models import GPT, GPTConfig, Llama, LlamaConfig, decode_bytes, encode_bytes, tiny_gpt
 
 MARKER = "bigviz-demo.json"  # says "an earlier demo wrote this folder", and what it wrote
@@ -51,10 +54,11 @@ def _say(text: str = "") -> None:
 
 
 def _count(n: int) -> str:
-    """``1557611200`` -> ``"1.56B"``: parameter counts as people say them."""
+    """``1557611200`` -> ``"1.558B"``, ``68976648192`` -> ``"69.0B"``: parameter counts as
+    people say them, with the digits the notebooks and the README use."""
     for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
         if n >= scale:
-            return f"{n / scale:.2f}{unit}"
+            return f"{n / scale:.3f}{unit}" if n < 10 * scale else f"{n / scale:.1f}{unit}"
     return str(n)
 
 
@@ -84,10 +88,16 @@ def _size_lines(model: torch.nn.Module, dtype: torch.dtype | None) -> str:
 def plan_big_models(out: Path) -> None:
     """Step 1: size and place models that do not fit here, without allocating them."""
     cases = [
-        ("gpt2-xl", lambda: GPT(GPTConfig.preset("gpt2-xl")), {0: "4GiB", "cpu": "2GiB"}, None),
-        ("llama-70b", lambda: Llama(LlamaConfig.preset("llama-70b")), {0: "24GiB", "cpu": "64GiB"}, torch.float16),
+        ("gpt2-xl", "", lambda: GPT(GPTConfig.preset("gpt2-xl")), {0: "4GiB", "cpu": "2GiB"}, None),
+        (
+            "llama-70b",
+            " (Llama 2 70B's shape, 32k vocabulary)",
+            lambda: Llama(LlamaConfig.preset("llama-70b")),
+            {0: "24GiB", "cpu": "64GiB"},
+            torch.float16,
+        ),
     ]
-    for name, build, budget, dtype in cases:
+    for name, what, build, budget, dtype in cases:
         start = time.perf_counter()
         with bigviz.init_empty_weights():
             model = build()
@@ -95,7 +105,7 @@ def plan_big_models(out: Path) -> None:
         took = time.perf_counter() - start
         params = sum(p.numel() for p in model.parameters())
         _say(
-            f"\n== {name}: {_count(params)} parameters, {format_size(plan.tree.total(''))} in "
+            f"\n== {name}{what}: {_count(params)} parameters, {format_size(plan.tree.total(''))} in "
             f"{'float16' if dtype else 'float32'}; built on meta and planned in {took:.2f} s "
             f"(budgets {', '.join(f'{device_label(k)} {v}' for k, v in budget.items())})"
         )
@@ -164,7 +174,7 @@ def run_offloaded(out: Path, trained: GPT, tokens: int) -> bool:
     ckpt = out / "checkpoint"
     bigviz.save_sharded(trained, ckpt, max_shard_size="200KB", config=trained.config, overwrite=True, progress=False)
     shards = sorted(p.name for p in ckpt.glob("*.safetensors"))
-    _say(f"   saved as {len(shards)} shards + index + config.json to {ckpt}")
+    _say(f"   saved as {format_count(len(shards), 'shard')} + index + config.json to {ckpt}")
     context = len(PROMPT.encode()) + tokens - 1  # generate never caches its last token
     plan = _plan_from_headers(ckpt, trained, context)
     bigviz.save_device_map(plan.device_map, out / "device_map.json")
@@ -404,6 +414,14 @@ def _next_steps(out: Path) -> str:
     )
 
 
+def _since_start() -> float:
+    """Seconds since this process started: imports included (torch's alone take seconds), as
+    ``time bigviz demo`` measures; the time depends on the machine and on what else runs."""
+    import psutil
+
+    return time.time() - psutil.Process().create_time()
+
+
 def main(out: str | Path = "bigviz-demo", *, quick: bool = False) -> int:
     """Run the demo, writing its files under ``out``. Returns a process exit code."""
     out = Path(out)
@@ -416,5 +434,7 @@ def main(out: str | Path = "bigviz-demo", *, quick: bool = False) -> int:
     same = run_offloaded(out, trained, 24 if quick else 64)
     record_outputs(out)
     _say(_next_steps(out))
-    _say(f"\ntotal {time.perf_counter() - start:.1f} s")
+    _say(
+        f"\ntotal {time.perf_counter() - start:.1f} s for the steps above; {_since_start():.1f} s since this process started"
+    )
     return 0 if same else 1

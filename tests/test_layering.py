@@ -38,6 +38,7 @@ RANK = {
     "ui": 5,
     "demo": 6,
     "cli": 6,
+    "teaching": 6,  # instruments for the notebooks: uses anything, used by nothing
 }
 
 
@@ -376,6 +377,7 @@ TOP_LEVEL_TESTS = {  # about the whole project, not one package
     "test_bench_records.py",
     "test_cli.py",
     "test_docs.py",
+    "test_first_use.py",
     "test_gpu.py",
     "test_layering.py",
     "test_notebooks_meta.py",

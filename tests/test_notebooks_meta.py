@@ -179,3 +179,57 @@ def test_every_figure_has_a_picture_that_needs_no_script(name: str) -> None:
             assert any(m in data for data in outputs for m in PICTURES), (
                 f"{name}: cell {i} draws a figure but stores no picture"
             )
+
+
+@pytest.mark.parametrize("name", EXPECTED)
+def test_keeps_no_stderr(name: str) -> None:
+    """A warning or notice kept in a saved notebook reads as a problem nobody explained: silence
+    what is expected (and say so in the text), fix the rest."""
+    for i, cell in enumerate(_code_cells(_load(name))):
+        for out in cell.get("outputs", []):
+            assert out.get("name") != "stderr", f"{name}: code cell {i} keeps stderr: {_text(out['text'])[:200]!r}"
+
+
+def _third_party_imports() -> dict[str, set[str]]:
+    """Top-level modules the notebooks import (stdlib and bigviz left out) -> notebooks."""
+    import sys
+
+    found: dict[str, set[str]] = {}
+    for name in EXPECTED:
+        for cell in _code_cells(_load(name)):
+            for line in _text(cell["source"]).splitlines():
+                match = re.match(r"\s*(?:from|import)\s+([A-Za-z_]\w*)", line)
+                if match and match.group(1) not in sys.stdlib_module_names and match.group(1) != "bigviz":
+                    found.setdefault(match.group(1), set()).add(name[:2])
+    return found
+
+
+def _requirement_names(lines: list[str]) -> set[str]:
+    names = set()
+    for line in lines:
+        line = line.split("#")[0].strip()
+        if line and not line.startswith(("-", ".")):
+            names.add(re.split(r"[<>=!~\[; ]", line)[0].lower().replace("_", "-"))
+    return names
+
+
+def test_what_the_notebooks_import_is_installed() -> None:
+    """`pip install -e ".[notebooks]"` and Binder's requirements give every notebook what it
+    imports (a module missing there is a notebook that stops at its first cell)."""
+    import importlib.metadata
+    import tomllib
+
+    root = NOTEBOOKS.parent
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    dependencies = _requirement_names(project["dependencies"])
+    extra = dependencies | _requirement_names(project["optional-dependencies"]["notebooks"])
+    binder_lines = (root / "binder" / "requirements.txt").read_text().splitlines()
+    binder = _requirement_names(binder_lines) | (dependencies if "." in [ln.strip() for ln in binder_lines] else set())
+    distributions = importlib.metadata.packages_distributions()
+    problems = []
+    for module, notebooks in sorted(_third_party_imports().items()):
+        names = {d.lower().replace("_", "-") for d in distributions.get(module, [module])}
+        for where, installed in (("the notebooks extra", extra), ("binder/requirements.txt", binder)):
+            if not names & installed:
+                problems.append(f"{module} (notebooks {sorted(notebooks)}) is not in {where}")
+    assert not problems, problems

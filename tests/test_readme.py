@@ -111,3 +111,17 @@ def test_notebooks_extra_installs_what_the_notebooks_import() -> None:
     third_party = {name for name in imported if name not in sys.stdlib_module_names and name != "bigviz"}
     assert third_party and third_party <= required, f"not in the notebooks extra: {third_party - required}"
     assert {"jupyterlab", "ipywidgets", "anywidget", "plotly"} <= required
+
+
+def test_the_notebooks_pictures_are_the_notebooks_own() -> None:
+    """Each picture of the README's notebooks table exists and is one the notebook saved
+    (``tools/notebook_pictures.py`` copies them; run it after re-executing a notebook)."""
+    spec = importlib.util.spec_from_file_location("notebook_pictures", ROOT / "tools" / "notebook_pictures.py")
+    assert spec and spec.loader
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    shown = re.findall(r'<img src="(docs/notebooks/[^"]+)"', README.read_text(encoding="utf-8"))
+    wanted = tool.wanted()
+    assert shown and {Path(s).name for s in shown} == set(wanted), "README shows another set of pictures"
+    stale = [name for name, data in wanted.items() if (ROOT / "docs" / "notebooks" / name).read_bytes() != data]
+    assert not stale, f"stale pictures {stale}: run python tools/notebook_pictures.py"

@@ -7,12 +7,20 @@ and no network). Run this after editing a notebook, then ``pytest tests/test_not
 Usage:
     python tools/execute_notebooks.py                 # every notebook in notebooks/
     python tools/execute_notebooks.py 06_offload_and_run 01_quickstart
+
+The kernel starts with an IPython startup file of this script's (:data:`QUIET`) that silences
+import-time log lines of other packages, which are not the notebooks' and would be saved as
+stderr (tests/test_notebooks_meta.py refuses stderr in a saved notebook): transformers imports
+torchao when it is installed, and a torchao build whose compiled parts do not match the Python
+logs "Failed to load ...so" with the library's absolute path, then torch a deprecation notice.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,6 +28,20 @@ import nbformat
 from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+QUIET = """# written by tools/execute_notebooks.py: other packages' import-time log lines, not the notebook's
+import logging
+
+logging.getLogger("torchao").setLevel(logging.ERROR)  # "Failed to load .../torchao/_C_*.so" (a mismatched build)
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # torchao's enums: a torch deprecation notice
+"""
+
+
+def quiet_kernels(folder: Path) -> None:
+    """Make kernels started from now on run :data:`QUIET` first (an IPython profile in ``folder``)."""
+    startup = folder / "profile_default" / "startup"
+    startup.mkdir(parents=True, exist_ok=True)
+    (startup / "00-quiet.py").write_text(QUIET)
+    os.environ["IPYTHONDIR"] = str(folder)
 
 
 def execute(path: Path, *, timeout: int = 600) -> float:
@@ -48,8 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("names", nargs="*", help="notebook names without .ipynb (default: all)")
     args = parser.parse_args(argv)
     paths = [NOTEBOOKS / f"{n.removesuffix('.ipynb')}.ipynb" for n in args.names] or sorted(NOTEBOOKS.glob("*.ipynb"))
-    for path in paths:
-        print(f"{path.name}: {execute(path):.1f} s", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bigviz-ipython-") as profile:
+        quiet_kernels(Path(profile))
+        for path in paths:
+            print(f"{path.name}: {execute(path):.1f} s", flush=True)
     return 0
 
 

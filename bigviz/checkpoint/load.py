@@ -61,9 +61,11 @@ from bigviz.checkpoint.quantized import (
 from bigviz.core.devicemap import check_keys
 from bigviz.core.devices import execution_device, torch_name
 from bigviz.core.quant import QuantConfig
+from bigviz.core.sizes import format_count
 from bigviz.core.dtypes import load_dtype
 from bigviz.modeling.inventory import ModelInventory, tie_model
 from bigviz.core.errors import ArgumentTypeError
+from bigviz.modeling.twin import computed_buffer_dtypes
 
 __all__ = [
     "LoadResult",
@@ -120,7 +122,7 @@ class LoadResult:
     def summary(self) -> str:
         """A few human-readable lines: counts, and everything ignored, renamed or tied."""
         lines = [
-            f"loaded {len(self.loaded)} tensors ({self.bytes_loaded / 2**20:.1f} MiB)"
+            f"loaded {format_count(len(self.loaded), 'tensor')} ({self.bytes_loaded / 2**20:.1f} MiB)"
             + (f", {len(self.disk)} left on disk" if self.disk else "")
         ]
         if self.renamed_prefix:
@@ -175,7 +177,7 @@ def load_checkpoint_in_model(
             under float16 and bfloat16.
         key_mapping: extra checkpoint key renamings (regex -> replacement), as
             ``from_pretrained(key_mapping=...)`` takes them (transformers models).
-        progress: show a tqdm progress bar over bytes.
+        progress: show a progress bar over bytes once the work has run for a second.
         quantization: ``"int8"`` or ``"int4"`` (or a `~bigviz.core.quant.QuantConfig`, or
             transformers' ``TorchAoConfig`` / ``BitsAndBytesConfig``): quantize the linear
             layers' weights while they load, one at a time (see :mod:`bigviz.modeling.quant`).
@@ -530,25 +532,38 @@ def _disk_problems(index: CheckpointIndex, disk: list[TensorLoad], options: Load
 def _computed(inventory: ModelInventory, plan: LoadPlan, options: LoadOptions) -> list[TensorLoad]:
     """Tensors on meta that no checkpoint key fills but the model computes itself, as
     ``from_pretrained`` does: non-persistent buffers, keys the class ignores when missing, and
-    (with ``strict=False``) missing keys (initialised as transformers initialises them)."""
+    (with ``strict=False``) missing keys (initialised as transformers initialises them). With
+    ``dtype=``, computed float buffers take the dtype ``from_pretrained(dtype=...)`` gives
+    them (a buffer already materialised is cast: Falcon-H1's ``mup_vector`` becomes bfloat16,
+    a rotary ``inv_freq`` stays float32)."""
     if not hf.is_transformers_model(inventory.model):
         return []
     loaded = {a for load in plan.loads for a in load.aliases}
     missing = set(plan.missing) if not options.strict else set()
+    buffers: dict[str, torch.dtype] | None = None
     out = []
     for t in inventory.tensors:
-        if not t.is_meta or any(a in loaded for a in t.aliases):
+        if any(a in loaded for a in t.aliases):
             continue
         ignorable = any(_search(a, options.ignore_missing) for a in t.aliases)
-        if not t.persistent or ignorable or any(a in missing for a in t.aliases):
-            # what no key covers runs where offloaded modules run (one rule: bigviz.core.devices)
-            device = load_device(t.name, options.device_map) or torch_name(
-                execution_device((options.device_map or {}).values())
-            )
-            dtype = t.dtype
-            if t.kind == "param" and t.dtype.is_floating_point and options.dtype is not None:
-                dtype = options.dtype
-            out.append(TensorLoad(t.name, t.aliases, "", device, dtype, 0))
+        computed = not t.persistent or ignorable or any(a in missing for a in t.aliases)
+        float_buffer = t.kind == "buffer" and t.dtype.is_floating_point and options.dtype is not None
+        if not computed or not (t.is_meta or (float_buffer and not t.persistent)):
+            continue
+        dtype = t.dtype
+        if t.kind == "param" and t.dtype.is_floating_point and options.dtype is not None:
+            dtype = options.dtype
+        elif float_buffer:  # as from_pretrained builds the model under the dtype
+            if buffers is None:
+                buffers = computed_buffer_dtypes(inventory.model, options.dtype)  # type: ignore[arg-type]
+            dtype = next((buffers[a] for a in t.aliases if a in buffers), dtype)
+        if not t.is_meta and dtype == t.dtype:
+            continue  # materialised already, in the dtype it keeps
+        # what no key covers runs where offloaded modules run (one rule: bigviz.core.devices)
+        device = load_device(t.name, options.device_map) or torch_name(
+            execution_device((options.device_map or {}).values())
+        )
+        out.append(TensorLoad(t.name, t.aliases, "", device, dtype, 0))
     return out
 
 

@@ -46,7 +46,7 @@ from bigviz.core.devices import device_label, normalize_device, tie_home, torch_
 from bigviz.core.dtypes import is_floating
 from bigviz.core.names import is_prefix, owner
 from bigviz.core.quant import quantization_role_keys
-from bigviz.core.sizes import format_size
+from bigviz.core.sizes import format_count, format_size
 from bigviz.modeling.budgets import absent_device_problems
 from bigviz.modeling.inventory import ModelTensor
 
@@ -190,7 +190,7 @@ class LoadPlan:
         where = f" from {self.checkpoint!r}" if self.checkpoint else " from the checkpoint"
         total = sum(load.nbytes for load in self.loads)
         lines = [
-            f"LoadPlan: {_count(len(self.loads), 'tensor')} ({format_size(total)}){where}"
+            f"LoadPlan: {format_count(len(self.loads), 'tensor')} ({format_size(total)}){where}"
             + (f" ({self.format})" if self.format else "")
         ]
         by_device: dict[str, list[TensorLoad]] = {}
@@ -202,7 +202,7 @@ class LoadPlan:
                 kept = sum(load.in_place for load in loads)
                 how = f" (read in place: {kept}; written once to the offload folder: {len(loads) - kept})"
             lines.append(
-                f"  {_label(device)}: {_count(len(loads), 'tensor')}, "
+                f"  {_label(device)}: {format_count(len(loads), 'tensor')}, "
                 f"{format_size(sum(load.nbytes for load in loads))}{how}"
             )
         lines += self._notes()
@@ -219,19 +219,23 @@ class LoadPlan:
         casts = sorted({(load.source_dtype, str(load.dtype).removeprefix("torch.")) for load in cast})
         lines = []
         if casts:
-            n = len(cast)
-            lines.append(f"  {_count(n, 'cast')} ({', '.join(f'{a} -> {b}' for a, b in casts)})")
+            n = sum(
+                1
+                for load in self.loads
+                if load.source_dtype and load.source_dtype != str(load.dtype).removeprefix("torch.")
+            )
+            lines.append(f"  {format_count(n, 'cast')} ({', '.join(f'{a} -> {b}' for a, b in casts)})")
         if self.prefix:
             lines.append(f"  prefix {self.prefix!r} {self.prefix_action} to match the model")
         renamed = [c for c in self.conversions if c.is_rename]
-        lines += [f"  renamed {_count(len(renamed), 'checkpoint key')} (read in place)"] if renamed else []
+        lines += [f"  renamed {format_count(len(renamed), 'checkpoint key')} (read in place)"] if renamed else []
         packed: dict[str, int] = {}
         for c in self.conversions:
             if getattr(c.rule, "run_packed", None) is not None:  # quantized weights: one line per format
                 packed[c.operation] = packed.get(c.operation, 0) + 1
             elif not c.is_rename:
                 lines.append(f"  converted {c.describe()}")
-        lines += [f"  {_count(n, 'weight')}: {op}" for op, n in packed.items()]
+        lines += [f"  {format_count(n, 'weight')}: {op}" for op, n in packed.items()]
         lines += [f"  computed by the model: {load.name}" for load in self.computed]
         lines += [f"  {name} filled by its tie to {src}" for name, src in self.filled_by_tie]
         lines += [f"  ignored {k}: {why}" for k, why in self.ignored]
@@ -263,10 +267,6 @@ class LoadPlan:
             for load in (*self.loads, *self.computed)
         ]
         return pd.DataFrame(rows, columns=columns)
-
-
-def _count(n: int, what: str) -> str:
-    return f"{n} {what}" + ("" if n == 1 else "s")
 
 
 def _label(device: str) -> str:

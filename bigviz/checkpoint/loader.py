@@ -39,6 +39,7 @@ from bigviz.checkpoint.load_plan import LoadPlan, TensorLoad
 from bigviz.checkpoint.offload_folder import offload_weights
 from bigviz.checkpoint.packed_weights import PackedWeights, flatten
 from bigviz.checkpoint.quantized import is_packed_load, packed_store
+from bigviz.checkpoint.progress import byte_bar
 from bigviz.modeling.inventory import ModelInventory
 from bigviz.modeling.packed import is_packed, stored_nbytes
 
@@ -70,7 +71,7 @@ def execute_load(
         inventory: the model's inventory (its slots are filled).
         index: the checkpoint the plan was made from.
         plan: the load plan.
-        progress: show a tqdm progress bar over bytes.
+        progress: show a progress bar over bytes once the work has run for a second.
         inplace: copy into tensors that hold data already (their objects and devices stay).
     """
     slots = _Slots(inventory, [*plan.loads, *plan.computed])
@@ -91,8 +92,6 @@ def execute_load(
 def _materialise(
     slots: _Slots, index: CheckpointIndex, plan: LoadPlan, *, progress: bool, inplace: bool, model: torch.nn.Module
 ) -> int:
-    from tqdm.auto import tqdm
-
     todo = [load for load in plan.loads if load.device != "disk"]
     plain = [load for load in todo if not load.fused]
     sources = {key for load in todo if load.fused for key in load.keys}
@@ -100,9 +99,7 @@ def _materialise(
     nbytes = 0
     with (
         LazyWeights(index, names) as weights,
-        tqdm(
-            total=sum(load.nbytes for load in todo), unit="B", unit_scale=True, desc="loading", disable=not progress
-        ) as bar,
+        byte_bar(sum(load.nbytes for load in todo), "loading", enabled=progress) as bar,
     ):
         for load in plain:
             nbytes += slots.fill(load, _convert(weights[load.name], load), inplace=inplace)
@@ -189,15 +186,21 @@ def _leave_on_meta(slots: _Slots, disk: list[TensorLoad]) -> None:
 
 
 def _compute(inventory: ModelInventory, slots: _Slots, computed: list[TensorLoad]) -> list[Mapping[str, torch.Tensor]]:
-    """Materialise and compute ``computed``; those planned for disk are handed back in a
-    store held in RAM (they are in no file) and left on meta in the model."""
+    """Materialise and compute ``computed`` (a buffer computed at construction already is cast
+    to its dtype); those planned for disk are handed back in a store held in RAM (they are
+    in no file) and left on meta in the model."""
     if not computed:
         return []
+    fresh = []
     for load in computed:
         old = slots.current(load.name)
         device = "cpu" if load.device == "disk" else load.device
-        slots.fill(load, torch.empty(old.shape, dtype=load.dtype, device=device), inplace=False)
-    hf.initialise_computed(inventory, [a for load in computed for a in load.aliases])
+        if old.is_meta:
+            slots.fill(load, torch.empty(old.shape, dtype=load.dtype, device=device), inplace=False)
+            fresh += load.aliases
+        else:  # computed at construction already: only its dtype changes
+            slots.fill(load, old.detach().to(device=device, dtype=load.dtype), inplace=False)
+    hf.initialise_computed(inventory, fresh)
     on_disk = [load for load in computed if load.device == "disk"]
     store = {alias: slots.current(load.name).detach() for load in on_disk for alias in load.aliases}
     _leave_on_meta(slots, on_disk)

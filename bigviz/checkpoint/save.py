@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from bigviz.checkpoint.commit import CONFIG, Stage, clean_stale_stages, commit, folder_checkpoint
+from bigviz.checkpoint.progress import byte_bar
 from bigviz.checkpoint.safetensors_io import write_safetensors
 from bigviz.checkpoint.sharding import parse_size, plan_shards, unique_tensors
 from bigviz.core.errors import ArgumentTypeError, UsageError
@@ -70,7 +71,7 @@ def save_sharded(
         overwrite: replace the checkpoint ``folder`` holds.
         metadata: extra string pairs for every safetensors shard header (next to
             ``{"format": "pt"}``).
-        progress: show a tqdm progress bar over bytes.
+        progress: show a progress bar over bytes once the work has run for a second.
         config: written as ``config.json`` beside the shards, so the model can be rebuilt
             from the folder alone (``python -m bigviz.distributed``, transformers'
             ``AutoConfig``): a bigviz config (``model.config``), a transformers config, or a dict.
@@ -143,15 +144,13 @@ def write_checkpoint_files(
     tensor then computes exactly as one in fresh memory, even in kernels that take another
     path on unaligned data. Returns the files written, index last.
     """
-    from tqdm.auto import tqdm
-
     shards = plan_shards(tensors, max_shard_size)
     ext = "safetensors" if safe_serialization else "bin"
     stem = stem or ("model" if safe_serialization else "pytorch_model")
     names = _shard_names(stem, ext, len(shards))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     written: list[Path] = []
-    with tqdm(total=total, unit="B", unit_scale=True, desc="saving", disable=not progress) as bar:
+    with byte_bar(total, "saving", enabled=progress) as bar:
         for name, shard in zip(names, shards):
             part = {k: tensors[k] for k in shard}
             if safe_serialization:

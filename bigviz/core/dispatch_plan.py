@@ -38,7 +38,7 @@ from bigviz.core.devices import Device, device_label, normalize_device, streamed
 from bigviz.core.errors import DeviceMapError
 from bigviz.core.offload_units import OffloadUnit, Resident, UnitRule, offload_units, streamed_needs
 from bigviz.core.names import owner
-from bigviz.core.sizes import format_size
+from bigviz.core.sizes import format_count, format_size
 from bigviz.core.stream_plan import MachineFacts, StreamOptions, StreamPlan, make_stream_plan
 from bigviz.core.tree import SizeTree
 
@@ -115,7 +115,7 @@ class DispatchPlan:
         """A few lines a person reads: resident bytes, and the units streamed from each storage."""
         streamed = self.streamed_bytes()
         lines = [
-            f"DispatchPlan: execution on {device_label(self.main_device)}, {_count(len(self.units), 'offload unit')}, "
+            f"DispatchPlan: execution on {device_label(self.main_device)}, {format_count(len(self.units), 'offload unit')}, "
             f"{format_size(sum(streamed.values()))} streamed per forward"
         ]
         held = self.held_bytes()
@@ -125,13 +125,15 @@ class DispatchPlan:
             if device == self.main_device and held.get(device):
                 how = "running + prefetched" if self.prefetch else "running"
                 extra = f"; holds up to {format_size(held[device])} of streamed units ({how})"
-            lines.append(f"  {device_label(device)}: {_count(count, 'resident tensor')}, {format_size(nbytes)}{extra}")
+            lines.append(
+                f"  {device_label(device)}: {format_count(count, 'resident tensor')}, {format_size(nbytes)}{extra}"
+            )
         for storage in ("cpu", "disk"):
             units = [u for u in self.units if u.storage == storage]
             if units:
                 shown = ", ".join(u.name or "<model>" for u in units[:4]) + (", ..." if len(units) > 4 else "")
                 lines.append(
-                    f"  from {device_label(storage)}: {_count(len(units), 'unit')}, "
+                    f"  from {device_label(storage)}: {format_count(len(units), 'unit')}, "
                     f"{format_size(streamed[storage])} ({shown})"
                 )
         if self.stream is not None:
@@ -267,14 +269,14 @@ def _residency_lines(stream: StreamPlan) -> list[str]:
                 "mapped": "in RAM as loaded (zero copy: memory-mapped where read in place)",
                 "resident copy": "copied into RAM once",
             }[residency]
-        count = _count(len(names), "unit" if residency == "streamed" else "entry").replace("entrys", "entries")
+        count = (
+            format_count(len(names), "unit")
+            if residency == "streamed"
+            else format_count(len(names), "entry", "entries")
+        )
         lines.append(f"    {what}: {count}, {format_size(sizes[(residency, how)])} ({shown})")
     lines.append(f"    why: {stream.reason}")
     return lines
-
-
-def _count(n: int, what: str) -> str:
-    return f"{n} {what}" + ("" if n == 1 else "s")
 
 
 def offloaded_storages(main_device: Device) -> frozenset[str]:

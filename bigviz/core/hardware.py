@@ -41,20 +41,23 @@ def _apple(total_gib: int) -> dict[Device, int]:
 
 
 HARDWARE_PRESETS: dict[str, dict[Device, int]] = {
-    "Colab T4 16 GB (RAM 12 GB)": _gpus(1, 15, 12),
-    "RTX 4090 24 GB (RAM 64 GB)": _gpus(1, 24, 64),
-    "A100 40 GB (RAM 85 GB)": _gpus(1, 40, 85),
-    "A100 80 GB (RAM 170 GB)": _gpus(1, 80, 170),
-    "2x A100 80 GB (RAM 340 GB)": _gpus(2, 80, 340),
-    "8x A100 80 GB (RAM 1360 GB)": _gpus(8, 80, 1360),
-    "H100 80 GB (RAM 200 GB)": _gpus(1, 80, 200),
-    "H200 141 GB (RAM 250 GB)": _gpus(1, 140, 250),
+    "Colab T4 16 GB: 15 GiB (RAM 12 GiB)": _gpus(1, 15, 12),
+    "RTX 4090 24 GB: 24 GiB (RAM 64 GiB)": _gpus(1, 24, 64),
+    "A100 40 GB: 40 GiB (RAM 85 GiB)": _gpus(1, 40, 85),
+    "A100 80 GB: 80 GiB (RAM 170 GiB)": _gpus(1, 80, 170),
+    "2x A100 80 GB: 80 GiB each (RAM 340 GiB)": _gpus(2, 80, 340),
+    "8x A100 80 GB: 80 GiB each (RAM 1360 GiB)": _gpus(8, 80, 1360),
+    "H100 80 GB: 79.6 GiB (RAM 200 GiB)": _gpus(1, 81559 / 1024, 200),
+    "H200 141 GB: 140 GiB (RAM 250 GiB)": _gpus(1, 140, 250),
     "Apple M-series 16 GB unified (mps)": _apple(16),
     "Apple M-series 32 GB unified (mps)": _apple(32),
     "Apple M-series 64 GB unified (mps)": _apple(64),
-    "CPU-only laptop (RAM 16 GB)": {"cpu": 14 * GiB},
+    "CPU-only laptop: RAM 16 GiB, 14 GiB for the model": {"cpu": 14 * GiB},
 }
-"""Preset name -> ``max_memory`` in bytes (disk stays unlimited)."""
+"""Preset name -> ``max_memory`` in bytes (disk stays unlimited). A name gives the card as it
+is sold (decimal "80 GB"), then what the preset holds, in binary units as every size bigviz prints
+(what ``nvidia-smi`` reports: an A100 80 GB has 81,920 MiB = 80 GiB, an H100 80 GB 81,559 MiB,
+a T4 "16 GB" 15 GiB usable)."""
 
 LINK_BANDWIDTH: dict[str, float] = {
     "PCIe 3 x16 (~12 GB/s pinned)": 12 * GB,

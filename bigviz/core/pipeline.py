@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from bigviz.core.names import owner
 from bigviz.core.serialize import read_json, write_json_atomic
 from bigviz.core.errors import PlanError, UsageError, short_repr
-from bigviz.core.sizes import format_size
+from bigviz.core.sizes import format_count, format_size
 from bigviz.core.workload import Workload
 
 if TYPE_CHECKING:
@@ -300,7 +300,7 @@ class PipelinePlan:
         root = self.tree.nodes[""].class_name if self.tree is not None else ""
         total = sum(u.nbytes for u in self.units)
         lines = [
-            f"PipelinePlan: {self.n_stages} stage{'s' if self.n_stages != 1 else ''} of "
+            f"PipelinePlan: {format_count(self.n_stages, 'stage')} of "
             f"{root or 'the model'} ({format_size(total)}), balanced by {self.balance}"
         ]
         if self.run is not None:
@@ -309,7 +309,9 @@ class PipelinePlan:
             cap = self.budgets[i]
             budget = f" of {format_size(cap)}" if cap is not None else ""
             span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
-            lines.append(f"  stage {i}: {self.stage_text(i):>10}{budget}  {span} ({len(self.blocks(i))} blocks)")
+            lines.append(
+                f"  stage {i}: {self.stage_text(i):>10}{budget}  {span} ({format_count(len(self.blocks(i)), 'block')})"
+            )
         lines += [f"  cut before {c.before}: {c.reason}" for c in self.cuts]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -401,7 +403,7 @@ class PipelinePlan:
         head = "<th>weights</th><th>KV cache</th><th>activations</th><th>total</th>" if run else "<th>bytes</th>"
         what = f"; run: {html.escape(_run_text(self.run))}" if self.run is not None else ""
         return (
-            f"<div class='bigviz-pipeline'><b>PipelinePlan</b> ({self.n_stages} stages, balanced by "
+            f"<div class='bigviz-pipeline'><b>PipelinePlan</b> ({format_count(self.n_stages, 'stage')}, balanced by "
             f"{html.escape(self.balance)}{what})<table><tr><th>stage</th>{head}<th>budget</th>"
             f"<th>modules</th><th>blocks</th></tr>{rows}</table><ul>{cuts}{notes}</ul></div>"
         )

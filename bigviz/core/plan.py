@@ -28,7 +28,7 @@ from bigviz.core.devices import Device, device_label, streamed_devices
 from bigviz.core.hardware import DISK_BANDWIDTH, LINK_BANDWIDTH, find_bandwidth
 from bigviz.core.names import owner
 from bigviz.core.offload_units import UnitRule, unit_table
-from bigviz.core.sizes import format_size
+from bigviz.core.sizes import format_count, format_size
 from bigviz.core.stream_plan import MachineFacts, StreamOptions, StreamPlan, make_stream_plan
 from bigviz.core.errors import UsageError
 
@@ -58,7 +58,9 @@ class PlanOptions:
     Attributes:
         strategy: ``"auto"`` (= ``"balanced"``), ``"balanced"``, ``"balanced_low_0"`` or
             ``"sequential"``, with accelerate's meanings.
-        reserve: bytes per device kept free for activations and KV cache.
+        no_split: module class names (``"Block"``) or glob patterns of module names
+            (``"transformer.h.*"``) that are placed whole.
+        reserve: bytes per device kept free (the CUDA context, a margin of your own).
         overrides: ``{module: device}`` placements to honour; the rest is planned around them.
         offload_reserve: keep room on the execution device for the offloaded weights
             streamed in at forward time (only when something is actually offloaded).
@@ -69,6 +71,11 @@ class PlanOptions:
             device when it is streamed in from cpu or disk.
         activations: ``{module: bytes}`` alive at the peak of that module's step; each
             device keeps room for the largest step it runs.
+        held: ``{module: bytes}`` its output keeps alive for the whole forward on the device
+            the module runs on (the input embeddings), charged there beside the largest step.
+        run_slack: ``{device: share}`` of the run charged on a device (its KV cache and
+            activations) kept free on top, for the allocator's slack (reported in the device's
+            ``reserve``; see :mod:`bigviz.core.headroom`).
         workload: the :class:`~bigviz.core.workload.Workload` the two above were made for
             (kept in the plan for reports).
         rule: the unit rule (:class:`~bigviz.core.offload_units.UnitRule`): its blocks are the
@@ -85,6 +92,8 @@ class PlanOptions:
     prefetch: bool = True
     kv_cache: Mapping[str, int] = field(default_factory=dict)
     activations: Mapping[str, int] = field(default_factory=dict)
+    held: Mapping[str, int] = field(default_factory=dict)
+    run_slack: Mapping[Device, float] = field(default_factory=dict)
     workload: Workload | None = None
     rule: UnitRule = field(default_factory=UnitRule)
 
@@ -366,7 +375,8 @@ class DevicePlan:
     def summary(self) -> str:
         """A few lines a person reads: per-device use against budget."""
         lines = [
-            f"DevicePlan ({self.strategy}, {len(self.placements)} units, execution on {device_label(self.main_device)})"
+            f"DevicePlan ({self.strategy}, {format_count(len(self.placements), 'unit')}, "
+            f"execution on {device_label(self.main_device)})"
         ]
         for u in self.usage:
             budget = format_size(u.budget)

@@ -119,7 +119,7 @@ def make_plan(tree: SizeTree, max_memory: Mapping[Any, object], options: PlanOpt
     caps, notes = _strategy_caps(tree, budgets, options)
     offload = {d: 0 for d in budgets}
     ties = _Ties.index(tree)
-    for _ in range(_MAX_PASSES + (_RUN_PASSES if options.kv_cache or options.activations else 0)):
+    for _ in range(_MAX_PASSES + (_RUN_PASSES if options.kv_cache or options.activations or options.held else 0)):
         state = _greedy(tree, caps, reserve, offload, overrides, options, ties)
         staging = _offload_needs(tree, state, main, options)
         streamed_run = streamed_run_needs(state.run, main)  # a streamed layer's cache lives on main
@@ -147,18 +147,26 @@ def make_plan(tree: SizeTree, max_memory: Mapping[Any, object], options: PlanOpt
         for d, v in staging.items()
         if v > 0
     ]
-    kv, act = run_usage(state.run, main)
+    kv, act, slack = run_usage(state.run, main)
     usage = tuple(
         DeviceUsage(
-            d, budgets[d], caps[d], reserve.get(d, 0), max(staging[d], 0), state.used[d], kv.get(d, 0), act.get(d, 0)
+            d,
+            budgets[d],
+            caps[d],
+            reserve.get(d, 0) + slack.get(d, 0),
+            max(staging[d], 0),
+            state.used[d],
+            kv.get(d, 0),
+            act.get(d, 0),
         )
         for d in budgets
     )
     if state.run is not None:
         check_run_fits(usage, bool(overrides))
     notes += _warnings(usage, main)
+    capped = {g: _share_name(options.strategy) for g in budgets if caps[g] < budgets[g]}
     return DevicePlan(
-        _placements(tree, state),
+        _placements(tree, state, capped),
         usage,
         options.strategy,
         main,
@@ -271,7 +279,7 @@ def _greedy(
 ) -> _Pass:
     state = _Pass({d: caps[d] - reserve.get(d, 0) - offload[d] for d in caps}, {d: 0 for d in caps}, ties=ties)
     must_split = {a for name in overrides for a in ancestors(parent(name))} if overrides else set()
-    if options.kv_cache or options.activations:  # overrides are placed first: charge their run too
+    if options.kv_cache or options.activations or options.held:  # overrides are placed first: charge their run too
         state.run = Run.build(tree, options, _main_device(caps, options), _streamed(_main_device(caps, options)))
     for name in sorted(overrides, key=lambda n: n.count(".") + bool(n)):  # outer ones first
         device = overrides[name]
@@ -383,13 +391,15 @@ def _accept(
     state.promised.update({f: (device, b) for f, b in promises.items()})
 
 
-def _write(tree: SizeTree, name: str, device: Device, size: int, why: Why) -> str:
+def _write(
+    tree: SizeTree, name: str, device: Device, size: int, why: Why, capped: Mapping[Device, str] | None = None
+) -> str:
     """A placement's reason as a person reads it."""
     code = why[0]
     if code == "fits":
-        return _write_fits(tree, name, device, size, *why[1:])
+        return _write_fits(tree, name, device, size, *why[1:], capped=capped or {})
     if code == "run":  # a workload's cache and activations, where they live
-        return _write(tree, name, device, size, why[1]) + run_text(*why[2:])
+        return _write(tree, name, device, size, why[1], capped) + run_text(*why[2:])
     if code == "tied":
         return f"tied to {why[1]}, which is on {device_label(device)}"
     if code == "override":
@@ -409,14 +419,21 @@ def _write_fits(
     here: Device | None,
     need: int,
     free: int,
+    *,
+    capped: Mapping[Device, str],
 ) -> str:
-    where = f"{room_text(size, room)} of {format_size(left)} left on {device_label(device)}"
+    on = f"of {device_label(device)}'s {capped[device]}" if device in capped else f"on {device_label(device)}"
+    where = f"{room_text(size, room)} of {format_size(left)} left {on}"
     text = f"streamed in from {device_label(device)} at forward time ({where})" if streamed else f"fits: {where}"
     if extra:
         text += f", with {format_size(extra)} kept for the modules tied to it"
     if here is None:
         return text
-    return f"{_what(tree, name)} did not fit {device_label(here)} ({format_size(need)} needed, {format_size(free)} left): {text}"
+    of = f" of its {capped[here]}" if here in capped else ""
+    return (
+        f"{_what(tree, name)} did not fit {device_label(here)} ({format_size(need)} needed, "
+        f"{format_size(free)} left{of}): {text}"
+    )
 
 
 def _follower_unit_bytes(tree: SizeTree, follower: str, leader: str, no_split: frozenset[str]) -> int:
@@ -511,13 +528,19 @@ def _spread_streamed(tree: SizeTree, state: _Pass, ties: _Ties, main: Device) ->
     return moved
 
 
-def _placements(tree: SizeTree, state: _Pass) -> tuple[Placement, ...]:
-    """The placements of the pass that became the plan, their reasons written."""
+def _share_name(strategy: str) -> str:
+    """What a balanced strategy lets a GPU fill, as the reasons name it."""
+    return f"{'balanced' if strategy == 'auto' else strategy} share"
+
+
+def _placements(tree: SizeTree, state: _Pass, capped: Mapping[Device, str]) -> tuple[Placement, ...]:
+    """The placements of the pass that became the plan, their reasons written (room on a GPU
+    a balanced strategy caps is said to be left of its share, not of its budget: ``capped``)."""
     out = []
     for placed in state.placed:
         name, device, size, override, tied_to = placed[:5]
         node = tree.nodes.get(name)
-        reason = _write(tree, name, device, size, placed[5:])
+        reason = _write(tree, name, device, size, placed[5:], capped)
         out.append(
             Placement(
                 name,

@@ -2,7 +2,9 @@
 and room for the largest step's activations, on the device the layer runs on.
 
 A layer's KV cache is charged once, with the unit that holds it (or, for a layer split into
-parts, with its first part); a device keeps room for the largest step it runs. A unit
+parts, with its first part); a device keeps room for the largest step it runs, plus what the
+outputs of the modules it holds keep alive for the whole forward (the input embeddings, on
+their device only). A unit
 streamed in from cpu or disk runs on the execution device: its cache and its step are
 charged there, outside the pass's fill, and the next pass reserves them. Used by
 :mod:`bigviz.core.planner` only.
@@ -10,6 +12,7 @@ charged there, outside the pass's fill, and the next pass reserves them. Used by
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -50,15 +53,21 @@ class Run:
     overrides: frozenset[str]
     main: Device
     streamed: tuple[str, ...]
+    held_own: Mapping[str, int] = field(default_factory=dict)
+    held_sub: dict[str, int] = field(default_factory=dict)  # module -> activations held all forward inside it
+    slack: Mapping[Device, float] = field(default_factory=dict)  # share of the run kept free on top
     charged: set[str] = field(default_factory=set)
     kv: dict[Device, int] = field(default_factory=dict)
     act: dict[Device, int] = field(default_factory=dict)
+    held: dict[Device, int] = field(default_factory=dict)
+    slack_bytes: dict[Device, int] = field(default_factory=dict)
     stream_kv: int = 0
     stream_act: int = 0
+    stream_held: int = 0
 
     @classmethod
     def build(cls, tree: SizeTree, options: PlanOptions, main: Device, streamed: tuple[str, ...]) -> Run:
-        unknown = [n for n in [*options.kv_cache, *options.activations] if n not in tree.nodes]
+        unknown = [n for n in [*options.kv_cache, *options.activations, *options.held] if n not in tree.nodes]
         if unknown:
             raise PlanError(
                 f"cannot plan: KV cache or activation bytes given for names that are no module "
@@ -66,30 +75,51 @@ class Run:
             )
         kv_sub: dict[str, int] = {}
         act_sub: dict[str, int] = {}
+        held_sub: dict[str, int] = {}
         for name, node in reversed(tree.nodes.items()):  # post-order: children before parents
             kv_sub[name] = options.kv_cache.get(name, 0) + sum(kv_sub[c] for c in node.children)
             act_sub[name] = max([options.activations.get(name, 0), *(act_sub[c] for c in node.children)])
-        return cls(options.kv_cache, kv_sub, options.activations, act_sub, frozenset(options.overrides), main, streamed)
+            held_sub[name] = options.held.get(name, 0) + sum(held_sub[c] for c in node.children)
+        return cls(
+            options.kv_cache,
+            kv_sub,
+            options.activations,
+            act_sub,
+            frozenset(options.overrides),
+            main,
+            streamed,
+            options.held,
+            held_sub,
+            dict(options.run_slack),
+        )
 
-    def unit(self, name: str) -> tuple[int, list[str], int]:
-        """Cache bytes a unit brings, the split layers it charges for the first time, and its step."""
-        inside = self.kv_sub.get(name, 0)
+    def unit(self, name: str) -> tuple[int, list[str], int, int]:
+        """Cache bytes a unit brings, the split layers it charges for the first time, its step,
+        and the activations its modules' outputs hold all forward (the input embeddings)."""
+        inside, held = self.kv_sub.get(name, 0), self.held_sub.get(name, 0)
         if name in self.overrides:  # nested overrides carry their own caches to their own devices
             nested = [o for o in self.overrides if o != name and is_prefix(name, o)]
-            inside -= sum(self.kv_sub.get(o, 0) for o in nested if not any(m != o and is_prefix(m, o) for m in nested))
+            outer = [o for o in nested if not any(m != o and is_prefix(m, o) for m in nested)]
+            inside -= sum(self.kv_sub.get(o, 0) for o in outer)
+            held -= sum(self.held_sub.get(o, 0) for o in outer)
         step = self.act_sub.get(name, 0)
         first = []
         for holder in ancestors(parent(name)) if name else ():
-            if holder in self.kv_own and holder not in self.charged:
+            if holder not in self.charged and (holder in self.kv_own or holder in self.held_own):
                 first.append(holder)
-                inside += self.kv_own[holder]
+                inside += self.kv_own.get(holder, 0)
+                held += self.held_own.get(holder, 0)
             step = max(step, self.act_own.get(holder, 0))
-        return inside, first, step
+        return inside, first, step, held
+
+    def with_slack(self, device: Device, run: int) -> int:
+        """``run`` bytes charged on ``device`` with the share kept free on top (the allocator's slack)."""
+        return run + math.ceil(run * self.slack.get(device, 0.0))
 
     def resident_bytes(self, name: str, device: Device) -> int:
         """Room a unit's run takes on a resident device besides its weights."""
-        kv, _, step = self.unit(name)
-        return kv + max(0, step - self.act.get(device, 0))
+        kv, _, step, held = self.unit(name)
+        return self.with_slack(device, kv + held + max(0, step - self.act.get(device, 0)))
 
 
 def run_bytes(run: Run | None, name: str, device: Device | None) -> int:
@@ -108,8 +138,8 @@ def run_room(run: Run | None, name: str, device: Device) -> tuple[int, ...] | No
         return None
     if device in run.streamed:
         return ()
-    kv, _, step = run.unit(name)
-    return (kv, max(0, step - run.act.get(device, 0)))
+    kv, _, step, held = run.unit(name)
+    return (kv, held + max(0, step - run.act.get(device, 0)))
 
 
 def room_text(size: int, room: tuple[int, ...] | None) -> str:
@@ -129,15 +159,20 @@ def charge_run(run: Run, remaining: dict[Device, int], name: str, device: Device
     """Charge a placed unit's KV cache and step on the device it runs on; returns its reason,
     completed with where its run lives when the reason does not say it yet (see
     :func:`run_text`)."""
-    kv, first, step = run.unit(name)
+    kv, first, step, held = run.unit(name)
     run.charged.update(first)
     if device in run.streamed:
         run.stream_kv += kv
+        run.stream_held += held
         run.stream_act = max(run.stream_act, step)
-        return ("run", why, kv, step, run.main)
-    remaining[device] -= kv + max(0, step - run.act.get(device, 0))
+        return ("run", why, kv, step + held, run.main)
+    added = kv + held + max(0, step - run.act.get(device, 0))
+    remaining[device] -= run.with_slack(device, added)
+    run.slack_bytes[device] = run.slack_bytes.get(device, 0) + run.with_slack(device, added) - added
     run.kv[device] = run.kv.get(device, 0) + kv
+    run.held[device] = run.held.get(device, 0) + held
     run.act[device] = max(run.act.get(device, 0), step)
+    step += held
     if described or not (kv or step):
         return why
     return ("run", why, kv, step, None)
@@ -175,17 +210,26 @@ def check_run_fits(usage: tuple[DeviceUsage, ...], overridden: bool) -> None:
 
 def streamed_run_needs(run: Run | None, main: Device) -> dict[Device, int]:
     """Room streamed units need on the execution device for their caches and steps."""
-    if run is None or not (run.stream_kv or run.stream_act):
+    if run is None or not (run.stream_kv or run.stream_act or run.stream_held):
         return {}
-    return {main: run.stream_kv + max(0, run.stream_act - run.act.get(main, 0))}
+    return {main: run.with_slack(main, run.stream_kv + run.stream_held + max(0, run.stream_act - run.act.get(main, 0)))}
 
 
-def run_usage(run: Run | None, main: Device) -> tuple[dict[Device, int], dict[Device, int]]:
-    """KV cache and activation bytes per device, streamed units' counted on the execution device."""
+def run_usage(run: Run | None, main: Device) -> tuple[dict[Device, int], dict[Device, int], dict[Device, int]]:
+    """KV cache, activation and slack bytes per device (the slack: the share of the run kept
+    free on top), streamed units' counted on the execution device."""
     if run is None:
-        return {}, {}
+        return {}, {}, {}
+    slack = dict(run.slack_bytes)
+    streamed = run.stream_kv + run.stream_held + max(0, run.stream_act - run.act.get(main, 0))
+    if streamed:
+        slack[main] = slack.get(main, 0) + run.with_slack(main, streamed) - streamed
     kv, act = dict(run.kv), dict(run.act)
-    if run.stream_kv or run.stream_act:
+    if run.stream_kv or run.stream_act or run.stream_held:
         kv[main] = kv.get(main, 0) + run.stream_kv
         act[main] = max(act.get(main, 0), run.stream_act)
-    return kv, act
+    for device in {*run.held, main}:  # held outputs add to the largest step on their device
+        extra = run.held.get(device, 0) + (run.stream_held if device == main else 0)
+        if extra:
+            act[device] = act.get(device, 0) + extra
+    return kv, act, slack

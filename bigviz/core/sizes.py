@@ -20,7 +20,15 @@ from typing import Any
 from bigviz.core.devices import Device, device_label, device_sort_key, normalize_device
 from bigviz.core.errors import PlanError, UsageError
 
-__all__ = ["parse_size", "format_size", "parse_max_memory", "max_memory_problems", "UNLIMITED"]
+__all__ = [
+    "parse_size",
+    "format_size",
+    "format_seconds",
+    "format_count",
+    "parse_max_memory",
+    "max_memory_problems",
+    "UNLIMITED",
+]
 
 UNLIMITED = 2**62
 """The budget of a device with no limit (disk, when ``max_memory`` does not name it)."""
@@ -94,6 +102,38 @@ def format_size(nbytes: int | float) -> str:
             return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return f"{size:.1f} TiB"  # pragma: no cover - loop always returns
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration as people read it: seconds from 1 s up, milliseconds below, never rounded
+    to zero (``"0 ms"`` for 0.2 ms would say that streaming costs nothing).
+
+    Example:
+        >>> format_seconds(2.345), format_seconds(0.0123), format_seconds(0.00123), format_seconds(0.0002)
+        ('2.3 s', '12 ms', '1.2 ms', '0.2 ms')
+        >>> format_seconds(0), format_seconds(4e-8)
+        ('0 ms', 'under 0.001 ms')
+    """
+    if seconds >= 1:
+        return f"{seconds:,.1f} s"
+    ms = seconds * 1e3
+    if ms >= 10:
+        return f"{ms:.0f} ms"
+    if ms >= 1:
+        return f"{ms:.1f} ms"
+    if ms <= 0:
+        return "0 ms"
+    return f"{ms:.2g} ms" if ms >= 0.001 else "under 0.001 ms"
+
+
+def format_count(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and its noun, singular for one: ``"1 unit"``, ``"41 units"``, ``"1 entry"``.
+
+    Example:
+        >>> format_count(1, "unit"), format_count(41, "unit"), format_count(2, "entry", "entries")
+        ('1 unit', '41 units', '2 entries')
+    """
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
 
 
 def parse_max_memory(max_memory: Mapping[Any, object]) -> dict[Device, int]:

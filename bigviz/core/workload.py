@@ -10,10 +10,18 @@ knows torch: ``bigviz.modeling.workload`` reads the specs from a model or a conf
 The cache formulas (``B`` batch, ``T`` context length, bytes of the cache dtype):
 
 * full attention: ``B x T x kv_heads x (k_dim + v_dim)``;
-* sliding window ``W``: the same with ``min(T, W)`` tokens;
+* sliding window ``W``: the same with ``min(T, W)`` tokens once decoding (a dynamic cache keeps
+  the whole prompt's keys and values from the prefill until the layer's first decode step:
+  :meth:`CacheSpec.peak_nbytes` charges that);
 * multi-head latent attention (DeepSeek): ``B x T x (kv_lora_rank + qk_rope_head_dim)``;
-* state space (Mamba): ``B x (conv state + recurrent state)``, whatever ``T``;
+* cross-attention: ``B x S x kv_heads x (k_dim + v_dim)`` over the ``S`` tokens it attends to
+  (an encoder's output, Mllama's vision states), whatever ``T``;
+* state (Mamba, Jamba, Bamba, Falcon-H1, Zamba2, Qwen3-Next, LFM2, RecurrentGemma):
+  ``B x (each fixed-size state)``, whatever ``T``;
 * none (a layer without attention).
+
+A layer can hold several (Falcon-H1 and Zamba2's hybrid layers: a state and keys and values;
+an encoder-decoder's decoder layer: self- and cross-attention).
 
 Example:
     >>> gqa = CacheSpec("full_attention", heads=8, k_dim=128, v_dim=128)   # Llama 3 70B layer
@@ -27,7 +35,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from bigviz.core.errors import PlanError, UsageError
 from bigviz.core.dtypes import canonical_dtype, itemsize
@@ -38,13 +46,14 @@ __all__ = [
     "Term",
     "StepSpec",
     "RunSpec",
+    "RunBytes",
     "CACHE_KINDS",
     "kv_cache_bytes",
     "activation_bytes",
     "longest_fit",
 ]
 
-CACHE_KINDS = ("full_attention", "sliding_attention", "latent_attention", "state", "none")
+CACHE_KINDS = ("full_attention", "sliding_attention", "latent_attention", "cross_attention", "state", "none")
 """What a layer's cache can be; ``latent_attention`` keeps one shared latent per token."""
 
 
@@ -59,15 +68,20 @@ class Workload:
             and ``N`` new tokens hold ``P + N - 1``). The largest step is the prefill of
             this many tokens. ``0``: weights only.
         kv_dtype: dtype of the cache (``None``: the model's compute dtype).
+        encoder_length: tokens the cross-attention layers attend to: an encoder-decoder's
+            encoder input (T5, BART, Whisper: its encoder's output length), Mllama's vision
+            states (images x tiles x (patches + 1)). ``None``: the model's own default
+            (Mllama: one image; an encoder-decoder: ``context_length``).
 
     Example:
         >>> Workload(batch_size=4, context_length=8192, kv_dtype="fp16")
-        Workload(batch_size=4, context_length=8192, kv_dtype='float16')
+        Workload(batch_size=4, context_length=8192, kv_dtype='float16', encoder_length=None)
     """
 
     batch_size: int = 1
     context_length: int = 0
     kv_dtype: str | None = None
+    encoder_length: int | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -75,6 +89,13 @@ class Workload:
             problems.append(f"batch_size={self.batch_size!r} must be an integer >= 1")
         if isinstance(self.context_length, bool) or not isinstance(self.context_length, int) or self.context_length < 0:
             problems.append(f"context_length={self.context_length!r} must be an integer >= 0 (tokens the cache holds)")
+        if self.encoder_length is not None and (
+            isinstance(self.encoder_length, bool) or not isinstance(self.encoder_length, int) or self.encoder_length < 0
+        ):
+            problems.append(
+                f"encoder_length={self.encoder_length!r} must be an integer >= 0 (tokens the cross-attention "
+                f"layers attend to) or None"
+            )
         if self.kv_dtype is not None:
             try:
                 object.__setattr__(self, "kv_dtype", canonical_dtype(self.kv_dtype))
@@ -87,6 +108,11 @@ class Workload:
         """True when there is a run to plan for (a context to hold)."""
         return self.context_length > 0
 
+    @property
+    def source_tokens(self) -> int:
+        """Tokens the cross-attention layers attend to (``encoder_length``, else the context)."""
+        return self.context_length if self.encoder_length is None else self.encoder_length
+
 
 @dataclass(frozen=True)
 class CacheSpec:
@@ -94,7 +120,8 @@ class CacheSpec:
 
     Attributes:
         kind: one of :data:`CACHE_KINDS`.
-        heads: key/value heads the cache keeps (1 for a shared latent).
+        heads: key/value heads the cache keeps (1 for a shared latent, or for widths read
+            from the model's own cache, which give elements per token whole).
         k_dim: width of a cached key per head (the latent's width for MLA).
         v_dim: width of a cached value per head (the rotary key's width for MLA).
         window: tokens a sliding-window layer keeps at most.
@@ -115,12 +142,15 @@ class CacheSpec:
         if self.kind == "sliding_attention" and not self.window:
             raise UsageError("a sliding_attention cache needs its window (tokens kept), e.g. window=4096")
 
-    def tokens(self, context_length: int) -> int:
-        """Tokens this layer keeps for a context of ``context_length``."""
+    def tokens(self, context_length: int, source_length: int | None = None) -> int:
+        """Tokens this layer keeps for a context of ``context_length`` (a cross-attention:
+        for ``source_length`` tokens attended to, else the context)."""
         if self.kind in ("state", "none"):
             return 0
         if self.kind == "sliding_attention":
             return min(context_length, int(self.window or 0))
+        if self.kind == "cross_attention":
+            return context_length if source_length is None else source_length
         return context_length
 
     def per_token(self) -> int:
@@ -130,11 +160,22 @@ class CacheSpec:
     def nbytes(self, workload: Workload, dtype: str) -> int:
         """Bytes this layer's cache holds under ``workload`` (``dtype``: the cache's, unless
         the workload names one)."""
+        return self._bytes(workload, dtype, self.tokens(workload.context_length, workload.source_tokens))
+
+    def peak_nbytes(self, workload: Workload, dtype: str) -> int:
+        """The most this layer's cache holds during a run whose prefill is the whole context,
+        with transformers' dynamic cache: a sliding-window layer keeps views of the whole
+        prompt's keys and values from the prefill until its first decode step, so its peak is
+        the full context; every other kind peaks at :meth:`nbytes`."""
+        if self.kind != "sliding_attention":
+            return self.nbytes(workload, dtype)
+        return self._bytes(workload, dtype, workload.context_length)
+
+    def _bytes(self, workload: Workload, dtype: str, tokens: int) -> int:
         if not workload.active or self.kind == "none":
             return 0
         size = itemsize(workload.kv_dtype or dtype)
-        tokens = workload.batch_size * self.tokens(workload.context_length)
-        total = tokens * self.per_token() * size
+        total = workload.batch_size * tokens * self.per_token() * size
         for elements, state_dtype in self.state:
             total += workload.batch_size * elements * (itemsize(state_dtype) if state_dtype else size)
         return int(total)
@@ -146,7 +187,9 @@ class Term:
 
     ``elements`` x (batch, if ``batched``) x (tokens, or tokens squared for ``per="pair"``
     such as attention scores and masks, or 1 for ``per="fixed"``) x bytes per element
-    (``itemsize``; ``None``: the compute dtype's).
+    (``itemsize``; ``None``: the compute dtype's). An encoder counts the tokens it reads
+    (``per="source"``, and ``"source_pair"`` for its scores); a cross-attention's scores are
+    ``per="cross"`` (tokens x tokens attended to).
 
     Example:
         >>> Term(3 * 14336).nbytes(Workload(1, 8192), "bfloat16") / 2**20   # a SwiGLU MLP's peak
@@ -156,11 +199,18 @@ class Term:
     elements: float
     itemsize: float | None = None
     batched: bool = True
-    per: str = "token"  # "token", "pair" or "fixed"
+    per: str = "token"  # "token", "pair", "fixed", "source", "source_pair" or "cross"
 
     def nbytes(self, workload: Workload, dtype: str) -> int:
-        tokens = workload.context_length
-        scale = {"token": tokens, "pair": tokens * tokens, "fixed": 1}[self.per]
+        tokens, source = workload.context_length, workload.source_tokens
+        scale = {
+            "token": tokens,
+            "pair": tokens * tokens,
+            "fixed": 1,
+            "source": source,
+            "source_pair": source * source,
+            "cross": tokens * source,
+        }[self.per]
         batch = workload.batch_size if self.batched else 1
         size = self.itemsize if self.itemsize is not None else itemsize(dtype)
         return int(self.elements * batch * scale * size)
@@ -187,9 +237,13 @@ class RunSpec:
         dtype: the compute dtype (activations; the cache too unless the workload names one).
         caches: layer module -> what its cache keeps.
         steps: module -> its step's phases (layers, the head).
-        carried: what the whole forward keeps alive on every device it runs on (hidden
-            states, embeddings, masks, rotary tables).
+        carried: what the whole forward keeps alive on every device it runs on (the
+            residual stream, masks, rotary tables).
         notes: how the estimate was made (attention kernel, assumptions), for reports.
+        held: module -> what its output keeps alive on the device it runs on for the whole
+            forward (the input embeddings: on their device only, not on every device).
+        source_tokens: tokens the cross-attention layers attend to when the workload does
+            not say (Mllama: one image's vision states); ``None``: the context length.
     """
 
     dtype: str
@@ -197,14 +251,57 @@ class RunSpec:
     steps: Mapping[str, StepSpec] = field(default_factory=dict)
     carried: tuple[Term, ...] = ()
     notes: tuple[str, ...] = ()
+    held: Mapping[str, tuple[Term, ...]] = field(default_factory=dict)
+    source_tokens: int | None = None
+
+    def resolved(self, workload: Workload) -> Workload:
+        """``workload`` with the tokens its cross-attention layers attend to filled in."""
+        if workload.encoder_length is not None or self.source_tokens is None:
+            return workload
+        return replace(workload, encoder_length=self.source_tokens)
 
     def kv_cache(self, workload: Workload) -> dict[str, int]:
-        """Bytes of cache per layer module."""
-        return kv_cache_bytes(self.caches, workload, self.dtype)
+        """Bytes of cache per layer module once the run is over (what a static cache holds)."""
+        return kv_cache_bytes(self.caches, self.resolved(workload), self.dtype)
+
+    def kv_peak(self, workload: Workload) -> dict[str, int]:
+        """The most each layer's cache holds during the run (see :meth:`CacheSpec.peak_nbytes`):
+        what a plan charges."""
+        workload = self.resolved(workload)
+        return {name: sum(s.peak_nbytes(workload, self.dtype) for s in specs) for name, specs in self.caches.items()}
 
     def activations(self, workload: Workload) -> dict[str, int]:
         """Peak activation bytes per module step, carried tensors included."""
-        return activation_bytes(self.steps, self.carried, workload, self.dtype)
+        return activation_bytes(self.steps, self.carried, self.resolved(workload), self.dtype)
+
+    def held_bytes(self, workload: Workload) -> dict[str, int]:
+        """Bytes each module's output keeps alive on its device for the whole forward."""
+        workload = self.resolved(workload)
+        if not workload.active:
+            return {}
+        return {name: sum(t.nbytes(workload, self.dtype) for t in terms) for name, terms in self.held.items()}
+
+
+@dataclass(frozen=True)
+class RunBytes:
+    """A run's bytes per module, as the planner charges them (``PlanOptions`` fields).
+
+    Attributes:
+        kv_cache: each layer's cache at its peak during the run.
+        activations: each module's step at its peak, what every step carries included.
+        held: what a module's output keeps alive all forward on its device (input embeddings).
+    """
+
+    kv_cache: dict[str, int] = field(default_factory=dict)
+    activations: dict[str, int] = field(default_factory=dict)
+    held: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, spec: RunSpec, workload: Workload) -> RunBytes:
+        """What ``spec`` charges for ``workload`` (nothing without a context)."""
+        if not workload.active:
+            return cls()
+        return cls(spec.kv_peak(workload), spec.activations(workload), spec.held_bytes(workload))
 
 
 def kv_cache_bytes(caches: Mapping[str, Iterable[CacheSpec]], workload: Workload, dtype: str) -> dict[str, int]:

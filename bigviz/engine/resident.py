@@ -63,6 +63,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from bigviz.checkpoint.progress import byte_bar
 from bigviz.core.errors import DeviceMapError
 from bigviz.core.stream_plan import StreamPlan
 from bigviz.engine.fetchers.spans import FileMaps, FileSpan, can_open, file_span, span_identity
@@ -195,17 +196,13 @@ def make_resident(model: nn.Module, *, readers: int = 4, progress: bool = True, 
     Parameters keep their identity (``param.data`` is replaced), so optimisers, hooks and
     weight ties made by object identity are unaffected.
     """
-    from tqdm.auto import tqdm
-
     copies: dict[tuple[int, int, torch.dtype, tuple[int, ...]], Tensor] = {}
     maps = FileMaps()
     pieces = [(m, a, k, t, p, file_span(t, maps, deleted=True)) for m, a, k, t, p in _plain_tensors(model)]
     todo = [(m, a, k, t, s) for m, a, k, t, p, s in pieces if p is None and s is not None]
     unique: dict[tuple[int, int], FileSpan] = {(s.address, s.length): s for *_, s in pieces if s is not None}
     start = time.perf_counter()
-    with tqdm(
-        total=sum(s.length for s in unique.values()), unit="B", unit_scale=True, desc="resident", disable=not progress
-    ) as bar:
+    with byte_bar(sum(s.length for s in unique.values()), "resident", enabled=progress) as bar:
         buffers, direct_bytes = _read_all(list(unique.values()), readers, bar.update, direct=direct)
     for module, attr, kind, tensor, span in todo:
         key = (span.address, span.length, tensor.dtype, tuple(tensor.shape))

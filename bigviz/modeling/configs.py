@@ -179,7 +179,17 @@ def read_config(source: Any) -> tuple[dict[str, Any], str]:
         raise ConfigError(
             f"{path}: a model config is a JSON object {{key: value}}, got a {type(data).__name__}", fix=_FIX
         )
-    return data, str(path)
+    return data, _described(source, path)
+
+
+def _described(source: str | os.PathLike[str], path: Path) -> str:
+    """The config as the user named it, in errors: ``the shipped config 'mixtral-8x7b' (path)``,
+    ``'my-model' (my-model/config.json)`` for a folder, else the file's path."""
+    if path.parent == CONFIG_DIR:
+        return f"the shipped config {path.stem!r} ({path})"
+    if Path(source) != path:
+        return f"{str(source)!r} ({path})"
+    return str(path)
 
 
 def checked_config(source: Any) -> tuple[dict[str, Any], str]:

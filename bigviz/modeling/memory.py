@@ -21,7 +21,7 @@ Example:
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -36,6 +36,8 @@ __all__ = [
     "measure_generate",
     "cache_tensors",
     "cache_bytes_by_device",
+    "module_states",
+    "output_cache",
     "storage_key",
 ]
 
@@ -125,27 +127,48 @@ class TensorTracker(TorchDispatchMode):
 
 def cache_tensors(cache: Any) -> Iterator[torch.Tensor]:
     """Every tensor a KV cache holds: a transformers ``Cache`` (attention layers' keys and
-    values, linear-attention layers' conv and recurrent states) or a bigviz ``KVCache``."""
+    values, linear-attention layers' conv and recurrent states, an ``EncoderDecoderCache``'s
+    self- and cross-attention caches) or a bigviz ``KVCache``. Bookkeeping scalars (0-d
+    tensors such as a sliding layer's window) are not cache."""
     seen: set[int] = set()
-    for obj in _cache_parts(cache):
-        if isinstance(obj, torch.Tensor) and id(obj) not in seen and obj.numel():
+    for obj in _cache_parts(cache, 0):
+        if id(obj) not in seen and obj.ndim and obj.numel():
             seen.add(id(obj))
             yield obj
 
 
-def _cache_parts(cache: Any) -> Iterator[Any]:
-    layers = getattr(cache, "layers", None)
-    if layers is None:  # bigviz KVCache: keys and values lists
-        yield from list(getattr(cache, "keys", [])) + list(getattr(cache, "values", []))
+def _cache_parts(obj: Any, depth: int) -> Iterator[torch.Tensor]:
+    """The tensors inside a cache object: its public attributes, lists and dicts, recursively."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
         return
-    for layer in layers:
-        yield getattr(layer, "keys", None)
-        yield getattr(layer, "values", None)
-        for states in ("conv_states", "recurrent_states"):
-            yield from (getattr(layer, states, None) or {}).values()
+    if depth > 6 or obj is None or isinstance(obj, (str, bytes, int, float, bool, torch.device, torch.dtype)):
+        return
+    if isinstance(obj, dict):
+        values: list[Any] = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        values = list(obj)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module) and not callable(obj):
+        values = [v for k, v in vars(obj).items() if not k.startswith("_") and k != "config"]
+    else:
+        return
+    for value in values:
+        yield from _cache_parts(value, depth + 1)
 
 
-def cache_bytes_by_device(cache: Any) -> dict[str, int]:
+def module_states(model: torch.nn.Module) -> dict[tuple[str, str], torch.Tensor]:
+    """Plain tensor attributes of a model's modules (not parameters or buffers): where an
+    architecture that keeps its recurrent state on its modules (RecurrentGemma) keeps it.
+    Compare two snapshots to see what a run left there."""
+    out = {}
+    for name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and not attr.startswith("_") and value.ndim:
+                out[(name, attr)] = value
+    return out
+
+
+def cache_bytes_by_device(cache: Any, extra: Iterable[torch.Tensor] = ()) -> dict[str, int]:
     """Bytes of memory a cache holds on each device, each storage counted once and whole
     (a view that keeps a larger tensor alive counts the larger tensor: that is the memory
     it holds).
@@ -160,7 +183,7 @@ def cache_bytes_by_device(cache: Any) -> dict[str, int]:
     """
     out: dict[str, int] = {}
     seen: set[tuple[str, int]] = set()
-    for tensor in cache_tensors(cache):
+    for tensor in [*cache_tensors(cache), *extra]:
         key = storage_key(tensor)
         if key not in seen:
             seen.add(key)
@@ -173,17 +196,21 @@ class RunMeasurement:
     """What one ``generate`` held, measured.
 
     Attributes:
-        cache_bytes: bytes the KV cache (or recurrent state) holds per device at the end.
+        cache_bytes: bytes the KV cache (or recurrent state) holds per device at the end,
+            the states a model keeps on its modules included.
         cache_tokens: tokens the cache holds (``None`` for a cache without a length).
         prefill_peak: the most bytes the prefill step had alive at once (cache included).
         prefill_activations: the same peak without the cache's storages: the step's
             transient memory (what a plan's ``activations`` predicts).
+        cache_peak: the most the cache held per device after any forward (a sliding
+            layer holds the whole prompt from the prefill until its first decode step).
     """
 
     cache_bytes: dict[str, int]
     cache_tokens: int | None
     prefill_peak: int
     prefill_activations: int
+    cache_peak: dict[str, int] = field(default_factory=dict)
 
 
 def measure_generate(
@@ -193,6 +220,8 @@ def measure_generate(
 
     Works for transformers models (the cache comes back with ``return_dict_in_generate``)
     and for bigviz's reference models (the cache is the ``cache`` their forward is given).
+    States a model keeps on its modules (tensors a run set as plain attributes) count as
+    cache. For an encoder-decoder the prefill starts with the encoder's forward.
 
     Example:
         >>> import torch
@@ -202,6 +231,12 @@ def measure_generate(
         (7, {'cpu': 3584})
     """
     seen: dict[str, Any] = {}
+    peak: dict[str, int] = {}
+    states_before = module_states(model)
+
+    def held(cache: Any) -> dict[str, int]:
+        states = [t for key, t in module_states(model).items() if states_before.get(key) is not t]
+        return cache_bytes_by_device(cache, states)
 
     def before(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if "tracker" not in seen:
@@ -209,11 +244,14 @@ def measure_generate(
         seen.setdefault("cache", kwargs.get("cache"))
 
     def after(module: torch.nn.Module, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        now = kwargs.get("cache") if _is_reference(model) else output_cache(out)
+        for device, nbytes in held(now).items():
+            peak[device] = max(peak.get(device, 0), nbytes)
         tracker = seen.get("tracker")
         if tracker is None or "peak" in seen:
             return
         tracker.__exit__(None, None, None)
-        cache = seen["cache"] if seen["cache"] is not None else _output_cache(out)
+        cache = seen["cache"] if seen["cache"] is not None else output_cache(out)
         seen["cache"] = cache
         seen["peak"] = tracker.peak
         seen["activations"] = tracker.peak_without(tracker.live_ids(list(cache_tensors(cache))))
@@ -222,6 +260,9 @@ def measure_generate(
         model.register_forward_pre_hook(before, with_kwargs=True),
         model.register_forward_hook(after, with_kwargs=True),
     ]
+    encoder = model.get_encoder() if getattr(getattr(model, "config", None), "is_encoder_decoder", False) else None
+    if encoder is not None:  # generate runs the encoder before the first forward: the prefill starts there
+        hooks.append(encoder.register_forward_pre_hook(before, with_kwargs=True))
     try:
         with torch.no_grad():
             out = (
@@ -236,15 +277,19 @@ def measure_generate(
             hook.remove()
         if "tracker" in seen and "peak" not in seen:
             seen["tracker"].__exit__(None, None, None)
-    cache = seen.get("cache") if _is_reference(model) else _output_cache(out)
-    return RunMeasurement(cache_bytes_by_device(cache), _cache_length(cache), seen["peak"], seen["activations"])
+    cache = seen.get("cache") if _is_reference(model) else output_cache(out)
+    final = held(cache)
+    for device, nbytes in final.items():
+        peak[device] = max(peak.get(device, 0), nbytes)
+    return RunMeasurement(final, _cache_length(cache), seen["peak"], seen["activations"], peak)
 
 
 def _is_reference(model: torch.nn.Module) -> bool:
     return type(model).__module__.startswith("bigviz.models")
 
 
-def _output_cache(out: Any) -> Any:
+def output_cache(out: Any) -> Any:
+    """The cache a model's output (or ``generate``'s) carries, under any of its names."""
     for name in ("cache", "past_key_values", "cache_params"):
         cache = getattr(out, name, None)
         if cache is not None:

@@ -3,9 +3,16 @@
 
 The cache layout follows transformers' own rules (``cache_utils.get_layer_types_and_kwargs``):
 each layer's type (``full_attention``, ``sliding_attention``, ``chunked_attention``,
-``linear_attention``, ...), ``num_key_value_heads``, ``head_dim``, ``sliding_window``,
-DeepSeek's latent (``kv_lora_rank + qk_rope_head_dim``, which transformers caches in place
-of the full keys and values), and Mamba's conv and recurrent states.
+``linear_attention``, ...), ``num_key_value_heads``, ``head_dim``, ``sliding_window``, and
+DeepSeek's latent (``kv_lora_rank + qk_rope_head_dim``, which transformers caches in place of
+the full keys and values from version 5.15 on; earlier versions cache the full keys and
+values, and the rule follows the installed version). What the config does not say is read
+from the model itself (:mod:`bigviz.modeling.cache_probe`, a short step on meta through the
+model's own cache classes): recurrent and hybrid layers' fixed-size states (Mamba, Mamba-2,
+Jamba, Bamba, Falcon-H1, Zamba2, Qwen3-Next, LFM2, RecurrentGemma) and the widths of the keys
+and values those models and encoder-decoders cache (Zamba2's attention is twice as wide as its
+hidden size suggests), an encoder-decoder's cross-attention cache over the encoder's tokens,
+and the layers that cross-attend to vision states (Mllama).
 
 The activation estimate is the peak of the tensors a prefill step keeps alive in
 transformers' (or bigviz's) code: per layer, the largest of its phases (attention, MLP or
@@ -35,14 +42,15 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from bigviz.core.dtypes import FLOATING_DTYPES, canonical_dtype
+from bigviz.core.dtypes import FLOATING_DTYPES, canonical_dtype, itemsize
 from bigviz.core.workload import CacheSpec, RunSpec, StepSpec, Term, Workload
 from bigviz.modeling.configs import model_from_config
+from bigviz.modeling.cache_probe import LayerCache, probe_cache, source_layers
 from bigviz.models.gpt import GPT
 from bigviz.models.llama import Llama
 from bigviz.core.errors import UsageError
 
-__all__ = ["run_spec", "kv_cache_bytes", "compute_dtype"]
+__all__ = ["run_spec", "kv_cache_bytes", "compute_dtype", "latent_cached", "score_bytes"]
 
 ModelOrConfig = Any  # nn.Module, transformers PretrainedConfig, GPTConfig/LlamaConfig, config path
 _INT64 = 8.0
@@ -60,16 +68,26 @@ def compute_dtype(model: nn.Module) -> str:
 
 
 def kv_cache_bytes(
-    model_or_config: ModelOrConfig, batch_size: int, context_length: int, dtype: torch.dtype | str | None = None
+    model_or_config: ModelOrConfig,
+    batch_size: int,
+    context_length: int,
+    dtype: torch.dtype | str | None = None,
+    *,
+    encoder_length: int | None = None,
 ) -> dict[str, int]:
-    """Bytes of KV cache (or recurrent state) per layer module for a run.
+    """Bytes of KV cache (or recurrent state) per layer module once a run is over: what a
+    static cache allocates, and what transformers' dynamic cache holds at the end of
+    ``generate`` (a plan charges each layer's peak, see :meth:`CacheSpec.peak_nbytes`).
 
     Args:
         model_or_config: an ``nn.Module`` (on meta is fine), a transformers config, a
             ``config.json`` path (or folder), or a bigviz ``GPTConfig`` / ``LlamaConfig``.
         batch_size: sequences decoded together.
-        context_length: tokens each sequence's cache holds.
+        context_length: tokens each sequence's cache holds (an encoder-decoder: the decoder's).
         dtype: the cache's dtype (default: the model's compute dtype).
+        encoder_length: tokens the cross-attention layers attend to (an encoder-decoder's
+            encoder input; Mllama's vision states). Default: the model's own (Mllama: one
+            image), else ``context_length``.
 
     Example:
         >>> from bigviz.models import GPTConfig
@@ -79,7 +97,7 @@ def kv_cache_bytes(
     model = _as_model(model_or_config)
     spec = run_spec(model)
     kv_dtype = canonical_dtype(dtype) if dtype is not None else None
-    return spec.kv_cache(Workload(batch_size=batch_size, context_length=context_length, kv_dtype=kv_dtype))
+    return spec.kv_cache(Workload(batch_size, context_length, kv_dtype, encoder_length))
 
 
 def _as_model(source: ModelOrConfig) -> nn.Module:
@@ -116,10 +134,7 @@ def run_spec(model: nn.Module, *, dtype: torch.dtype | str | None = None, device
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
         if getattr(config, "is_encoder_decoder", False):
-            raise UsageError(
-                f"bigviz plans the run of decoder-only models; {type(model).__name__} is an "
-                f"encoder-decoder: give kv_cache={{module: bytes}} and activations={{module: bytes}}"
-            )
+            return _encdec_spec(model, config, compute, cpu)
         spec = _hf_spec(model, config.get_text_config(decoder=True), compute, cpu)
         if hasattr(model, "can_generate") and not model.can_generate():  # an encoder: nothing is cached
             spec = RunSpec(
@@ -141,7 +156,7 @@ def run_spec(model: nn.Module, *, dtype: torch.dtype | str | None = None, device
 def _layer_list(model: nn.Module, n_layers: int) -> str:
     """The ``nn.ModuleList`` of the decoder layers: ``n_layers`` long, holding the modules
     that carry a ``layer_idx`` (attention, mixers). The first such list in definition order."""
-    for name, module in model.named_modules():
+    for name, module in _decoder_first(model):
         if (
             isinstance(module, nn.ModuleList)
             and len(module) == n_layers
@@ -156,16 +171,43 @@ def _layer_list(model: nn.Module, n_layers: int) -> str:
     )
 
 
+def _decoder_first(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's modules, its decoder's first (a vision tower's layers are not the decoder's)."""
+    modules = list(model.named_modules())
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    prefix = next((n for n, m in modules if m is decoder and n), None)
+    if prefix is None:
+        return modules
+    inside = [(n, m) for n, m in modules if n == prefix or n.startswith(prefix + ".")]
+    return inside + [(n, m) for n, m in modules if not (n == prefix or n.startswith(prefix + "."))]
+
+
 def _layer_names(model: nn.Module, n_layers: int) -> list[str]:
     base = _layer_list(model, n_layers)
     return [f"{base}.{i}" if base else str(i) for i in range(n_layers)]
 
 
+def _blocks(stack: nn.Module, prefix: str) -> list[str]:
+    """The layers of an encoder or decoder stack: its first ``nn.ModuleList`` (T5's ``block``,
+    BART's and Whisper's ``layers``), named from the model's root."""
+    for name, module in stack.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module):
+            base = f"{prefix}.{name}" if prefix and name else prefix or name
+            return [f"{base}.{i}" for i in range(len(module))]
+    return []
+
+
+def _name_of(model: nn.Module, module: nn.Module | None) -> str | None:
+    return next((n for n, m in model.named_modules() if m is module), None) if module is not None else None
+
+
 def _head_name(model: nn.Module) -> str | None:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None:
-        return None
-    return next((n for n, m in model.named_modules() if m is head), None)
+    return _name_of(model, model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None)
+
+
+def _embedding_name(model: nn.Module) -> str | None:
+    """The input embeddings' module: its output stays alive, on its device, all forward."""
+    return _name_of(model, model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None)
 
 
 # ---- bigviz's reference models -----------------------------------------------------------------
@@ -257,96 +299,218 @@ def _layer_types(config: Any, n_layers: int) -> tuple[list[str], list[dict[str, 
     return types, [{"sliding_window": window} if "sliding" in t else {} for t in types]
 
 
-def _hf_caches(config: Any, dims: _Dims, names: Sequence[str]) -> dict[str, tuple[CacheSpec, ...]]:
+_ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "hybrid", "hybrid_sliding")
+_PLAIN_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "dummy")  # the config says it all
+
+
+def _hf_caches(
+    model: nn.Module, config: Any, dims: _Dims, names: Sequence[str]
+) -> tuple[dict[str, tuple[CacheSpec, ...]], int | None]:
+    """Each layer's caches, and the tokens its cross-attention layers attend to by default.
+
+    Layer kinds and windows follow transformers' layer types. What each layer holds is asked
+    of the model (:func:`bigviz.modeling.cache_probe.probe_cache`, a step on meta through its
+    own cache classes): the widths of its keys and values as its cache allocates them (Zamba2's
+    are twice as wide as its hidden size suggests, Falcon's multi-query layers keep one head
+    where its config counts all), and the states of recurrent, convolutional and hybrid layers.
+    Where the model cannot be stepped on meta, attention layers follow the config's rule
+    (``kv_heads x head_dim`` per token) and other layers are refused. DeepSeek's latent follows
+    the installed version's rule. Layers the model's static cache sizes by the vision states
+    (Mllama's cross-attention) cache those, whatever the context.
+    """
     types, kwargs = _layer_types(config, dims.layers)
-    out: dict[str, tuple[CacheSpec, ...]] = {}
-    problems = []
-    for name, kind, extra in zip(names, types, kwargs):
-        specs: list[CacheSpec] = []
-        if kind in ("full_attention", "sliding_attention", "chunked_attention", "hybrid", "hybrid_sliding"):
-            specs.append(
-                _attention_cache(
-                    config,
-                    dims,
-                    extra.get("sliding_window") if "sliding" in kind or kind == "chunked_attention" else None,
-                )
+    kinds = tuple(f"{kind} {sorted(extra.items())}" for kind, extra in zip(types, kwargs))
+    probe = probe_cache(model, dims.layers, layer_names=tuple(names), layer_kinds=kinds)
+    if probe is None:
+        if any(t not in _PLAIN_TYPES for t in types):  # the config does not say it all, and the model cannot
+            raise UsageError(
+                f"bigviz reads the recurrent state of {type(model).__name__} from a step of the model "
+                f"on meta, and that step failed here (layer types {sorted(set(types))}): give the bytes "
+                f"per module with kv_cache={{module: bytes}}"
             )
-        if kind in ("linear_attention", "conv", "hybrid", "hybrid_sliding"):
-            state = _state_cache(config)
-            if state is None:
-                problems.append(f"{name}: layer type {kind!r} of model type {getattr(config, 'model_type', '?')!r}")
-                continue
-            specs.append(state)
-        if kind == "dummy" or not specs:
-            specs.append(CacheSpec("none"))
-        out[name] = tuple(specs)
-    if problems:
-        raise UsageError(
-            "bigviz does not know the recurrent state of: "
-            + "; ".join(problems)
-            + ". Give the bytes per module with kv_cache={module: bytes}"
-        )
-    return out
+    sources = source_layers(model, dims.layers)
+    out: dict[str, tuple[CacheSpec, ...]] = {}
+    for index, (name, kind, extra) in enumerate(zip(names, types, kwargs)):
+        layer = probe.layers[index] if probe is not None else LayerCache()
+        if index in sources:  # cross-attention: it caches the vision states, not the text
+            base = _attention_cache(config, dims, None)
+            out[name] = (CacheSpec("cross_attention", heads=base.heads, k_dim=base.k_dim, v_dim=base.v_dim),)
+            continue
+        specs: list[CacheSpec] = []
+        if kind in _ATTENTION_TYPES or layer.per_token:
+            window = extra.get("sliding_window") if "sliding" in kind or kind == "chunked_attention" else None
+            specs.append(_attention_cache(config, dims, window, layer.per_token))
+        if layer.states and kind not in _PLAIN_TYPES:  # plain attention keeps no state (a window under
+            specs.append(CacheSpec("state", state=layer.states))  # the probe's tokens merely looks like one)
+        out[name] = tuple(specs) or (CacheSpec("none"),)
+    return out, (max(sources.values()) if sources else None)
 
 
-def _attention_cache(config: Any, dims: _Dims, window: int | None) -> CacheSpec:
+def _attention_cache(config: Any, dims: _Dims, window: int | None, measured: Sequence[int] = ()) -> CacheSpec:
+    """One layer's keys and values: ``kv_heads x (head_dim + head_dim)`` per token from the
+    config, or the widths the model's own cache allocated (``measured``: elements per token
+    of its keys and of its values); MLA's latent where the installed transformers caches it."""
     lora = getattr(config, "kv_lora_rank", None)
-    if lora:  # MLA: transformers caches the shared latent and the rotary key, not the heads
-        return CacheSpec("latent_attention", heads=1, k_dim=int(lora), v_dim=int(config.qk_rope_head_dim))
+    if lora:  # the probe agrees on the installed version; the rule says so where it cannot run
+        rope = int(config.qk_rope_head_dim)
+        if latent_cached():  # transformers caches the shared latent and the rotary key
+            return CacheSpec("latent_attention", heads=1, k_dim=int(lora), v_dim=rope)
+        qk, v = int(config.qk_nope_head_dim) + rope, int(getattr(config, "v_head_dim", 0) or config.qk_nope_head_dim)
+        return CacheSpec("full_attention", heads=dims.heads, k_dim=qk, v_dim=v)  # every head's key and value
+    heads, k_dim, v_dim = (dims.kv_heads, dims.head_dim, dims.head_dim)
+    if measured:  # whole elements per token: Zamba2's wider heads, anything the config does not say
+        heads, k_dim, v_dim = 1, int(measured[0]), int(sum(measured[1:]))
     if window:
-        return CacheSpec(
-            "sliding_attention", heads=dims.kv_heads, k_dim=dims.head_dim, v_dim=dims.head_dim, window=int(window)
-        )
-    return CacheSpec("full_attention", heads=dims.kv_heads, k_dim=dims.head_dim, v_dim=dims.head_dim)
+        return CacheSpec("sliding_attention", heads=heads, k_dim=k_dim, v_dim=v_dim, window=int(window))
+    return CacheSpec("full_attention", heads=heads, k_dim=k_dim, v_dim=v_dim)
 
 
-def _state_cache(config: Any) -> CacheSpec | None:
-    """Mamba: a conv state (inner x kernel, model dtype) and a float32 recurrent state
-    (inner x state); Mamba-2: conv over inner + 2 x groups x state, recurrent per head."""
-    kernel, state = getattr(config, "conv_kernel", None), getattr(config, "state_size", None)
-    inner = getattr(config, "intermediate_size", None) or int(getattr(config, "expand", 0) * config.hidden_size)
-    if not (kernel and state and inner):
-        return None
-    if getattr(config, "model_type", "") == "mamba2":
-        conv = (inner + 2 * config.n_groups * state) * kernel
-        return CacheSpec("state", state=((conv, None), (config.num_heads * config.head_dim * state, "float32")))
-    return CacheSpec("state", state=((inner * kernel, None), (inner * state, "float32")))
+LATENT_CACHE_SINCE = (5, 15)
+"""The transformers version from which DeepSeek's attention caches its latent, not every head's
+keys and values (71x less for DeepSeek-V3)."""
+
+
+def latent_cached(version: str | None = None) -> bool:
+    """True when the installed transformers (or ``version``) caches MLA's latent.
+
+    Example:
+        >>> latent_cached("5.14.2"), latent_cached("5.15.0"), latent_cached("4.57.1")
+        (False, True, False)
+    """
+    if version is None:
+        try:
+            import transformers
+        except ImportError:
+            return True
+        version = transformers.__version__
+    parts = [int("".join(c for c in part if c.isdigit()) or 0) for part in version.split(".")[:2]]
+    return tuple(parts + [0] * (2 - len(parts))) >= LATENT_CACHE_SINCE
 
 
 def _hf_spec(model: nn.Module, config: Any, dtype: str, cpu: bool) -> RunSpec:
     dims = _Dims.of(config)
     names = _layer_names(model, dims.layers)
-    caches = _hf_caches(config, dims, names)
+    caches, source_tokens = _hf_caches(model, config, dims, names)
     types, kwargs = _layer_types(config, dims.layers)
+    held: dict[str, tuple[Term, ...]] = {}
     if getattr(config, "model_type", "") in ("mamba", "mamba2"):
         carried, layer_steps, notes = _mamba_steps(config, dims, cpu)
     else:
-        carried, layer_steps, notes = _decoder_steps(config, dims, types, kwargs, cpu)
+        states = [tuple(st for spec in caches[name] for st in spec.state) for name in names]
+        carried, layer_steps, notes = _decoder_steps(config, dims, types, kwargs, cpu, dtype, states)
+        embeddings = _embedding_name(model)
+        if embeddings is not None:  # the input embeddings stay alive where they are computed
+            held[embeddings] = (Term(dims.hidden),)
+        else:
+            carried = (Term(dims.hidden), *carried)
     steps: dict[str, StepSpec] = dict(zip(names, layer_steps))
     head = _head_name(model)
     if head is not None:  # generate keeps the logits of the last token only (logits_to_keep=1)
         steps[head] = StepSpec(((Term(dims.hidden), Term(dims.vocab, per="fixed")),))
-    return RunSpec(dtype, caches, steps, carried, notes=tuple(notes))
+    if source_tokens is not None:
+        notes.append(f"cross-attention layers cache {source_tokens:,} vision tokens per image (one image by default)")
+    return RunSpec(dtype, caches, steps, carried, notes=tuple(notes), held=held, source_tokens=source_tokens)
+
+
+def _encdec_spec(model: nn.Module, config: Any, dtype: str, cpu: bool) -> RunSpec:
+    """Encoder-decoders (T5, UMT5, BART, Pegasus, LED, Marian, Whisper). Each decoder layer
+    caches its self-attention over the generated tokens and its cross-attention over the
+    encoder's ``S`` tokens (transformers' ``EncoderDecoderCache``), both as wide as the
+    model's own cache allocates them; the encoder runs once, over ``S`` tokens, on the
+    devices that hold its layers, and its output stays alive while the decoder runs."""
+    encoder, decoder = model.get_encoder(), model.get_decoder()
+    encoder_names = _blocks(encoder, _name_of(model, encoder) or "")
+    decoder_names = _blocks(decoder, _name_of(model, decoder) or "")
+    probe = probe_cache(model, len(decoder_names)) if decoder_names else None
+    if probe is None or not all(layer.per_token and layer.per_source_token for layer in probe.layers):
+        raise UsageError(
+            f"bigviz reads the caches of {type(model).__name__} from a decoder step on meta, and that "
+            f"step failed here: give the bytes per module with kv_cache={{module: bytes}} and "
+            f"activations={{module: bytes}}"
+        )
+    caches = {
+        name: (_attention_cache(config, _Dims.of(config), None, layer.per_token), _cross_cache(layer))
+        for name, layer in zip(decoder_names, probe.layers)
+    }
+    hidden, inner = int(config.hidden_size), probe.layers[0].per_token[0]
+    heads = int(getattr(config, "num_attention_heads", 0) or 1)
+    ffn = int(getattr(config, "d_ff", None) or getattr(config, "encoder_ffn_dim", None) or 4 * hidden)
+    attn = str(getattr(config, "_attn_implementation", None) or "eager")
+    scores = score_bytes(dtype) if attn == "eager" else 0.0
+
+    def attention(q_per: str, kv_per: str, pair: str, self_kv: bool) -> tuple[Term, ...]:
+        kv = (Term(2 * inner, per=kv_per),) if self_kv else ()
+        return (Term(hidden, per=q_per), Term(2 * inner, per=q_per), *kv, *_scores(heads, scores, pair))
+
+    mlp = (Term(2 * hidden + 2 * ffn, per="source"),)
+    encoder_step = StepSpec((attention("source", "source", "source_pair", True), mlp))
+    decoder_mlp = (Term(2 * hidden + 2 * ffn),)
+    decoder_step = StepSpec(
+        (attention("token", "token", "pair", True), attention("token", "source", "cross", False), decoder_mlp)
+    )
+    steps = {**dict.fromkeys(encoder_names, encoder_step), **dict.fromkeys(decoder_names, decoder_step)}
+    head = _head_name(model)
+    if head is not None:
+        steps[head] = StepSpec(((Term(hidden), Term(int(getattr(config, "vocab_size", 0) or 0), per="fixed")),))
+    masks = (Term(1, per="source_pair"), Term(1, per="pair"), Term(1, per="cross")) if attn == "eager" else ()
+    carried = (Term(hidden, per="source"), Term(hidden), *masks, Term(1, _INT64), Term(1, _INT64, per="source"))
+    notes = (
+        f"attention: {attn}; the encoder reads encoder_length tokens (default: context_length), "
+        "the decoder caches them in every layer's cross-attention",
+    )
+    return RunSpec(dtype, caches, steps, carried, notes=notes)
+
+
+def _cross_cache(layer: LayerCache) -> CacheSpec:
+    keys, *values = layer.per_source_token
+    return CacheSpec("cross_attention", heads=1, k_dim=int(keys), v_dim=int(sum(values)))
+
+
+def _scores(heads: int, size: float, per: str) -> tuple[Term, ...]:
+    """Eager attention's scores at the softmax peak (none for fused kernels: ``size`` 0)."""
+    return (Term(heads, size, per=per),) if size else ()
 
 
 def _decoder_steps(
-    config: Any, dims: _Dims, types: Sequence[str], kwargs: Sequence[Mapping[str, Any]], cpu: bool
+    config: Any,
+    dims: _Dims,
+    types: Sequence[str],
+    kwargs: Sequence[Mapping[str, Any]],
+    cpu: bool,
+    dtype: str,
+    states: Sequence[tuple[tuple[int, str | None], ...]] = (),
 ) -> tuple[tuple[Term, ...], list[StepSpec], list[str]]:
-    """Attention decoders (GPT-2, Llama, Mistral, Gemma 2, Qwen2, Mixtral, DeepSeek, ...)."""
+    """Attention decoders (GPT-2, Llama, Mistral, Gemma 2, Qwen2, Mixtral, DeepSeek, ...).
+    The input embeddings' output is not carried here: it is held on its own device."""
     gpt2 = getattr(config, "model_type", "") == "gpt2"
     masks = _mask_terms(dims, types, kwargs)
     rope = () if gpt2 else (Term(2 * _rope_dim(config, dims), batched=False),)
-    embeds = (Term(dims.hidden), Term(dims.hidden, batched=False)) if gpt2 else (Term(dims.hidden),)
-    carried = (*embeds, Term(dims.hidden), *rope, *masks, Term(1, _INT64), Term(1, _INT64, batched=False))
+    positions = (Term(dims.hidden, batched=False),) if gpt2 else ()  # GPT-2's wpe output
+    carried = (*positions, Term(dims.hidden), *rope, *masks, Term(1, _INT64), Term(1, _INT64, batched=False))
     notes = [f"attention: {dims.attn}" + (" (reference kernels on CPU)" if cpu else " (fused kernels)")]
-    attention = _attention_phases(config, dims, bool(masks), cpu)
+    attention = _attention_phases(config, dims, bool(masks), cpu, dtype)
     steps = []
     for index in range(dims.layers):
         mlp = _mlp_phase(config, dims, index, gpt2)
         if dims.attn == "eager":  # the layer keeps the returned attention weights (``h, _ = attn(...)``)
             mlp = (*mlp, Term(dims.heads, per="pair"))
-        steps.append(StepSpec((*attention, mlp)))
+        mixer = _state_phase(dims, states[index], cpu) if states and states[index] else ()
+        kinds = types[index] if index < len(types) else "full_attention"
+        own = attention if kinds in _ATTENTION_TYPES or not mixer else ()
+        steps.append(StepSpec((*own, *((mixer,) if mixer else ()), mlp)))
     return carried, steps, notes
+
+
+def _state_phase(dims: _Dims, states: Sequence[tuple[int, str | None]], cpu: bool) -> tuple[Term, ...]:
+    """A recurrent or convolutional mixer's peak, sized by the states its cache holds (read
+    from the model): its projections and conv output, about as wide as the conv state
+    (channels x kernel); on the CPU, the reference scan's float32 tensors, three times the
+    recurrent state per token (Mamba's selective scan; Mamba-2's and DeltaNet's chunked forms
+    keep fewer). An estimate: the README's accuracy table says how close it is."""
+    conv = sum(n for n, dtype in states if dtype is None)
+    recurrent = sum(n for n, dtype in states if dtype is not None)
+    phase = (Term(dims.hidden), Term(conv))
+    return (*phase, Term(3 * recurrent, 4.0)) if cpu and recurrent else phase
 
 
 def _rope_dim(config: Any, dims: _Dims) -> int:
@@ -365,7 +529,23 @@ def _mask_terms(dims: _Dims, types: Sequence[str], kwargs: Sequence[Mapping[str,
     return ()
 
 
-def _attention_phases(config: Any, dims: _Dims, masked: bool, cpu: bool) -> tuple[tuple[Term, ...], ...]:
+def score_bytes(dtype: str) -> float:
+    """Bytes per attention score at eager attention's softmax peak: the scores (plus mask) in
+    the compute dtype, a float32 copy of them when the dtype is narrower (``softmax(...,
+    dtype=torch.float32)`` casts its input first), and the float32 probabilities: 8 bytes in
+    float32, 10 in bfloat16 or float16.
+
+    Example:
+        >>> score_bytes("float32"), score_bytes("bfloat16")
+        (8.0, 10.0)
+    """
+    size = itemsize(dtype)
+    return float(size + 4 + (4 if size < 4 else 0))
+
+
+def _attention_phases(
+    config: Any, dims: _Dims, masked: bool, cpu: bool, dtype: str = "float32"
+) -> tuple[tuple[Term, ...], ...]:
     """What is alive at each peak of the attention, besides the carried tensors."""
     if getattr(config, "kv_lora_rank", None):
         return (_mla_phase(config, dims, cpu),)
@@ -373,8 +553,8 @@ def _attention_phases(config: Any, dims: _Dims, masked: bool, cpu: bool) -> tupl
     q, kv = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
     repeat = 2 * q if dims.kv_heads != dims.heads and (masked or dims.attn == "eager") else 0
     normed = Term(dims.hidden)
-    if dims.attn == "eager":  # scores, then scores + mask next to their float32 softmax: 8 bytes each
-        return ((normed, Term((3 * q if gpt2 else q) + repeat), Term(dims.heads, 8.0, per="pair")),)
+    if dims.attn == "eager":  # scores (+ mask) next to their float32 softmax (see score_bytes)
+        return ((normed, Term((3 * q if gpt2 else q) + repeat), Term(dims.heads, score_bytes(dtype), per="pair")),)
     # SDPA turns a boolean mask into a float one for the call
     mask_copy = (Term(1, per="pair"),) if masked else ()
     if gpt2:  # the fused c_attn output (q, k, v are views of it), SDPA's output and its copy

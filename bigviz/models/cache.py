@@ -81,6 +81,8 @@ class KVCache:
         if old_k is not None and old_v is not None:
             k = torch.cat((old_k, k), dim=2)
             v = torch.cat((old_v, v), dim=2)
+        else:  # a view (GPT's split of its fused q/k/v projection) would keep the whole projection alive
+            k, v = k.contiguous(), v.contiguous()
         self.keys[layer_idx], self.values[layer_idx] = k, v
         return k, v
 

@@ -31,6 +31,10 @@ __all__ = [
     "identity",
     "held_descriptor",
     "open_identified",
+    "disk_read_bytes",
+    "io_accounting",
+    "thread_times",
+    "mount_holding",
 ]
 
 MapRow = tuple[int, int, int, str, tuple[int, int]]  # (start, end, file offset, path, (device, inode))
@@ -192,3 +196,55 @@ def open_identified(path: str, want: tuple[int, int] | None, flags: int = 0, *, 
         f"{name or path}: replaced since the model mapped it, and nothing holds the file it mapped any "
         "more; load the model again",
     )
+
+
+# ---- what a timing demonstration reads (bigviz.teaching) ------------------------------
+def _proc_field(path: str, field: str) -> int:
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def disk_read_bytes(thread: int | None = None) -> int:
+    """Bytes read from a disk by this process, or by one of its threads (a native thread id);
+    0 where ``/proc`` does not say."""
+    return _proc_field(f"/proc/self/task/{thread}/io" if thread else "/proc/self/io", "read_bytes")
+
+
+def thread_times(thread: int) -> tuple[float, float]:
+    """``(seconds on a core, seconds waiting for a core)`` of a thread of this process (a
+    native thread id, ``threading.get_native_id()``); ``(0.0, 0.0)`` where unknown."""
+    try:
+        with open(f"/proc/self/task/{thread}/schedstat") as f:
+            on_core, waiting, _ = map(int, f.read().split())
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    return on_core / 1e9, waiting / 1e9
+
+
+def mount_holding(path: str | os.PathLike[str]) -> tuple[str, str]:
+    """``(device, filesystem type)`` of the mount holding ``path`` (``("", "")`` if unknown).
+
+    Example:
+        >>> mount_holding("/")[1] != "" or not os.path.exists("/proc/self/mounts")
+        True
+    """
+    try:
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split()[:3] for line in f]
+    except OSError:
+        return "", ""
+    real = os.path.realpath(path)
+    inside = [m for m in mounts if len(m) == 3 and (real == m[1] or real.startswith(m[1].rstrip("/") + "/"))]
+    device, _, fstype = max(inside, key=lambda m: len(m[1]), default=("", "", ""))
+    return device, fstype
+
+
+def io_accounting() -> bool:
+    """Whether this kernel counts a process's disk reads (``/proc/self/io``)."""
+    return os.path.exists("/proc/self/io")

@@ -42,7 +42,9 @@ def max_context(
     """The longest context whose run fits, by bisection on the (linear-time) planner.
 
     "Fits" means the plan succeeds with every device within its budget (weights, KV cache,
-    activations of the prefill, reserves), and:
+    activations of the prefill, reserves: by default each device kind's headroom, the CUDA
+    context and fragmentation on a GPU, the allocator's slack on the CPU, see
+    :mod:`bigviz.core.headroom`; ``reserve=0`` answers with the bare arithmetic), and:
 
     * by default, nothing is offloaded: every module stays on the GPUs (or the CPU when no
       GPU is planned for);
@@ -63,8 +65,8 @@ def max_context(
             ``max_position_embeddings`` / ``n_positions`` / ``block_size``, else 2**24).
         stages: plan pipeline stages instead of devices (``max_memory`` is then not given).
         microbatches: the pipeline's micro-batches (with ``stages``).
-        **plan_kwargs: more :func:`plan` options (``dtype``, ``kv_dtype``, ``strategy``, ...;
-            with ``stages``, those of :func:`bigviz.plan_pipeline`).
+        **plan_kwargs: more :func:`plan` options (``dtype``, ``kv_dtype``, ``encoder_length``,
+            ``reserve``, ``strategy``, ...; with ``stages``, those of :func:`bigviz.plan_pipeline`).
 
     Returns:
         The number of tokens, 0 when not even the weights fit.
@@ -75,7 +77,9 @@ def max_context(
         >>> with torch.device("meta"):
         ...     model = build("gpt-tiny")        # 123.5 KiB of weights, block_size 64
         >>> max_context(model, {"cpu": "10MiB"}), max_context(model, {"cpu": 160_000})
-        (64, 15)
+        (64, 12)
+        >>> max_context(model, {"cpu": 160_000}, reserve=0)   # no headroom: the bare arithmetic
+        15
         >>> max_context(model, stages=["100KB", "100KB"], batch_size=2)   # two ranks of 100 kB each
         6
     """

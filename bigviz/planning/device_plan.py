@@ -37,7 +37,7 @@ def plan(
     strategy: str = "auto",
     no_split_module_classes: Collection[str] | None = None,
     dtype: torch.dtype | str | None = None,
-    reserve: Mapping[Any, object] | None = None,
+    reserve: Mapping[Any, object] | int | str | None = None,
     overrides: Mapping[str, object] | None = None,
     special_dtypes: Mapping[str, torch.dtype | str] | None = None,
     offload_reserve: bool = True,
@@ -45,6 +45,7 @@ def plan(
     batch_size: int = 1,
     context_length: int | None = None,
     kv_dtype: torch.dtype | str | None = None,
+    encoder_length: int | None = None,
     kv_cache: Mapping[str, int] | None = None,
     activations: Mapping[str, int] | None = None,
     preload_module_classes: Collection[str] | None = None,
@@ -64,14 +65,25 @@ def plan(
             model or, for a glob, a module name: a typo raises ``PlanError`` listing the
             model's classes.
         dtype: plan for this dtype (floating tensors only), e.g. ``torch.float16``.
-        reserve: bytes per device kept free for activations and KV cache.
+        reserve: bytes kept free: ``{device: size}``, or one size for every device. A plan of a
+            run (``context_length``) keeps by default what a process needs beyond the tensors
+            it counts, per device kind (:mod:`bigviz.core.headroom`: on a GPU 1 GiB for the
+            CUDA context and cuBLAS workspace plus 10% of the run for fragmentation; on the CPU
+            25% of the run for the allocator's slack), said in the plan's notes; a device
+            ``reserve`` names keeps what it says instead, and ``reserve=0`` plans the bare
+            arithmetic. A plan of weights only keeps what ``reserve`` says, as accelerate does.
         overrides: ``{module: device}`` to honour; the rest is planned around them.
         batch_size: sequences run together (with ``context_length``).
         context_length: plan the run too: each layer's KV cache (or recurrent state) for this
             many tokens on the device the layer runs on (its own; the execution device when it
             is streamed in from cpu or disk), and on every device that runs a layer, room for
             the activations of the largest step, the prefill of ``context_length`` tokens.
+            An encoder-decoder's: the decoder's tokens.
         kv_dtype: the cache's dtype (default: the compute dtype).
+        encoder_length: tokens the cross-attention layers attend to: an encoder-decoder's
+            encoder input (its encoder runs over them once; each decoder layer caches them),
+            Mllama's vision states. Default: the model's own (Mllama: one image), else
+            ``context_length``.
         kv_cache, activations: ``{module: bytes}`` given by hand, for a model whose layout
             bigviz does not know (they replace what bigviz would read from the model).
         preload_module_classes, offload_buffers: as the dispatch will use them: the room kept
@@ -109,7 +121,7 @@ def plan(
         overrides=overrides,
         offload_reserve=offload_reserve,
         prefetch=prefetch,
-        workload=Workload(batch_size, context_length or 0, None if kv_dtype is None else str(kv_dtype)),
+        workload=Workload(batch_size, context_length or 0, None if kv_dtype is None else str(kv_dtype), encoder_length),
         kv_cache=kv_cache,
         activations=activations,
         preload_module_classes=preload_module_classes,

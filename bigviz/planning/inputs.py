@@ -29,6 +29,7 @@ from bigviz.checkpoint.quantized import quantization_config
 from bigviz.core.devicemap import device_of
 from bigviz.core.devices import Device, device_label, streamed_devices
 from bigviz.core.errors import PlanError
+from bigviz.core.headroom import headroom
 from bigviz.core.names import is_prefix
 from bigviz.core.nosplit import check_no_split, is_no_split
 from bigviz.core.offload_units import UnitRule, largest_unit
@@ -76,6 +77,8 @@ class PlannerInputs:
         dtype: The dtype the model is planned in (``None``: as built), for its run's bytes.
         given_run: ``(kv_cache, activations)`` bytes per module given by hand, if any.
         quant_note: The line naming the quantization the tree is sized in ("" when none).
+        given_reserve: ``reserve`` as the caller gave it: the headroom kept per device depends
+            on whether a run is planned (:func:`bigviz.core.headroom.headroom`).
     """
 
     model: Any
@@ -87,6 +90,7 @@ class PlannerInputs:
     dtype: torch.dtype | str | None = None
     given_run: tuple[Mapping[str, int] | None, Mapping[str, int] | None] = (None, None)
     quant_note: str = ""
+    given_reserve: Mapping[Any, object] | int | str | None = None
 
 
 def planner_inputs(
@@ -97,7 +101,7 @@ def planner_inputs(
     no_split_module_classes: Collection[str] | str | None = None,
     dtype: torch.dtype | str | None = None,
     special_dtypes: Mapping[str, torch.dtype | str] | None = None,
-    reserve: Mapping[Any, object] | None = None,
+    reserve: Mapping[Any, object] | int | str | None = None,
     overrides: Mapping[str, object] | None = None,
     offload_reserve: bool = True,
     prefetch: bool = True,
@@ -130,7 +134,7 @@ def planner_inputs(
     inventory = inventory_or_none(model)
     options = PlanOptions(
         strategy=strategy,
-        reserve=dict(reserve or {}),
+        reserve=dict(reserve) if isinstance(reserve, Mapping) else {},  # with_workload: the headroom
         overrides=dict(overrides or {}),
         offload_reserve=offload_reserve,
         prefetch=prefetch,
@@ -144,6 +148,7 @@ def planner_inputs(
         inventory,
         dtype=dtype,
         given_run=(kv_cache, activations),
+        given_reserve=reserve,
         quant_note=quant_note(model, tree, config),
     )
     return with_workload(inputs, workload or Workload())
@@ -166,7 +171,7 @@ def with_workload(inputs: PlannerInputs, workload: Workload) -> PlannerInputs:
     kv_cache, activations = inputs.given_run
     context = workload.context_length
     note = check_context(position_rule(inputs.model), context) if context else None  # past a table: refused
-    kv, act = workload_bytes(
+    run = workload_bytes(
         inputs.model,
         inputs.tree,
         workload,
@@ -175,8 +180,18 @@ def with_workload(inputs: PlannerInputs, workload: Workload) -> PlannerInputs:
         kv_cache=kv_cache,
         activations=activations,
     )
-    options = replace(inputs.options, kv_cache=kv, activations=act, workload=workload if (kv or act) else None)
-    return replace(inputs, options=options, notes=(note,) if note else ())
+    planned = bool(run.kv_cache or run.activations)
+    room = headroom(inputs.budgets, inputs.given_reserve, defaults=planned)  # the default headroom: with a run
+    options = replace(
+        inputs.options,
+        kv_cache=run.kv_cache,
+        activations=run.activations,
+        held=run.held,
+        reserve=room.reserve,
+        run_slack=room.run_slack,
+        workload=workload if planned else None,
+    )
+    return replace(inputs, options=options, notes=(*((note,) if note else ()), *room.notes))
 
 
 def no_split_names(model: ModelLike, tree: SizeTree, given: Collection[str] | str | None) -> list[str]:

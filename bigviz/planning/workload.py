@@ -7,8 +7,8 @@ Example:
     >>> from bigviz.planning.models import as_tree
     >>> with torch.device("meta"):
     ...     model = build("gpt-tiny")
-    >>> kv, act = workload_bytes(model, as_tree(model), Workload(1, 8))
-    >>> sorted(kv)[:1], all(v > 0 for v in kv.values())
+    >>> run = workload_bytes(model, as_tree(model), Workload(1, 8))
+    >>> sorted(run.kv_cache)[:1], all(v > 0 for v in run.kv_cache.values())
     (['transformer.h.0'], True)
 """
 
@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import torch.nn as nn
 
 from bigviz.core.devices import Device
 from bigviz.core.tree import SizeTree
-from bigviz.core.workload import RunSpec, Workload
+from bigviz.core.workload import RunBytes, RunSpec, Workload
 from bigviz.modeling.inventory import ModelInventory
 from bigviz.modeling.configs import model_from_config
 from bigviz.modeling.workload import run_spec
@@ -46,18 +47,21 @@ def workload_bytes(
     device_type: str = "cuda",
     kv_cache: Mapping[str, int] | None = None,
     activations: Mapping[str, int] | None = None,
-) -> tuple[dict[str, int], dict[str, int]]:
-    """``(KV cache bytes, activation bytes)`` per module of ``tree`` for ``workload``
-    (empty without a context): read from the model (a checkpoint: from its ``config.json``)
-    unless given by hand."""
+) -> RunBytes:
+    """The run's bytes per module of ``tree`` for ``workload`` (empty without a context):
+    read from the model (a checkpoint: from its ``config.json``) unless given by hand (bytes
+    given by hand replace the model's, held outputs included)."""
     if not workload.active:
-        return {}, {}
+        return RunBytes()
     if kv_cache is not None and activations is not None:
-        return dict(kv_cache), dict(activations)
+        return RunBytes(dict(kv_cache), dict(activations))
     spec = model_run_spec(model, tree, dtype=dtype, device_type=device_type)
-    kv = dict(kv_cache) if kv_cache is not None else spec.kv_cache(workload)
-    act = dict(activations) if activations is not None else spec.activations(workload)
-    return kv, act
+    run = RunBytes.of(spec, workload)
+    return RunBytes(
+        dict(kv_cache) if kv_cache is not None else run.kv_cache,
+        dict(activations) if activations is not None else run.activations,
+        run.held if activations is None else {},
+    )
 
 
 def model_run_spec(model: ModelLike, tree: SizeTree, *, dtype: object = None, device_type: str = "cuda") -> RunSpec:
@@ -86,7 +90,7 @@ def model_run_spec(model: ModelLike, tree: SizeTree, *, dtype: object = None, de
 def _renamed(spec: RunSpec, tree: SizeTree) -> RunSpec:
     """Key a spec by ``tree``'s module names: a checkpoint may lack or add the base prefix
     (``model.``) that the module built from its config has."""
-    names = [*spec.caches, *spec.steps]
+    names = [*spec.caches, *spec.steps, *spec.held]
     if all(n in tree.nodes for n in names):
         return spec
     mapping: dict[str, str] = {}
@@ -109,12 +113,11 @@ def _renamed(spec: RunSpec, tree: SizeTree) -> RunSpec:
             f"the checkpoint has no modules named like the model's layers ({', '.join(missing[:4])}"
             f"{' ...' if len(missing) > 4 else ''}): give kv_cache= and activations= by module name"
         )
-    return RunSpec(
-        spec.dtype,
-        {mapping[k]: v for k, v in spec.caches.items()},
-        {mapping[k]: v for k, v in spec.steps.items()},
-        spec.carried,
-        spec.notes,
+    return replace(
+        spec,
+        caches={mapping[k]: v for k, v in spec.caches.items()},
+        steps={mapping[k]: v for k, v in spec.steps.items()},
+        held={mapping[k]: v for k, v in spec.held.items()},
     )
 
 

@@ -64,6 +64,7 @@ class FigureView:
 
             self.figure: Any = LiveFigure(static)
             self.figure._config = {"responsive": True, "displaylogo": False}  # width follows its box
+            self.figure.on_lost(self._renew)
             self.widget: Any = self.figure
             self.live = True
             self.helper: Any = FigureHelper(column_class=COLUMN_CLASS)
@@ -105,6 +106,14 @@ class FigureView:
             if self.figure.layout.title.text != title:
                 self.figure.layout.title.text = title
         self.layout, self.style = new_layout, style
+
+    def _renew(self) -> None:
+        """The browser stopped applying this figure's updates (``LiveFigure.lost``): show a new
+        figure widget in its place, built with the current figure."""
+        old, self.figure = self.figure, self.figure.renewed()
+        self.widget = self.figure
+        self.box.children = (self.figure, *self.box.children[1:])
+        old.close()
 
     def close(self) -> None:
         """Close the figure's widgets."""

@@ -80,6 +80,10 @@ class Planner:
             frontends where plotly's ``FigureWidget`` stays blank (some Colab setups).
         batch_size, context_length, kv_dtype: the run planned beside the weights (see
             ``bigviz.plan``); the "Run" controls change them.
+        reserve: bytes kept free per device (``{device: size}``, or one size for all); the
+            reserve boxes show and change them. ``None``: once a run is planned, each device
+            keeps its kind's default headroom (CUDA context and fragmentation on a GPU, the
+            allocator's slack on the CPU; said in the plan's notes); ``0``: the bare arithmetic.
     """
 
     def __init__(
@@ -95,6 +99,7 @@ class Planner:
         batch_size: int = 1,
         context_length: int | None = None,
         kv_dtype: object = None,
+        reserve: Mapping[object, object] | int | str | None = None,
     ) -> None:
         self.model = model_or_checkpoint if hasattr(model_or_checkpoint, "named_modules") else None
         self.state = PlannerState.from_model(
@@ -104,6 +109,10 @@ class Planner:
             no_split_module_classes=no_split_module_classes,
             dtype=dtype,
         )
+        if reserve is not None:  # None: each device kind's default headroom once a run is planned
+            given = reserve if isinstance(reserve, Mapping) else dict.fromkeys(self.state.budgets, reserve)
+            for device, size in given.items():
+                self.state.set_reserve(device, size)  # type: ignore[arg-type]
         self.state.set_workload(
             batch_size=batch_size,
             context_length=context_length or 0,
@@ -439,6 +448,10 @@ class Planner:
         self.panels.show(
             plan, self._stages, self.panels.cost_html(self.cost(plan=plan), self._cost_source()), self._fit_html()
         )
+        with self.quietly():  # a device with no reserve of its own shows the headroom the plan keeps there
+            for u in plan.usage:
+                if u.device in self.reserve_inputs and u.device not in self.state.reserve:
+                    self.reserve_inputs[u.device].value = u.reserve / ctl.GiB
 
     def _settings(self) -> tuple[Any, ...]:
         """What the longest context depends on (to tell when a result is out of date)."""

@@ -22,7 +22,8 @@ from typing import Any
 from bigviz.core.cost import ForwardEstimate
 from bigviz.core.pipeline import PipelinePlan
 from bigviz.core.plan import DevicePlan
-from bigviz.core.sizes import format_size
+from bigviz.core.sizes import format_seconds, format_size
+from bigviz.ui.context_chart import context_chart_svg, context_curves
 from bigviz.ui.palette import chip, legend_html
 from bigviz.ui.presets import cost_html
 from bigviz.ui.report import dispatch_html, table_html, usage_html
@@ -83,14 +84,21 @@ class PlannerView:
             else stage_legend_html(stages)
         )
         self.stage_controls.show(stages)
-        c.usage.value = usage_html(plan) + "".join(
-            f"<div style='font-size:11px;color:#555'>{html.escape(n)}</div>" for n in plan.notes
+        c.usage.value = (
+            usage_html(plan)
+            + "".join(f"<div style='font-size:11px;color:#555'>{html.escape(n)}</div>" for n in plan.notes)
+            + self.context_chart(plan)
         )
         c.cost.value = cost
         c.fit.value = fit
         c.table.value = table_html(plan, max_rows=TABLE_ROWS)
         self.show_dispatch(plan)
         c.overrides.value = self.overrides_html()
+
+    def context_chart(self, plan: DevicePlan) -> str:
+        """Memory against context under the bars, for a planned run (this placement kept)."""
+        curves = context_curves(self.state, plan)
+        return context_chart_svg(curves) if curves is not None and curves.devices else ""
 
     def show_error(self, message: str, fit: str) -> None:
         """Settings that do not plan: the reason, where the person looks."""
@@ -119,7 +127,7 @@ class PlannerView:
             lines.append(
                 f"This plan ({w.batch_size} x {w.context_length:,} tokens): "
                 + (
-                    f"at least <b>{seconds_per_token * 1000:,.0f} ms per token</b> streaming offloaded weights"
+                    f"at least <b>{format_seconds(seconds_per_token)} per token</b> streaming offloaded weights"
                     if seconds_per_token
                     else "nothing offloaded, no weights stream per token"
                 )
@@ -127,7 +135,7 @@ class PlannerView:
         if longest is not None:
             note = " <i>(settings changed: press Longest context)</i>" if stale else ""
             per_token = longest["seconds_per_token"]
-            cost = f", at least {per_token * 1000:,.1f} ms per token" if per_token else ""
+            cost = f", at least {format_seconds(per_token)} per token" if per_token else ""
             lines.append(
                 f"Longest context (batch {longest['batch_size']}): <b>{longest['no_offload']:,} tokens</b> "
                 f"without offloading, {longest['with_offload']:,} with offloading{cost}{note}"

@@ -19,7 +19,7 @@ import html
 
 from bigviz.core.cost import ForwardEstimate
 from bigviz.core.hardware import DISK_BANDWIDTH, HARDWARE_PRESETS, LINK_BANDWIDTH, preset_budgets
-from bigviz.core.sizes import format_size
+from bigviz.core.sizes import format_seconds, format_size
 
 __all__ = [
     "HARDWARE_PRESETS",
@@ -53,9 +53,12 @@ def cost_html(cost: ForwardEstimate, sentence: str = "") -> str:
         parts.append(f"{format_size(cost.read_bytes)} read from disk")
     if cost.copy_bytes:
         parts.append(f"{format_size(cost.copy_bytes)} copied to the GPU")
+    times = [
+        f"{what} {format_seconds(t)}" for what, t in (("link", cost.copy_seconds), ("disk", cost.read_seconds)) if t
+    ]
     return (
         f"<div class='bigviz-cost'><b>Cost per forward pass:</b> {' and '.join(parts)}, "
-        f"about <b>{cost.seconds * 1000:,.0f} ms</b> "
-        f"(link {cost.copy_seconds * 1000:,.0f} ms, disk {cost.read_seconds * 1000:,.0f} ms, overlapped). "
+        f"about <b>{format_seconds(cost.seconds)}</b> "
+        f"({', '.join(times) + ', overlapped' if len(times) > 1 else ''.join(times)}). "
         f"Every generated token pays it again." + (f"<br>{html.escape(sentence)}" if sentence else "") + "</div>"
     )

@@ -24,7 +24,7 @@ from typing import Any
 from bigviz.core.plan import DevicePlan, DeviceUsage
 from bigviz.core.serialize import write_text_atomic
 from bigviz.core.devices import device_label
-from bigviz.core.sizes import UNLIMITED, format_size
+from bigviz.core.sizes import UNLIMITED, format_count, format_size
 from bigviz.ui.palette import chip, device_color, legend_html
 from bigviz.core.cost import ForwardEstimate
 from bigviz.ui.presets import cost_html
@@ -125,7 +125,8 @@ def _usage_row(u: DeviceUsage) -> str:
 
 
 def table_html(plan: DevicePlan, *, max_rows: int | None = None) -> str:
-    """The placements as an HTML table: module, class, device, size, share, reason.
+    """The placements as an HTML table: module, class, device, size, share, reason. The class
+    column is left out when no placement has one (a plan made from checkpoint headers).
 
     Example:
         >>> import torch.nn as nn, bigviz
@@ -135,9 +136,11 @@ def table_html(plan: DevicePlan, *, max_rows: int | None = None) -> str:
     """
     total = sum(p.nbytes for p in plan.placements) or 1
     shown = plan.placements if max_rows is None else plan.placements[:max_rows]
+    classes = any(p.class_name for p in plan.placements)
     rows = [
-        f"<tr><td><code>{html.escape(p.name or '<model>')}</code></td><td>{html.escape(p.class_name)}</td>"
-        f"<td>{chip(p.device)}</td><td {_NUM}>{format_size(p.nbytes)}</td>"
+        f"<tr><td><code>{html.escape(p.name or '<model>')}</code></td>"
+        + (f"<td>{html.escape(p.class_name)}</td>" if classes else "")
+        + f"<td>{chip(p.device)}</td><td {_NUM}>{format_size(p.nbytes)}</td>"
         f"<td {_NUM}>{p.nbytes / total:.1%}</td>"
         f"<td>{OVERRIDE_MARK if p.override else ''}{html.escape(p.reason)}</td></tr>"
         for p in shown
@@ -145,10 +148,10 @@ def table_html(plan: DevicePlan, *, max_rows: int | None = None) -> str:
     more = len(plan.placements) - len(shown)
     if more > 0:
         rows.append(
-            f"<tr><td colspan='7'>... and {more} more units (the full table: planner.table "
+            f"<tr><td colspan='7'>... and {format_count(more, 'more unit')} (the full table: planner.table "
             f"or plan.to_frame())</td></tr>"
         )
-    head = "<tr><th>module</th><th>class</th><th>device</th><th>size</th><th>share</th><th>reason</th></tr>"
+    head = f"<tr><th>module</th>{'<th>class</th>' if classes else ''}<th>device</th><th>size</th><th>share</th><th>reason</th></tr>"
     return f"<table class='bigviz-table'>{head}{''.join(rows)}</table>"
 
 
@@ -181,7 +184,7 @@ def dispatch_html(plan: DevicePlan, *, max_rows: int = 200) -> str:
     more = len(dispatch.units) - max_rows
     if more > 0:
         rows.append(
-            f"<tr><td colspan='7'>... and {more} more units (all of them: planner.dispatch_plan.to_frame())</td></tr>"
+            f"<tr><td colspan='7'>... and {format_count(more, 'more unit')} (all of them: planner.dispatch_plan.to_frame())</td></tr>"
         )
     head = (
         "<tr><th>fetch order</th><th>unit (hooked module)</th><th>stored on</th><th>fetcher</th><th>tensors</th>"
@@ -266,11 +269,11 @@ def report_fragment(
     device_map = html.escape(json.dumps(plan.device_map, indent=1))
     head = (
         f"<div style='font-size:13px;margin-bottom:6px'><b>{html.escape(plan.strategy)}</b> plan, "
-        f"{len(plan.placements)} units, execution on {device_label(plan.main_device)}</div>"
+        f"{format_count(len(plan.placements), 'unit')}, execution on {device_label(plan.main_device)}</div>"
     )
     side = (
         f"{head}{legend_html([u.device for u in plan.usage], captions=captions)}"
-        f"<h2>Budgets</h2>{usage_html(plan)}{_budgets_html(plan)}"
+        f"<h2>Budgets</h2>{usage_html(plan)}"
         + (f"<ul style='font-size:12px;padding-left:18px'>{notes}</ul>" if notes else "")
         + f"<h2>Cost</h2><div style='font-size:13px'>{cost_html(cost)}</div>"
     )
@@ -278,8 +281,9 @@ def report_fragment(
         f"<div class='bigviz-report'><div style='display:flex;gap:18px;align-items:flex-start'>"
         f"<div style='flex:0 0 430px;max-width:430px'>{side}</div>"
         f"<div style='flex:1 1 auto;min-width:0'>{figure_html}</div></div>"
-        f"<h2>Placements ({len(plan.placements)} units)</h2>{table_html(plan, max_rows=max_rows)}"
-        f"<h2>Device map</h2><details><summary>JSON ({len(plan.device_map)} keys)</summary>"
+        f"<h2>Budgets per device</h2><div style='overflow-x:auto'>{_budgets_html(plan)}</div>"
+        f"<h2>Placements ({format_count(len(plan.placements), 'unit')})</h2>{table_html(plan, max_rows=max_rows)}"
+        f"<h2>Device map</h2><details><summary>JSON ({format_count(len(plan.device_map), 'key')})</summary>"
         f"<pre style='font-size:12px'>{device_map}</pre></details></div>"
     )
 
@@ -297,7 +301,7 @@ def render_report(
     Example:
         >>> import torch.nn as nn, bigviz
         >>> page = render_report(bigviz.plan(nn.Linear(4, 4), {"cpu": "1MB"}), include_plotlyjs="cdn")
-        >>> page.startswith("<!DOCTYPE html>") and "Placements (1 units)" in page
+        >>> page.startswith("<!DOCTYPE html>") and "Placements (1 unit)" in page
         True
     """
     body = report_fragment(plan_or_planner, include_plotlyjs=include_plotlyjs, depth=depth)

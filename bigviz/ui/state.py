@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from bigviz.core.offload_units import UnitRule
+from bigviz.core.headroom import Headroom, headroom
 from bigviz.core.plan import STRATEGIES, DevicePlan, PlanOptions
 from bigviz.core.planner import PlanError
 from bigviz.core.dtypes import canonical_dtype, itemsize
@@ -32,7 +33,7 @@ from bigviz.core.tree import SizeTree
 from bigviz.core.errors import DeviceMapError, UsageError
 from bigviz.core.devices import Device, device_label, normalize_device
 from bigviz.core.sizes import UNLIMITED, parse_max_memory, parse_size
-from bigviz.core.workload import RunSpec, Workload, longest_fit
+from bigviz.core.workload import RunBytes, RunSpec, Workload, longest_fit
 from bigviz.core.counts import check_count
 
 if TYPE_CHECKING:
@@ -161,26 +162,37 @@ class PlannerState:
 
     def options(self, workload: Workload | None = None) -> PlanOptions:
         workload = workload or self.workload
-        kv, act = self.run_bytes(workload)
+        run = self.run_bytes(workload)
+        room = self.headroom(workload)
         return PlanOptions(
             strategy=self.strategy,
-            reserve=dict(self.reserve),
+            reserve=room.reserve,
+            run_slack=room.run_slack,
             overrides=dict(self.overrides),
-            kv_cache=kv,
-            activations=act,
+            kv_cache=run.kv_cache,
+            activations=run.activations,
+            held=run.held,
             workload=workload if workload.active else None,
             rule=replace(self.rule, blocks=frozenset(self.no_split)),
         )
 
+    def headroom(self, workload: Workload | None = None) -> Headroom:
+        """What each device keeps free: the reserves set here, and for a run the default of
+        each device kind for the others (see :mod:`bigviz.core.headroom`)."""
+        active = (workload or self.workload).active
+        return headroom(self.budgets, dict(self.reserve) or None, defaults=active)
+
     def replan(self, workload: Workload | None = None) -> DevicePlan:
-        """Plan with the current settings (``bigviz.plan``'s planner and direct-read rule).
-        Raises ``PlanError`` when nothing fits."""
+        """Plan with the current settings (``bigviz.plan``'s planner, headroom and direct-read
+        rule). Raises ``PlanError`` when nothing fits."""
         from bigviz.planning.inputs import PlannerInputs, place, quant_note
 
+        notes = self.headroom(workload).notes
         note = quant_note(None, self.tree, self.quantization)
-        return place(
-            PlannerInputs(None, self.tree, self.budgets, self.options(workload), self.inventory, quant_note=note)
+        inputs = PlannerInputs(
+            None, self.tree, self.budgets, self.options(workload), self.inventory, notes=notes, quant_note=note
         )
+        return place(inputs)
 
     # ---- the run -------------------------------------------------------------------
     def run_spec(self) -> RunSpec:
@@ -197,12 +209,11 @@ class PlannerState:
         # weights quantised to 8 bits or less still compute (and cache) in the model's own dtype
         return replace(spec, dtype=self.dtype) if self.dtype is not None and itemsize(self.dtype) >= 2 else spec
 
-    def run_bytes(self, workload: Workload) -> tuple[dict[str, int], dict[str, int]]:
-        """``(KV cache, activations)`` bytes per module for ``workload`` (empty without a context)."""
+    def run_bytes(self, workload: Workload) -> RunBytes:
+        """The run's bytes per module for ``workload``, as ``bigviz.plan`` charges them."""
         if not workload.active:
-            return {}, {}
-        spec = self.run_spec()
-        return spec.kv_cache(workload), spec.activations(workload)
+            return RunBytes()
+        return RunBytes.of(self.run_spec(), workload)
 
     def set_workload(
         self, *, batch_size: int | None = None, context_length: int | None = None, kv_dtype: str | None | bool = False

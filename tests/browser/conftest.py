@@ -62,6 +62,21 @@ def chromium(tmp_path: Path) -> Chromium:
 # ---- a Jupyter server for the live-widget tests --------------------------------------------
 
 
+def one_cell_notebook(path: Path, source: str) -> None:
+    """Write a notebook of one code cell (not run yet) for the python3 kernel at ``path``."""
+    cell = {
+        "cell_type": "code",
+        "id": "planner",
+        "metadata": {},
+        "execution_count": None,
+        "outputs": [],
+        "source": source,
+    }
+    kernel = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb = {"nbformat": 4, "nbformat_minor": 5, "cells": [cell], "metadata": {"kernelspec": kernel}}
+    path.write_text(json.dumps(nb))
+
+
 @dataclass
 class JupyterServer:
     """A Jupyter server (JupyterLab or Notebook 7) of this test run, on localhost."""

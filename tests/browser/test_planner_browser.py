@@ -16,7 +16,6 @@ PNG the README shows (the planner, then two drags of GPU 0's slider that recolou
 from __future__ import annotations
 
 import io
-import json
 import os
 from collections import Counter
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any
 import pytest
 
 from bigviz.ui.palette import device_color
-from tests.browser.conftest import browser_page, jupyter_server
+from tests.browser.conftest import browser_page, jupyter_server, one_cell_notebook
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -71,21 +70,7 @@ FITS = f"""() => {{ {JS_PARTS}
 
 
 def _notebook(root: Path) -> None:
-    cell = {
-        "cell_type": "code",
-        "id": "planner",
-        "metadata": {},
-        "execution_count": None,
-        "outputs": [],
-        "source": SETUP,
-    }
-    nb = {
-        "nbformat": 4,
-        "nbformat_minor": 5,
-        "cells": [cell],
-        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
-    }
-    (root / NOTEBOOK).write_text(json.dumps(nb))
+    one_cell_notebook(root / NOTEBOOK, SETUP)
 
 
 class Page:

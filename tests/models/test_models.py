@@ -253,6 +253,16 @@ def test_llama_cache_keeps_only_the_kv_heads(tiny_llama: Llama) -> None:
     assert len(cache) == 2 and cache.keys[0].shape == (1, 2, 5, 16)  # 2 kv heads, not 4
 
 
+def test_gpt_cache_holds_its_keys_and_values_only_after_a_prefill(tiny_gpt: GPT) -> None:
+    """The prefill's keys and values are cached on their own, not as views of the fused q/k/v
+    projection (which kept 1.5x the cache alive until the first decode step, above the plan)."""
+    cache = KVCache()
+    tiny_gpt(tokens(tiny_gpt.config.vocab_size, 2, 7), cache=cache)
+    for k, v in zip(cache.keys, cache.values):
+        assert k is not None and v is not None
+        assert k.untyped_storage().nbytes() == v.untyped_storage().nbytes() == k.numel() * k.element_size()
+
+
 def test_grouped_query_attention_equals_repeated_heads(tiny_llama: Llama) -> None:
     # an MHA model whose k/v heads are GQA's heads repeated must compute the same thing
     mha = Llama(LlamaConfig.preset("llama-tiny", n_kv_heads=4)).eval()

@@ -54,13 +54,28 @@ def test_gemma2_alternates_sliding_and_full_layers(shipped):
 def test_llama_70b_with_32k_on_two_a100s(shipped):
     model = shipped["llama-3.1-70b"]
     budgets = {0: 80 * GiB, 1: 80 * GiB, "cpu": 340 * GiB}
-    plan = bigviz.plan(model, budgets, context_length=32768)
+    plan = bigviz.plan(model, budgets, context_length=32768, reserve=0)  # the bare arithmetic
     assert sum(plan.kv_cache.values()) == 10 * GiB  # 80 layers x 128 MiB
     assert plan.offloaded_bytes() == {"cpu": 0, "disk": 0} and all(u.free >= 0 for u in plan.usage)
     assert plan.activations[0] > 0 and plan.activations[1] > 0 and plan.activations["cpu"] == 0
-    longest = bigviz.max_context(model, budgets)
+    longest = bigviz.max_context(model, budgets, reserve=0)
     assert 32768 <= longest < 131072
-    assert bigviz.max_context(model, budgets, 4) < longest  # four sequences share the memory
+    assert bigviz.max_context(model, budgets, 4, reserve=0) < longest  # four sequences share the memory
+    # with each GPU's default headroom (CUDA context, cuBLAS workspace, fragmentation) it is tighter
+    assert bigviz.max_context(model, budgets) < longest
+    kept = bigviz.plan(model, budgets, context_length=32768)
+    assert all(u.reserve >= GiB for u in kept.usage if isinstance(u.device, int))
+    assert sum("keeps 1.0 GiB + 10% of its run free by default" in n for n in kept.notes) == 2
+
+
+def test_the_input_embeddings_are_charged_on_their_device_only(shipped):
+    """Llama 3.1 8B on two GPUs: the input embeddings' output (batch x tokens x hidden) stays on
+    GPU 0, which holds them; GPU 1 runs the same layers without it."""
+    model = shipped["llama-3.1-8b"]
+    batch, tokens = 8, 4096
+    plan = bigviz.plan(model, {0: 12 * GiB, 1: 24 * GiB}, batch_size=batch, context_length=tokens, reserve=0)
+    assert plan.device_of("model.embed_tokens") == 0 and plan.device_of("model.layers.31") == 1
+    assert plan.activations[0] - plan.activations[1] == batch * tokens * 4096 * 2  # bf16
 
 
 def test_plan_takes_a_config_file_or_a_folder_holding_only_one(tmp_path):
@@ -79,7 +94,9 @@ def test_plan_takes_a_config_file_or_a_folder_holding_only_one(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     by_file = bigviz.plan(folder / "config.json", {"cpu": "1GB"}, context_length=100, batch_size=3)
     by_folder = bigviz.plan(folder, {"cpu": "1GB"}, context_length=100, batch_size=3)
-    assert by_file.kv_cache == by_folder.kv_cache == {"cpu": 2 * 3 * 8 * 2 * 16 * 2 * 4, "disk": 0}
+    # the plan charges the sliding layers' peak: the whole prompt's keys and values, held from the
+    # prefill until their first decode step; once decoding they keep the window
+    assert by_file.kv_cache == by_folder.kv_cache == {"cpu": 2 * 3 * 100 * 2 * 16 * 2 * 4, "disk": 0}
     assert bigviz.kv_cache_bytes(folder, 3, 100) == {
         "model.layers.0": 3 * 8 * 2 * 16 * 2 * 4,
         "model.layers.1": 3 * 8 * 2 * 16 * 2 * 4,
@@ -94,8 +111,8 @@ def test_a_bigviz_checkpoint_with_its_config_plans_its_run(tmp_path, preset):
     model = build(preset, n_layer=3) if preset.startswith("gpt") else build(preset, n_layers=3)
     folder = bigviz.save_sharded(model, tmp_path / "ckpt", max_shard_size="100KB", config=model.config, progress=False)
     budget = {"cpu": bigviz.compute_module_sizes(model)[""] // 2}
-    from_headers = bigviz.plan(folder, budget, batch_size=2, context_length=40)
-    from_model = bigviz.plan(model, budget, batch_size=2, context_length=40)
+    from_headers = bigviz.plan(folder, budget, batch_size=2, context_length=40, reserve=0)
+    from_model = bigviz.plan(model, budget, batch_size=2, context_length=40, reserve=0)
     assert from_headers.kv_cache == from_model.kv_cache and sum(from_headers.kv_cache.values()) > 0
     assert from_headers.activations == from_model.activations
     assert from_headers.device_map == {k: v for k, v in from_model.device_map.items() if k in from_headers.device_map}
@@ -147,18 +164,34 @@ def test_max_context_keeps_its_definition():
     with torch.device("meta"):
         model = build("llama-tiny", max_seq_len=4096)
     budgets = {0: 1_000_000, "cpu": 10**8}
-    longest = bigviz.max_context(model, budgets)
-    fits = bigviz.plan(model, budgets, context_length=longest)
+    bare = {"reserve": 0}  # the arithmetic alone: no headroom
+    longest = bigviz.max_context(model, budgets, **bare)
+    fits = bigviz.plan(model, budgets, context_length=longest, **bare)
     assert not any(fits.offloaded_bytes().values()) and all(u.free >= 0 for u in fits.usage)
-    over = bigviz.plan(model, budgets, context_length=longest + 1)  # still plans, but offloads
+    over = bigviz.plan(model, budgets, context_length=longest + 1, **bare)  # still plans, but offloads
     assert any(over.offloaded_bytes().values())
-    assert bigviz.max_context(model, budgets, allow_offload=True) > longest
-    kept = bigviz.max_context(model, budgets, device_map=fits)  # this placement, nothing moved
+    assert bigviz.max_context(model, budgets, allow_offload=True, **bare) > longest
+    kept = bigviz.max_context(model, budgets, device_map=fits, **bare)  # this placement, nothing moved
     assert kept >= longest
     with pytest.raises(bigviz.PlanError):
-        bigviz.plan(model, budgets, context_length=kept + 1, overrides=dict(fits.unit_map))
+        bigviz.plan(model, budgets, context_length=kept + 1, overrides=dict(fits.unit_map), **bare)
     assert bigviz.max_context(model, {0: 1000, "cpu": 1000, "disk": 1000}) == 0  # not even the weights
-    assert bigviz.max_context(model, {0: 10**9}, limit=300) == 300
+    assert bigviz.max_context(model, {0: 10**9}, limit=300, **bare) == 300
+    assert bigviz.max_context(model, {0: 10**9}) == 0  # a GPU smaller than its CUDA context: no run
+
+
+def test_max_context_keeps_the_default_headroom_on_the_cpu():
+    """The answer keeps 25% of the run free on the CPU by default (the allocator's slack):
+    the plan at the answer fits with it, and the bare answer is longer."""
+    with torch.device("meta"):
+        model = build("llama-tiny", max_seq_len=4096)
+    budgets = {"cpu": 2_000_000}
+    longest, bare = bigviz.max_context(model, budgets), bigviz.max_context(model, budgets, reserve=0)
+    assert 0 < longest < bare
+    plan = bigviz.plan(model, budgets, context_length=longest)
+    u = plan.usage_of("cpu")
+    assert u.free >= 0 and u.reserve == -(-(u.kv_cache + u.activations) // 4)
+    assert u.used + 1.25 * (u.kv_cache + u.activations) <= budgets["cpu"] + 1
 
 
 def test_cli_plans_a_config_with_a_workload(tmp_path, capsys):
@@ -204,12 +237,25 @@ def test_cli_plans_a_config_with_a_workload(tmp_path, capsys):
     assert "'many'" in capsys.readouterr().err
 
 
-def test_an_encoder_caches_nothing_and_an_encoder_decoder_is_refused(hf_bert):
+def test_an_encoder_caches_nothing(hf_bert):
     assert set(bigviz.kv_cache_bytes(hf_bert, 2, 64).values()) == {0}
     plan = bigviz.plan(hf_bert, {"cpu": "1GB"}, context_length=64)
     assert plan.kv_cache["cpu"] == 0 and plan.activations["cpu"] > 0
-    t5 = transformers.T5ForConditionalGeneration(
-        transformers.T5Config(num_layers=2, d_model=32, d_ff=64, num_heads=2, d_kv=16, vocab_size=100)
-    )
-    with pytest.raises(ValueError, match="encoder-decoder"):
-        bigviz.kv_cache_bytes(t5, 1, 10)
+
+
+def test_an_encoder_decoder_caches_its_decoder_tokens_and_the_encoders_in_every_decoder_layer():
+    """T5 with heads wider than d_model / heads (mT5's layout): the widths come from the cache
+    the model allocates, not from the config's hidden size."""
+    with torch.device("meta"):
+        t5 = transformers.T5ForConditionalGeneration(
+            transformers.T5Config(num_layers=2, d_model=32, d_ff=64, num_heads=2, d_kv=24, vocab_size=100)
+        )
+    per_token = 2 * 2 * 24 * 4  # keys and values, 2 heads of 24, float32
+    kv = bigviz.kv_cache_bytes(t5, 3, 10, encoder_length=50)
+    assert kv == {f"decoder.block.{i}": 3 * (10 + 50) * per_token for i in range(2)}
+    assert bigviz.kv_cache_bytes(t5, 3, 10) == {f"decoder.block.{i}": 3 * (10 + 10) * per_token for i in range(2)}
+    plan = bigviz.plan(t5, {"cpu": "1GB"}, batch_size=3, context_length=10, encoder_length=50)
+    assert plan.kv_cache["cpu"] == sum(kv.values())
+    # the encoder runs over its 50 tokens, on the device that holds it
+    longer = bigviz.plan(t5, {"cpu": "1GB"}, batch_size=3, context_length=10, encoder_length=500)
+    assert longer.activations["cpu"] > plan.activations["cpu"]

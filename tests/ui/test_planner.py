@@ -129,7 +129,7 @@ def test_gpu_buttons_and_presets_change_the_devices():
     planner.controls.remove_gpu.click()
     assert list(planner.budget_sliders) == [0, "cpu"] and planner.overrides == {}
     assert "4" in planner.controls.log.outputs[-1]["text"]
-    planner.controls.preset.value = "2x A100 80 GB (RAM 340 GB)"
+    planner.controls.preset.value = "2x A100 80 GB: 80 GiB each (RAM 340 GiB)"
     assert planner.max_memory == {0: 80 * GiB, 1: 80 * GiB, "cpu": 340 * GiB}
     assert planner.budget_sliders[1].value == 80 and planner.budget_sliders[1].max >= 80
     planner.apply_preset("Apple M-series 32")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from torch import nn
 
 import bigviz
-from bigviz.core.sizes import UNLIMITED
+from bigviz.core.sizes import UNLIMITED, format_seconds
 from bigviz.core.planner import make_plan
 from bigviz.core.tree import SizeTree, TensorSpec
 from bigviz.ui.presets import DISK_BANDWIDTH, HARDWARE_PRESETS, LINK_BANDWIDTH, cost_html, preset_budgets
@@ -24,7 +26,7 @@ GiB = 2**30
         ("A100 80 GB", 1, 80),
         ("2x A100 80 GB", 2, 80),
         ("8x A100 80 GB", 8, 80),
-        ("H100 80 GB", 1, 80),
+        ("H100 80 GB", 1, 81559 / 1024),  # what nvidia-smi reports: 81,559 MiB, not 80 GiB
         ("H200 141 GB", 1, 140),
         ("CPU-only laptop", 0, None),
     ],
@@ -52,6 +54,20 @@ def test_every_preset_plans_a_model():
         assert (plan.main_device, plan.device_map) == (first, {"": first}), name
 
 
+def test_preset_names_say_what_they_hold_in_binary_units():
+    """Issue 28: "RAM 340 GB" held 340 GiB; every size a name states is what the preset holds."""
+    for name, budgets in HARDWARE_PRESETS.items():
+        ram = re.search(r"RAM (\d+) GiB", name)
+        if ram and name.startswith("CPU-only"):
+            continue  # the laptop's RAM, of which the preset gives the model 14 GiB (named too)
+        if ram:
+            assert budgets["cpu"] == int(ram.group(1)) * GiB, name
+        held = re.search(r": ([\d.]+) GiB", name)
+        if held:
+            assert abs(budgets[0] - float(held.group(1)) * GiB) < 0.05 * GiB, name
+        assert " GB)" not in name or "unified" in name, name  # a decimal "GB" only in the name sold
+
+
 def test_unknown_or_ambiguous_preset_lists_the_names():
     with pytest.raises(ValueError, match="unknown hardware preset 'TPU'.*Colab T4"):
         preset_budgets("TPU")
@@ -74,7 +90,7 @@ def test_cost_counts_link_and_disk_time():
     on_cpu = make_plan(_layers(1), {"cpu": 0, "disk": 10**13}).cost(disk_bandwidth="SATA")
     assert on_cpu.copy_seconds == 0 and on_cpu.seconds == pytest.approx(2.0)
     resident = make_plan(_layers(1), {0: 2 * 10**9}).cost()
-    assert f"{cost.seconds * 1000:,.0f} ms" in cost_html(cost) and "nothing is offloaded" in cost_html(resident)
+    assert format_seconds(cost.seconds) in cost_html(cost) and "nothing is offloaded" in cost_html(resident)
     assert all(v > 0 for v in [*LINK_BANDWIDTH.values(), *DISK_BANDWIDTH.values()])
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import bigviz
+from bigviz.core.sizes import format_seconds
 from bigviz.ui.planner import Planner
 from bigviz.ui.report import ACTIVATION_FILL, KV_FILL, report_fragment
 
@@ -18,7 +19,7 @@ def llama() -> torch.nn.Module:
 
 
 def _planner(model: torch.nn.Module, **kwargs: object) -> Planner:
-    return Planner(model, {0: 8_000_000, "cpu": 10**8}, **kwargs)
+    return Planner(model, {0: 8_000_000, "cpu": 10**8}, reserve=0, **kwargs)
 
 
 def test_context_control_plans_the_run_and_stacks_the_bars(llama):
@@ -40,7 +41,7 @@ def test_context_control_plans_the_run_and_stacks_the_bars(llama):
 
 
 def test_longest_context_and_time_per_token_are_shown(llama):
-    planner = Planner(llama, {0: 3_000_000, "cpu": 10**8}, context_length=256)
+    planner = Planner(llama, {0: 3_000_000, "cpu": 10**8}, context_length=256, reserve=0)
     fit = planner.controls.fit.value
     longest = planner.longest_context()
     assert 256 <= longest < 2048 and f"<b>{longest:,} tokens</b> without offloading" in fit
@@ -55,12 +56,12 @@ def test_longest_context_and_time_per_token_are_shown(llama):
 
 
 def test_time_per_token_uses_the_cost_model(llama):
-    planner = Planner(llama, {0: 700_000, "cpu": 10**8}, context_length=64)
+    planner = Planner(llama, {0: 700_000, "cpu": 10**8}, context_length=64, reserve=0)
     plan = planner.plan
     assert plan.offloaded_bytes()["cpu"] > 0
     expected = plan.cost(link_bandwidth=planner.controls.link.value, disk_bandwidth=planner.controls.disk.value).seconds
     assert planner.time_per_token() == pytest.approx(expected)
-    assert f"{expected * 1000:,.0f} ms per token" in planner.controls.fit.value
+    assert f"{format_seconds(expected)} per token" in planner.controls.fit.value  # never rounded to "0 ms"
 
 
 def test_a_run_that_does_not_fit_is_reported_and_recovers(llama):
@@ -84,7 +85,23 @@ def test_a_planner_from_a_tree_cannot_plan_a_run():
 
 
 def test_report_lists_kv_cache_and_activations_per_device(llama):
-    plan = bigviz.plan(llama, {0: 8_000_000, "cpu": 10**8}, context_length=128)
+    plan = bigviz.plan(llama, {0: 8_000_000, "cpu": 10**8}, context_length=128, reserve=0)
     html = report_fragment(plan)
     assert "<th>KV cache</th><th>activations</th>" in html
     assert "workload: batch 1 x 128 tokens" in plan.summary()
+
+
+def test_a_planned_run_keeps_each_device_kinds_headroom_unless_told_otherwise(llama):
+    """Once a run is planned, the Planner keeps the default headroom (on the CPU: a share of the
+    run for the allocator's slack), says so in its notes and bars; a reserve box set by hand
+    (or ``reserve=0``) replaces it for that device."""
+    planner = Planner(llama, {"cpu": 10**8})
+    assert planner.plan.usage_of("cpu").reserve == 0  # weights only: as accelerate counts them
+    planner.controls.context.value = 512
+    u = planner.plan.usage_of("cpu")
+    assert u.reserve == -(-(u.kv_cache + u.activations) // 4)  # 25% of the run, rounded up
+    assert any("CPU keeps 25% of its run free by default" in n for n in planner.plan.notes)
+    assert "reserved" in planner.controls.usage.value
+    assert planner.reserve_inputs["cpu"].value == u.reserve / 2**30  # the box shows what is kept
+    planner.reserve_inputs["cpu"].value = 0.0
+    assert planner.plan.usage_of("cpu").reserve == 0 and not any("by default" in n for n in planner.plan.notes)
