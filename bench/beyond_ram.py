@@ -4,6 +4,7 @@
     python bench/beyond_ram.py --only auto      # one scenario (disk, auto, accelerate; repeatable)
     python bench/beyond_ram.py --small          # ~300 MB, the same code path, under a minute
     python bench/beyond_ram.py --report bench/_work/beyond-ram-results.json   # a saved run's table
+    python bench/beyond_ram.py --quantize int8  # also int8 weights, all-disk and 2/3 (issue 25)
 
 The checkpoint: a bigviz GPT (``n_embd`` 6144: blocks of 1.81 GB) about ``--ram-multiple``
 times this machine's RAM, written block by block (one block's tensors in RAM at a time),
@@ -23,6 +24,13 @@ it at the end). Then, page cache dropped before each measurement, side by side:
   read-ahead depth, compute measured above, the floor's bandwidth and the probe's);
 - accelerate, ``device_map="auto"``, the same budget and an offload folder (it rewrites what
   does not fit its budget, ~15 GB: left out, with a message, when the disk lacks the room).
+
+With ``--quantize int8`` (or ``int4``), the bigviz all-disk and 2/3 scenarios again with the
+weights quantized while loading (``load_checkpoint_and_dispatch(..., quantization="int8")``):
+the planner sizes them packed, the blocks it puts on disk are written once, packed, to an
+offload folder (about a quarter of their float32 bytes) and streamed from there; the later
+forwards are compared with the float32 ones of the same run and with the time to read the
+packed bytes at the floor's speed (or the compute, when that is slower).
 
 Every scenario runs in a fresh process; its anonymous RAM (RssAnon) peak is reported. A guard
 kills a scenario when the machine's available memory falls under 1 GiB. Ratios against the
@@ -385,6 +393,12 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             out["dispatch_s"] = time.perf_counter() - start
             out["map"] = {str(k): str(v) for k, v in getattr(model, "hf_device_map", {}).items()}
             state = getattr(model, "_bigviz_dispatch", None)
+            if spec.get("quantization"):  # what is streamed and held, packed (not the float32 shape's bytes)
+                from bigviz.modeling.packed import held_bytes
+
+                dispatched = getattr(state, "residency", None) is not None  # all in RAM: nothing streamed
+                out["streamed_bytes"] = bigviz.residency(model).streamed_bytes if dispatched else 0
+                out["resident_bytes"] = held_bytes(model).get("cpu", 0)
             if getattr(state, "scheduler", None) is not None:
                 out["depth"] = state.scheduler.depth  # units read ahead (for the prediction)
                 out["ring"] = getattr(state.scheduler.fetcher, "capacity", None)  # CPU streaming: its ring
@@ -464,8 +478,14 @@ def _dispatch(spec: dict[str, Any], model: Any) -> Any:
     if spec["engine"] == "bigviz":
         import bigviz
 
+        quantized = {"quantization": spec.get("quantization"), "offload_folder": spec["offload"]}
         return bigviz.load_checkpoint_and_dispatch(
-            model, spec["ckpt"], device_map, max_memory=budget, resident=spec.get("resident", "auto")
+            model,
+            spec["ckpt"],
+            device_map,
+            max_memory=budget,
+            resident=spec.get("resident", "auto"),
+            **(quantized if spec.get("quantization") else {}),
         )
     import accelerate
 
@@ -753,6 +773,8 @@ def splits_table(
     for name, r in results.items():
         if r.get("engine") == "accelerate" or name.startswith("accelerate") or "next_s" not in r:
             continue
+        if "streamed_bytes" in r:  # quantized: its own lines under the goals
+            continue
         resident, streamed, _ = split_bytes(shape, r["map"])
         guess = predict(shape, r["map"], compute, bandwidth, r.get("depth", 2), r.get("ring"))
         later = max(r[k] for k in ("next_s", "third_s") if k in r)
@@ -839,6 +861,8 @@ def _scenario_rows(
             f"{where}failed in {r.get('phase', '?')}: `{r['error']}` |"
         ]
     resident, streamed, _ = split_bytes(shape, r.get("map", {}))
+    if "streamed_bytes" in r:  # quantized: the packed bytes
+        resident, streamed = r["resident_bytes"], r["streamed_bytes"]
     split = f"resident {gb(resident)}, streamed {gb(streamed)}"
     first = r["first_s"] + r["dispatch_s"]
     copy = r.get("copy")
@@ -932,12 +956,37 @@ def _goals(
             f"- bigviz auto, anonymous RAM peak {auto['anon_peak'] / GiB:.2f} GiB against the cpu budget "
             f"{shape.cpu_budget / GiB:.1f} GiB + 2 GiB: {'met' if over <= 2 * GiB else 'not met'}"
         )
+    lines += _quantized_goals(results, bandwidth, compute, shape)
     if compute:
         lines.append(
             f"- compute, weights in RAM: one block {compute['block_s'] * 1e3:.0f} ms, the head "
             f"{compute['head_s'] * 1e3:.0f} ms; all blocks + head "
             f"{(shape.n_layer * compute['block_s'] + compute['head_s']):.1f} s per forward"
         )
+    return lines
+
+
+def _quantized_goals(
+    results: dict[str, dict[str, Any]], bandwidth: float | None, compute: dict[str, Any], shape: Shape
+) -> list[str]:
+    """Issue 25: later forwards with packed weights against float32's, and against the time to
+    read the packed bytes at the floor's speed (or the compute, when slower)."""
+    lines = []
+    for name, r in results.items():
+        base = results.get(name.rsplit(" ", 1)[0], {})
+        if "streamed_bytes" not in r or "next_s" not in r:
+            continue
+        later = max(r[k] for k in ("next_s", "third_s") if k in r)
+        if "next_s" in base:
+            ratio_fp32 = later / max(base[k] for k in ("next_s", "third_s") if k in base)
+            lines.append(f"- {name}, slower later forward / float32's: **{ratio_fp32:.2f}x** (goal <= 0.35x)")
+        if bandwidth:
+            read = r["streamed_bytes"] / bandwidth
+            work = shape.n_layer * compute.get("block_s", 0) + compute.get("head_s", 0) if compute else 0.0
+            lines.append(
+                f"- {name}, slower later forward / max(read the packed {gb(r['streamed_bytes'])} at the floor's "
+                f"speed {read:.1f} s, float32 compute {work:.1f} s): **{later / max(read, work):.2f}x** (goal <= 1.1x)"
+            )
     return lines
 
 
@@ -976,11 +1025,11 @@ def parse_args() -> argparse.Namespace:
         "--only",
         action="append",
         default=[],
-        choices=["disk", "auto", "accelerate", "0", "1/4", "1/2", "2/3"],
+        choices=["disk", "auto", "accelerate", "quantized", "0", "1/4", "1/2", "2/3"],
         help="run only these scenarios (repeatable; disk = 0, auto = 2/3)",
     )
     parser.add_argument(
-        "--no-results", action="store_true", help="do not record the results (bench/results/, bench/RESULTS.md)"
+        "--quantize", choices=["int8", "int4"], help="also run bigviz all-disk and 2/3 with quantized weights"
     )
     parser.add_argument(
         "--no-results", action="store_true", help="do not record the results (bench/results/, bench/RESULTS.md)"
@@ -1089,10 +1138,16 @@ def measure(args: argparse.Namespace, shape: Shape, folder: Path) -> str | None:
     spec["config"].pop("model_type", None)
     compute = {} if "compute" in args.skip else run_child({**spec, "engine": "compute"}, timeout=args.timeout)
     scenarios = split_scenarios(args.fractions, shape)
+    if args.quantize:  # the same bigviz runs, all-disk and 2/3, with packed weights (issue 25)
+        for base in ("bigviz all-disk", "bigviz auto"):
+            if base in scenarios:
+                extra = {k: v for k, v in scenarios[base].items() if k != "paired"}
+                scenarios[f"{base} {args.quantize}"] = {**extra, "quantization": args.quantize}
     results = {}
     only = {{"disk": "0", "auto": "2/3"}.get(o, o) for o in args.only}
     for name, extra in scenarios.items():
         short = "accelerate" if extra["engine"] == "accelerate" else extra["fraction"]
+        short = "quantized" if extra.get("quantization") else short
         if extra["engine"] in args.skip or (only and short not in only):
             continue
         free = shutil.disk_usage(folder.parent).free  # a shared disk: what others left now
@@ -1114,7 +1169,7 @@ def measure(args: argparse.Namespace, shape: Shape, folder: Path) -> str | None:
     for name, r in results.items():  # a picture of each split's next forward
         if "timeline" in r:
             title = f"{gb(shape.model_bytes)}, {name}: next forward {r['next_s']:.1f} s (green: streamed units compute)"
-            label = r["fraction"].replace("/", "of")
+            label = r["fraction"].replace("/", "of") + (f"-{name.rsplit(' ', 1)[1]}" if "streamed_bytes" in r else "")
             svg = folder.parent / f"{folder.name}-timeline-{label}.svg"
             svg.write_text(timeline_svg(r["timeline"], title) + "\n")
     (folder.parent / f"{folder.name}-results.json").write_text(json.dumps(raw, indent=1) + "\n")

@@ -20,7 +20,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 HISTORY = HERE / "history"
-ORDER = ["planning", "load", "dispatch", "slider", "workload", "gpu", "pipeline", "beyond_ram"]
+ORDER = ["planning", "load", "dispatch", "slider", "workload", "gpu", "pipeline", "quant", "beyond_ram"]
 STAMP = re.compile(r"^<!-- bench: (?P<name>\w+), (?P<date>\d{4}-\d\d-\d\d)(?P<rest>[^>]*)-->\n", re.M)
 
 

@@ -31,8 +31,8 @@ sys.path.insert(0, str(HERE))
 import records  # noqa: E402  (bench/records.py: the section files and RESULTS.md)
 
 BENCHES = ["planning", "load", "dispatch", "slider", "workload", "gpu", "pipeline"]
-OPTIONAL = ["beyond_ram"]  # run only when named: a model larger than this machine's RAM
-QUICK = {"dispatch"}  # benches that take --quick
+OPTIONAL = ["beyond_ram", "quant"]  # run only when named: larger than RAM; gpt2-large four ways (~10 min)
+QUICK = {"dispatch", "quant"}  # benches that take --quick
 TITLES = {
     "planning": "Planning",
     "load": "Checkpoint loading",
@@ -41,6 +41,7 @@ TITLES = {
     "workload": "KV cache and activations",
     "gpu": "GPU: CPU offload against the transfer floor",
     "pipeline": "Pipeline stages: memory per rank, generating across stages",
+    "quant": "Quantized weights",
     "beyond_ram": "Larger than RAM",
 }
 

@@ -48,6 +48,7 @@ _EXPORTS: dict[str, str] = {
     "MachineFacts": "bigviz.core.stream_plan",
     "StreamPlan": "bigviz.core.stream_plan",
     "ForwardEstimate": "bigviz.core.cost",
+    "QuantConfig": "bigviz.core.quant",
     "PipelinePlan": "bigviz.core.pipeline",
     "PipelineError": "bigviz.core.pipeline",
     "PipelineRun": "bigviz.core.pipeline",

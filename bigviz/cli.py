@@ -127,6 +127,13 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--dtype", default=None, help="plan for this dtype, e.g. float16")
     plan.add_argument(
+        "--quantize",
+        choices=("int8", "int4"),
+        default=None,
+        help="size the linear layers' weights as quantized: int8 (torchao, per-row scales) or int4 "
+        "(bitsandbytes 4-bit), what load_checkpoint_and_dispatch(..., quantization=) loads",
+    )
+    plan.add_argument(
         "--out", default="device_map.json", help="where to write the device map JSON (a new file unless --overwrite)"
     )
     plan.add_argument("--html", default=None, help="also write a standalone HTML report here")
@@ -179,12 +186,18 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         target = bigviz.resolve_model(args.model)
     common = dict(
-        strategy=args.strategy, no_split_module_classes=args.no_split, dtype=args.dtype, kv_dtype=args.kv_dtype
+        strategy=args.strategy,
+        no_split_module_classes=args.no_split,
+        dtype=args.dtype,
+        kv_dtype=args.kv_dtype,
+        quantization=args.quantize,
     )
     with warnings.catch_warnings():  # a context past a trained length: the summary's note says it
         warnings.filterwarnings("ignore", message="planning past the model's")
         plan = bigviz.plan(target, args.max_memory, batch_size=args.batch, context_length=args.context, **common)
     print(plan.summary())
+    if args.quantize:
+        print(f"weights: {bigviz.QuantConfig(args.quantize).describe()}; embeddings, norms and the head as they are")
     if args.context:
         print(_run_lines(plan))
         longest = bigviz.max_context(target, plan.max_memory, args.batch, **common)

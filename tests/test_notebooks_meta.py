@@ -26,6 +26,7 @@ EXPECTED = [
     "07_transformers",
     "08_will_it_fit",
     "09_pipeline",
+    "10_shrink_it",
 ]
 MAX_OUTPUT_BYTES = 150_000  # one stored output (a planner's static HTML is ~120 KB)
 MAX_NOTEBOOK_BYTES = 1_000_000  # the whole .ipynb file

@@ -254,6 +254,9 @@ class ConvertedWeights(Mapping[str, Tensor]):
 
     def compute(self, conversion: Conversion) -> dict[str, Tensor]:
         """Every target of ``conversion`` that this mapping serves, in its dtype."""
+        packed = getattr(conversion.rule, "run_packed", None)
+        if packed is not None:  # quantized parts (bigviz.checkpoint.quantized): built as stored, never cast
+            return packed(conversion, self._read, self._dtypes, self._model)  # type: ignore[no-any-return]
         first = self._dtypes[next(t for t in conversion.targets if t in self._dtypes)]
 
         def read(key: str) -> Tensor:

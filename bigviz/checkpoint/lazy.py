@@ -35,6 +35,7 @@ from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
+from typing import Any
 
 from bigviz.checkpoint.errors import raise_problems
 from bigviz.checkpoint.index import CheckpointIndex, TensorInfo
@@ -322,6 +323,24 @@ class WeightStores(Mapping[str, torch.Tensor]):
     def info(self, name: str) -> TensorInfo:
         """The `TensorInfo` of ``name`` in the file store holding it."""
         return self._where[name].info(name)  # type: ignore[attr-defined]
+
+    def packed(self, name: str) -> Any:
+        """A packed weight's parts, from the store holding it (None: plain, or not known there)."""
+        store = self._where.get(name)
+        packed = getattr(store, "packed", None)
+        return packed(name) if packed is not None else None
+
+    def stored_nbytes(self, name: str) -> int | None:
+        """Bytes of a packed weight's parts, from the store holding it (None: a plain tensor)."""
+        stored = getattr(self._where.get(name), "stored_nbytes", None)
+        return stored(name) if stored is not None else None  # type: ignore[no-any-return]
+
+    def verify(self, names: Iterable[str] | None = None) -> None:
+        """Check each file store's files behind ``names`` are unchanged."""
+        for store in self.stores:
+            check = getattr(store, "verify", None)
+            if check is not None:
+                check(None if names is None else [n for n in names if self._where.get(n) is store])
 
     def identity(self, name: str) -> tuple[int, int] | None:
         """The file ``name`` is read from (see `LazyWeights.identity`); None for a store

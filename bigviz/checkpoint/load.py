@@ -50,8 +50,17 @@ from bigviz.checkpoint.load_plan import (
 )
 from bigviz.checkpoint.loader import execute_load
 from bigviz.checkpoint.offload_folder import offload_problems
+from bigviz.checkpoint.quantized import (
+    check_supported,
+    is_packed_load,
+    packed_view,
+    prepare_for_checkpoint,
+    quantize_loads,
+    quantization_config,
+)
 from bigviz.core.devicemap import check_keys
 from bigviz.core.devices import execution_device, torch_name
+from bigviz.core.quant import QuantConfig
 from bigviz.core.sizes import format_count
 from bigviz.core.dtypes import load_dtype
 from bigviz.modeling.inventory import ModelInventory, tie_model
@@ -148,6 +157,7 @@ def load_checkpoint_in_model(
     keep_in_fp32_modules: Sequence[str] | None = None,
     key_mapping: Mapping[str, str] | None = None,
     progress: bool = True,
+    quantization: object = None,
 ) -> LoadResult:
     """Load ``checkpoint`` into ``model`` (usually built on meta), tensor by tensor.
 
@@ -168,6 +178,10 @@ def load_checkpoint_in_model(
         key_mapping: extra checkpoint key renamings (regex -> replacement), as
             ``from_pretrained(key_mapping=...)`` takes them (transformers models).
         progress: show a progress bar over bytes once the work has run for a second.
+        quantization: ``"int8"`` or ``"int4"`` (or a `~bigviz.core.quant.QuantConfig`, or
+            transformers' ``TorchAoConfig`` / ``BitsAndBytesConfig``): quantize the linear
+            layers' weights while they load, one at a time (see :mod:`bigviz.modeling.quant`).
+            A checkpoint stored quantized needs none: it loads as stored.
 
     A transformers model's checkpoint keys are converted with transformers' own rules
     (renamed modules, experts stored one by one but fused in the model): see
@@ -193,6 +207,12 @@ def load_checkpoint_in_model(
         >>> result.renamed_prefix, result.prefix_action, model.weight.dtype
         ('net.', 'stripped', torch.float16)
     """
+    from bigviz.modeling.quant import as_quant_config, torch_dtype
+
+    config = as_quant_config(quantization)
+    checkpoint = CheckpointIndex.open(checkpoint)
+    if not isinstance(model, ModelInventory):  # (an inventory: its caller prepared the model)
+        prepare_for_checkpoint(model, checkpoint, config, dtype=torch_dtype(dtype))
     index, plan = plan_load(
         model,
         checkpoint,
@@ -202,6 +222,7 @@ def load_checkpoint_in_model(
         strict=strict,
         keep_in_fp32_modules=keep_in_fp32_modules,
         key_mapping=key_mapping,
+        quantization=config,
     )
     return execute_load_plan(inventory_of(model), index, plan, progress=progress, inplace=False)
 
@@ -217,6 +238,7 @@ def plan_load(
     keep_in_fp32_modules: Sequence[str] | None = None,
     key_mapping: Mapping[str, str] | None = None,
     check: bool = True,
+    quantization: QuantConfig | None = None,
 ) -> tuple[CheckpointIndex, LoadPlan]:
     """The checkpoint's index and the `LoadPlan` of loading it into ``model`` (headers only:
     nothing is read); checked unless ``check=False``. Arguments as for
@@ -237,6 +259,7 @@ def plan_load(
         [('weight', 'disk', 'float16', True), ('bias', 'disk', 'float16', True)]
     """
     index = CheckpointIndex.open(checkpoint)
+    check_supported(index)  # stored in a quantization bigviz cannot run here: refused, named
     inventory = inventory_of(model)
     options = _options(
         inventory.model,
@@ -247,7 +270,7 @@ def plan_load(
         offload_folder=offload_folder,
         keep_in_fp32_modules=keep_in_fp32_modules,
     )
-    plan = _plan(inventory, index, options, key_mapping)
+    plan = _plan(inventory, index, options, key_mapping, quantization)
     if check:
         check_plan(plan, strict=strict, where=f"'{index.path}' into {type(inventory.model).__name__}")
     return index, plan
@@ -264,11 +287,17 @@ def inventory_of(model: ModelOrInventory) -> ModelInventory:
 
 
 def _plan(
-    inventory: ModelInventory, index: CheckpointIndex, options: LoadOptions, key_mapping: Mapping[str, str] | None
+    inventory: ModelInventory,
+    index: CheckpointIndex,
+    options: LoadOptions,
+    key_mapping: Mapping[str, str] | None,
+    quantization: QuantConfig | None = None,
 ) -> LoadPlan:
     view = checkpoint_view_of(inventory, index, key_mapping)
     plan = resolve_view(match_checkpoint(inventory.tensors, view.entries, options), view)
     plan = locate(plan, index.entries, format=index.format)
+    if quantization is not None:
+        plan = _quantized(plan, inventory, index, quantization)
     disk = [load for load in plan.loads if load.device == "disk"]
     problems = tuple(view.problems) + tuple(_disk_problems(index, disk, options))
     return replace(
@@ -278,6 +307,24 @@ def _plan(
         computed=tuple(_computed(inventory, plan, options)),
         offload_folder=options.offload_folder,
     )
+
+
+def _quantized(plan: LoadPlan, inventory: ModelInventory, index: CheckpointIndex, config: QuantConfig) -> LoadPlan:
+    """``plan`` with the weights ``config`` targets quantized while they load (one at a time);
+    a checkpoint already stored quantized is refused (it loads as it is stored)."""
+    from bigviz.checkpoint.errors import CheckpointError
+    from bigviz.modeling.quant import quant_targets
+
+    stored = quantization_config(index)
+    if stored is not None:
+        raise CheckpointError(
+            f"quantization={config.method!r}: {str(index.path)!r} is already stored quantized (quant_method "
+            f"{stored.get('quant_method')!r}); leave quantization= out to load it as it is stored"
+        )
+    targets = quant_targets(inventory, config)
+    shapes = {t: tuple(inventory.tensor(t).shape) for t in targets}
+    placeholders = {t: inventory.tensor(t) for t in targets}
+    return quantize_loads(plan, config, targets, shapes=shapes, placeholders=placeholders)
 
 
 def execute_load_plan(
@@ -417,6 +464,7 @@ def load_sharded_checkpoint(
         (IncompatibleKeys(missing_keys=[], unexpected_keys=[]), True)
     """
     index = CheckpointIndex.open(folder, prefer_safe=prefer_safe)
+    check_supported(index)
     inventory = inventory_of(model)
     options = LoadOptions(strict=strict, can_map_disk=index.format == "safetensors")
     plan = _plan(inventory, index, options, None)
@@ -448,15 +496,30 @@ def checkpoint_view_of(
     rules = hf.conversion_rules(model, key_mapping)
     names = list(inventory.slots)
     prefix = getattr(model, "base_model_prefix", "") or ""
-    return checkpoint_view(index.entries, rules, model_names=names, base_model_prefix=prefix, model=model)
+    view = checkpoint_view(index.entries, rules, model_names=names, base_model_prefix=prefix, model=model)
+    return packed_view(view, index)  # a checkpoint stored quantized: each weight's parts as one
 
 
 def _disk_problems(index: CheckpointIndex, disk: list[TensorLoad], options: LoadOptions) -> list[str]:
     """Disk tensors that cannot be read in place need an offload folder to be written to once."""
+    stored = [load for load in disk if is_packed_load(load) and load.conversion.rule.in_place]  # type: ignore[union-attr]
+    if stored and index.format != "safetensors":
+        return [
+            f"disk offload of weights stored quantized in {index.format} files ({stored[0].name}, ...): "
+            "map them to 'cpu', or save the checkpoint as safetensors"
+        ]
+    disk = [load for load in disk if load not in stored]  # read in place, built at each fetch
     fused = [load.name for load in disk if load.fused]
     if not fused and (not disk or index.format == "safetensors"):
         return []
     problems = offload_problems(options.offload_folder)
+    quantized = [load.name for load in disk if is_packed_load(load)]
+    if quantized and options.offload_folder is None:
+        return [
+            f"weights quantized while loading and mapped to 'disk' ({', '.join(quantized[:3])}"
+            f"{', ...' if len(quantized) > 3 else ''}) are written once, packed, to an offload folder: "
+            "pass offload_folder="
+        ]
     if fused and options.offload_folder is None:
         problems = [
             f"disk offload of tensors fused from several checkpoint keys ({', '.join(fused[:3])}"

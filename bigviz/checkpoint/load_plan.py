@@ -45,6 +45,7 @@ from bigviz.core.devicemap import device_of
 from bigviz.core.devices import device_label, normalize_device, tie_home, torch_name
 from bigviz.core.dtypes import is_floating
 from bigviz.core.names import is_prefix, owner
+from bigviz.core.quant import quantization_role_keys
 from bigviz.core.sizes import format_count, format_size
 from bigviz.modeling.budgets import absent_device_problems
 from bigviz.modeling.inventory import ModelTensor
@@ -208,13 +209,14 @@ class LoadPlan:
         return "\n".join(lines)
 
     def _notes(self) -> list[str]:
-        casts = sorted(
-            {
-                (load.source_dtype, str(load.dtype).removeprefix("torch."))
-                for load in self.loads
-                if load.source_dtype and load.source_dtype != str(load.dtype).removeprefix("torch.")
-            }
-        )
+        cast = [
+            load
+            for load in self.loads
+            if load.source_dtype
+            and load.source_dtype != str(load.dtype).removeprefix("torch.")
+            and getattr(getattr(load.conversion, "rule", None), "run_packed", None) is None  # quantized: below
+        ]
+        casts = sorted({(load.source_dtype, str(load.dtype).removeprefix("torch.")) for load in cast})
         lines = []
         if casts:
             n = sum(
@@ -227,7 +229,13 @@ class LoadPlan:
             lines.append(f"  prefix {self.prefix!r} {self.prefix_action} to match the model")
         renamed = [c for c in self.conversions if c.is_rename]
         lines += [f"  renamed {format_count(len(renamed), 'checkpoint key')} (read in place)"] if renamed else []
-        lines += [f"  converted {c.describe()}" for c in self.conversions if not c.is_rename]
+        packed: dict[str, int] = {}
+        for c in self.conversions:
+            if getattr(c.rule, "run_packed", None) is not None:  # quantized weights: one line per format
+                packed[c.operation] = packed.get(c.operation, 0) + 1
+            elif not c.is_rename:
+                lines.append(f"  converted {c.describe()}")
+        lines += [f"  {format_count(n, 'weight')}: {op}" for op, n in packed.items()]
         lines += [f"  computed by the model: {load.name}" for load in self.computed]
         lines += [f"  {name} filled by its tie to {src}" for name, src in self.filled_by_tie]
         lines += [f"  ignored {k}: {why}" for k, why in self.ignored]
@@ -400,15 +408,33 @@ def plan_problems(plan: LoadPlan, *, strict: bool, map_checked: bool = False) ->
     """
     devices = [p for p in plan.device_problems if not (map_checked and p.startswith((MISSING_DEVICE, NO_DEVICE)))]
     problems = [f"shape mismatch: {m}" for m in plan.mismatched] + devices
+    quantized = quantization_role_keys(plan.unexpected)  # never dropped, even with strict=False
+    if quantized:
+        problems.append(_quantized_keys_problem(quantized))
     if strict:
         problems += [f"missing in the checkpoint: {k}" for k in plan.missing]
-        problems += [f"unexpected in the checkpoint (the model has no such tensor): {k}" for k in plan.unexpected]
+        problems += [
+            f"unexpected in the checkpoint (the model has no such tensor): {k}"
+            for k in plan.unexpected
+            if k not in set(quantized)
+        ]
     fixes = []
     if plan.mismatched or (strict and plan.missing and plan.unexpected):
         fixes.append("is this the right checkpoint for this model (same config and size)?")
     if strict and (plan.missing or plan.unexpected):
         fixes.append("pass strict=False to load what matches and report the rest")
     return problems, ("Fix: " + "; ".join(fixes) if fixes else "")
+
+
+def _quantized_keys_problem(keys: Sequence[str]) -> str:
+    shown = ", ".join(keys[:4]) + (f", ... ({len(keys)} in all)" if len(keys) > 4 else "")
+    return (
+        f"the checkpoint holds quantized data the model has no tensor for ({shown}): scales, packed values "
+        "or zero points without which the weights they belong to are garbage, so they are never dropped "
+        "(not even with strict=False). The checkpoint is stored quantized: keep the quantization_config "
+        "transformers wrote in its config.json (bigviz then loads it as stored, or names what it lacks), "
+        "or load it with transformers' from_pretrained"
+    )
 
 
 MISSING_DEVICE = "device map names "  # see bigviz.core.devices.missing_device_problems

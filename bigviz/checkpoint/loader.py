@@ -13,6 +13,7 @@ Example:
     >>> from bigviz.checkpoint.save import save_sharded
     >>> from bigviz.checkpoint.load import plan_load
     >>> from bigviz.modeling.inventory import ModelInventory
+from bigviz.modeling.packed import is_packed, stored_nbytes
     >>> folder = save_sharded(torch.nn.Linear(2, 2), pathlib.Path(tempfile.mkdtemp()) / "c", progress=False)
     >>> with torch.device("meta"):
     ...     model = torch.nn.Linear(2, 2)
@@ -36,8 +37,11 @@ from bigviz.checkpoint.index import CheckpointIndex
 from bigviz.checkpoint.lazy import LazyWeights, WeightStores
 from bigviz.checkpoint.load_plan import LoadPlan, TensorLoad
 from bigviz.checkpoint.offload_folder import offload_weights
+from bigviz.checkpoint.packed_weights import PackedWeights, flatten
+from bigviz.checkpoint.quantized import is_packed_load, packed_store
 from bigviz.checkpoint.progress import byte_bar
 from bigviz.modeling.inventory import ModelInventory
+from bigviz.modeling.packed import is_packed, stored_nbytes
 
 __all__ = ["Executed", "execute_load"]
 
@@ -108,7 +112,9 @@ def _materialise(
             model=model,
         )
         for load in fused:
-            nbytes += slots.fill(load, converted[load.name].to(load.device), inplace=inplace)
+            value = converted[load.name]
+            value = value if str(value.device) == load.device else value.to(load.device)
+            nbytes += slots.fill(load, value, inplace=inplace)
             bar.update(load.nbytes)
     return nbytes
 
@@ -133,8 +139,11 @@ def _disk_weights(
     renamed keys, read in place), and a one-time safetensors copy in ``offload_folder`` of what
     cannot be read in place (other formats, fused tensors); returns that folder, if written.
     Each tensor comes back in its load dtype."""
+    stored = [load for load in disk if is_packed_load(load) and load.conversion.rule.in_place]  # type: ignore[union-attr]
+    if stored:  # stored quantized: read in place, each weight built from its parts at each fetch
+        stores.append(packed_store(index, stored))
     in_place = [load for load in disk if load.in_place]
-    written = [load for load in disk if not load.in_place]
+    written = [load for load in disk if not load.in_place and load not in stored]
     if in_place:
         names = {alias: load.key for load in in_place for alias in load.aliases}
         dtypes = {alias: load.dtype for load in in_place for alias in load.aliases}
@@ -154,9 +163,16 @@ def _disk_weights(
             model=model,
         )
         source = WeightStores([{load.name: weights[load.name] for load in plain}, converted])
-        names = {alias: load.name for load in written for alias in load.aliases}
-        dtypes = {alias: load.dtype for load in written for alias in load.aliases}
-        stores.append(offload_weights(source, folder, names, dtypes=dtypes))  # what this write made, locked
+        flat, recipes = flatten(source)  # weights quantized while loading: written packed, once
+        names = {alias: load.name for load in written for alias in load.aliases if load.name not in recipes}
+        dtypes = {alias: load.dtype for load in written for alias in load.aliases if load.name not in recipes}
+        parts = {key: key for recipe in recipes.values() for key in recipe.keys.values()}
+        store: Mapping[str, torch.Tensor] = offload_weights(flat, folder, names | parts, dtypes=dtypes)  # locked
+        if recipes:
+            store = PackedWeights(
+                store, {a: recipes[load.name] for load in written if load.name in recipes for a in load.aliases}
+            )
+        stores.append(store)
     return folder
 
 
@@ -218,13 +234,17 @@ class _Slots:
     def fill(self, load: TensorLoad, tensor: torch.Tensor, *, inplace: bool) -> int:
         """Put ``tensor`` under every name of ``load`` (one object: a tie survives); its bytes."""
         store, leaf, old = self._slots[load.name]
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = stored_nbytes(tensor)
         if inplace and not old.is_meta:
             with torch.no_grad():
                 self._saved.append((old, old.detach().to("cpu", copy=True)))
                 old.copy_(tensor)
             return nbytes
-        if isinstance(old, torch.nn.Parameter):
+        if is_packed(tensor):  # a quantized weight: as its library made it (inference only)
+            tensor = (
+                tensor if isinstance(tensor, torch.nn.Parameter) else torch.nn.Parameter(tensor, requires_grad=False)
+            )
+        elif isinstance(old, torch.nn.Parameter):
             grad = old.requires_grad and tensor.is_floating_point()
             tensor = torch.nn.Parameter(tensor, requires_grad=grad)
         for alias in load.aliases:

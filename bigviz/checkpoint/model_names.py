@@ -14,7 +14,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -22,10 +23,11 @@ import torch
 from bigviz.checkpoint.index import CheckpointIndex
 from bigviz.checkpoint.load import checkpoint_view_of, inventory_of
 from bigviz.checkpoint.load_plan import LoadOptions, match_checkpoint, resolve_view
-from bigviz.core.names import owner
+from bigviz.core.names import owner, parent
+from bigviz.core.quant import quantization_role_keys
 from bigviz.modeling.inventory import ModelInventory
 
-__all__ = ["checkpoint_dtypes", "device_map_in_model_names"]
+__all__ = ["checkpoint_dtypes", "checkpoint_packed", "device_map_in_model_names"]
 
 
 def checkpoint_dtypes(
@@ -48,6 +50,51 @@ def checkpoint_dtypes(
     view = checkpoint_view_of(inventory, CheckpointIndex.open(checkpoint), None)
     plan = match_checkpoint(inventory.tensors, view.entries, LoadOptions(strict=False))
     return {alias: view.entries[load.key].dtype for load in plan.loads for alias in load.aliases}
+
+
+def checkpoint_packed(
+    model: torch.nn.Module | ModelInventory, checkpoint: str | Path | CheckpointIndex
+) -> dict[str, tuple[int, str]]:
+    """Model tensor name -> (bytes as stored, format) for each weight a checkpoint stores
+    quantized and that stays packed in memory once loaded (torchao, bitsandbytes; an FP8 weight
+    is dequantized, so it takes its dtype's bytes); headers only.
+
+    Example:
+        >>> import tempfile, torch, pathlib
+        >>> from bigviz.checkpoint.save import save_sharded
+        >>> folder = save_sharded(torch.nn.Linear(2, 2), pathlib.Path(tempfile.mkdtemp()) / "c", progress=False)
+        >>> checkpoint_packed(torch.nn.Linear(2, 2), folder)
+        {}
+    """
+    inventory = inventory_of(model)
+    view = checkpoint_view_of(inventory, CheckpointIndex.open(checkpoint), None)
+    plan = match_checkpoint(inventory.tensors, view.entries, LoadOptions(strict=False))
+    out: dict[str, tuple[int, str]] = {}
+    for load in plan.loads:
+        conversion = view.source_of.get(load.key)
+        rule = getattr(conversion, "rule", None)
+        if getattr(rule, "stores_packed", False):
+            out.update(dict.fromkeys(load.aliases, (view.entries[load.key].nbytes, str(rule.kind))))  # type: ignore[union-attr]
+    return out | _in_other_formats(plan.missing, plan.unexpected, view, plan.prefix, plan.prefix_action)
+
+
+def _in_other_formats(
+    missing: Sequence[str], unexpected: Sequence[str], view: Any, prefix: str | None, action: str | None
+) -> dict[str, tuple[int, str]]:
+    """Model weights a checkpoint stores in a format bigviz does not load (GPTQ's ``qweight``,
+    ``qzeros``, ``scales``...): each missing ``weight`` sized by the quantization keys under its
+    module, so a plan from headers counts the bytes as stored."""
+    by_module: dict[str, int] = {}
+    for key in quantization_role_keys(unexpected):
+        module = key.rsplit(".", 1)[0].removesuffix(".weight")
+        if prefix and action == "stripped":
+            module = module.removeprefix(prefix)
+        elif prefix and action == "added":
+            module = prefix + module
+        info = view.entries.get(key)
+        by_module[module] = by_module.get(module, 0) + (info.nbytes if info is not None else 0)
+    found = {name: parent(name) for name in missing if name.endswith(".weight")}
+    return {name: (by_module[m], "stored quantized") for name, m in found.items() if m in by_module}
 
 
 def device_map_in_model_names(

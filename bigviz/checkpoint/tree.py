@@ -17,21 +17,21 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bigviz.checkpoint.index import CheckpointIndex
+from bigviz.checkpoint.index import CheckpointIndex, TensorInfo
 from bigviz.checkpoint.sharding import unique_tensors
-from bigviz.core.names import join
+from bigviz.core.names import join, natural_order
 from bigviz.core.dtypes import canonical_dtype
 from bigviz.core.tree import SizeTree, TensorSpec
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["tree_from_checkpoint", "detect_no_split", "natural_order"]
+__all__ = ["tree_from_checkpoint", "detect_no_split"]
 
 
 def tree_from_checkpoint(
@@ -61,27 +61,51 @@ def tree_from_checkpoint(
     if model is not None:
         tree = _model_tree(index, model)
     else:
-        names = natural_order(index.keys())
+        entries, packed = _entries(index)
+        names = natural_order(entries)
         specs = [
-            TensorSpec(info.name, info.numel, canonical_dtype(info.dtype), info.shape)
-            for info in (index.entries[n] for n in names)
+            TensorSpec(info.name, info.numel, canonical_dtype(info.dtype), info.shape, stored=packed.get(info.name))
+            for info in (entries[n] for n in names)
         ]
         tree = SizeTree.build(specs, ties=_pickled_ties(index))
     return tree.with_dtype(canonical_dtype(dtype)) if dtype is not None else tree
 
 
+def _entries(index: CheckpointIndex) -> tuple[Mapping[str, TensorInfo], dict[str, int]]:
+    """The checkpoint's tensors as a model sees them: a weight stored quantized is one tensor
+    in its logical shape (its parts grouped), sized as it lives in memory (packed, or for
+    FP8, dequantized); and the packed ones' bytes."""
+    from bigviz.checkpoint.quantized import quantization_config
+
+    if quantization_config(index) is None:
+        return index.entries, {}
+    from bigviz.checkpoint.convert import CheckpointView
+    from bigviz.checkpoint.quantized import packed_view
+
+    view = packed_view(CheckpointView(dict(index.entries)), index)
+    packed = {
+        name: info.nbytes
+        for name, info in view.entries.items()
+        if getattr(getattr(view.source_of.get(name), "rule", None), "stores_packed", False)
+    }
+    return view.entries, packed
+
+
 def _model_tree(index: CheckpointIndex, model: torch.nn.Module) -> SizeTree:
     """The model's tree, each tensor the checkpoint holds in the checkpoint's dtype."""
-    from bigviz.checkpoint.model_names import checkpoint_dtypes
+    from bigviz.checkpoint.model_names import checkpoint_dtypes, checkpoint_packed
+    from bigviz.checkpoint.quantized import quantization_config
     from bigviz.modeling.inventory import ModelInventory
 
     inventory = ModelInventory.of(model)
     tree = inventory.tree()
     stored = checkpoint_dtypes(inventory, index)
+    packed = checkpoint_packed(inventory, index) if quantization_config(index) is not None else {}
     specs = [
         replace(spec, dtype=canonical_dtype(stored[name])) if name in stored else spec
         for name, spec in tree.tensors.items()
     ]
+    specs = [replace(s, stored=packed[s.name][0], quant=packed[s.name][1]) if s.name in packed else s for s in specs]
     classes = {name: node.class_name for name, node in tree.nodes.items()}
     return SizeTree.build(specs, classes, tree.ties, containers=tree.containers)
 
@@ -97,33 +121,6 @@ def _pickled_ties(index: CheckpointIndex) -> list[list[str]]:
         for dropped, kept in unique_tensors(state)[1]:
             groups.setdefault(kept, [kept]).append(dropped)
     return list(groups.values())
-
-
-def natural_order(names: Iterable[str]) -> list[str]:
-    """``names`` in first-appearance order, numbered siblings sorted by number.
-
-    Example:
-        >>> natural_order(["h.10.w", "h.2.w", "wte", "h.2.b"])
-        ['h.2.w', 'h.2.b', 'h.10.w', 'wte']
-    """
-    names = list(names)
-    rank: dict[tuple[str, str], int] = {}
-    for name in names:
-        parts = name.split(".")
-        for i, part in enumerate(parts):
-            where = ".".join(parts[:i])
-            rank.setdefault((where, "#" if part.isdigit() else part), len(rank))
-
-    def key(name: str) -> tuple[tuple[int, int], ...]:
-        parts = name.split(".")
-        out = []
-        for i, part in enumerate(parts):
-            where = ".".join(parts[:i])
-            number = part.isdigit()
-            out.append((rank[(where, "#" if number else part)], int(part) if number else 0))
-        return tuple(out)
-
-    return sorted(names, key=key)
 
 
 def detect_no_split(names: Sequence[str]) -> list[str]:

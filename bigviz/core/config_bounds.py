@@ -103,11 +103,13 @@ def config_problems(data: Mapping[str, Any], *, max_parameters: int = MAX_PARAME
         problems.append(f'model_type = {_short(model_type)}: write the model\'s type as a string, e.g. "llama"')
     for path, sub in _configs(data, "", 0, problems):
         problems += _remote_code(sub, path)
-        problems += _number_problems(sub, path)
+        if not _quantizer_settings(path):
+            problems += _number_problems(sub, path)
     if problems:
         return problems
     for path, sub in _configs(data, "", 0, []):
-        problems += _build_problems(sub, path)
+        if not _quantizer_settings(path):
+            problems += _build_problems(sub, path)
     estimate = estimate_parameters(data) if not problems else 0
     if estimate > max_parameters:
         keys = ", ".join(f"{k} = {_short(v)}" for k, v in _sizing_keys(data))
@@ -162,6 +164,13 @@ def estimate_parameters(data: Mapping[str, Any]) -> int:
 
 
 # ---- walking the config ---------------------------------------------------------------------
+def _quantizer_settings(path: str) -> bool:
+    """A sub-config under ``quantization_config``: the quantizer's own settings (torchao writes
+    ``dim = -1`` for per-row scales), no sizing numbers; the quantization is checked where
+    it is read (:func:`bigviz.checkpoint.quantized.support_problems`)."""
+    return ".quantization_config." in f".{path}"
+
+
 def _configs(
     data: Mapping[str, Any], path: str, depth: int, problems: list[str]
 ) -> Iterator[tuple[str, Mapping[str, Any]]]:

@@ -18,7 +18,7 @@ from typing import TypeVar
 
 V = TypeVar("V")
 
-__all__ = ["is_prefix", "parent", "ancestors", "join", "owner", "under_any", "leaf"]
+__all__ = ["is_prefix", "parent", "ancestors", "join", "owner", "under_any", "leaf", "natural_order"]
 
 
 def is_prefix(prefix: str, name: str) -> bool:
@@ -113,3 +113,30 @@ def under_any(name: str, keys: Container[str]) -> bool:
         if name in keys:
             return True
     return False
+
+
+def natural_order(names: Iterable[str]) -> list[str]:
+    """``names`` in first-appearance order, numbered siblings sorted by number.
+
+    Example:
+        >>> natural_order(["h.10.w", "h.2.w", "wte", "h.2.b"])
+        ['h.2.w', 'h.2.b', 'h.10.w', 'wte']
+    """
+    names = list(names)
+    rank: dict[tuple[str, str], int] = {}
+    for name in names:
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            where = ".".join(parts[:i])
+            rank.setdefault((where, "#" if part.isdigit() else part), len(rank))
+
+    def key(name: str) -> tuple[tuple[int, int], ...]:
+        parts = name.split(".")
+        out = []
+        for i, part in enumerate(parts):
+            where = ".".join(parts[:i])
+            number = part.isdigit()
+            out.append((rank[(where, "#" if number else part)], int(part) if number else 0))
+        return tuple(out)
+
+    return sorted(names, key=key)

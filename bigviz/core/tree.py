@@ -34,7 +34,12 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One parameter or buffer: its full dotted name, element count and dtype name."""
+    """One parameter or buffer: its full dotted name, element count and dtype name.
+
+    A quantized weight keeps its logical ``dtype`` and ``shape`` (what the model computes with)
+    and says in ``stored`` the bytes its format holds (packed values, scales, zero points) and
+    in ``quant`` which format (see :mod:`bigviz.core.quant`).
+    """
 
     name: str
     numel: int
@@ -42,11 +47,14 @@ class TensorSpec:
     shape: tuple[int, ...] = ()
     kind: str = "param"  # "param" or "buffer"
     persistent: bool = True  # False: a buffer the model computes itself (never in a checkpoint)
+    stored: int | None = None  # bytes as a quantizer packs it (None: numel x the dtype's size)
+    quant: str = ""  # the quantized format, e.g. "int8"; "" for a plain tensor
 
     @property
     def nbytes(self) -> int:
-        """Bytes of its elements (sub-byte dtypes packed, rounded up)."""
-        return tensor_nbytes(self.dtype, self.numel)
+        """Bytes it takes: as packed when quantized, else its elements (sub-byte dtypes packed,
+        rounded up)."""
+        return self.stored if self.stored is not None else tensor_nbytes(self.dtype, self.numel)
 
 
 @dataclass(frozen=True)
@@ -153,7 +161,8 @@ class SizeTree:
 
     def with_dtype(self, dtype: str | None, special: Mapping[str, str] | None = None) -> SizeTree:
         """The same tree with floating tensors re-sized to ``dtype`` (integer tensors keep
-        theirs); ``special`` maps module prefixes to a dtype that wins for their tensors.
+        theirs; a quantized tensor keeps its packed bytes and takes ``dtype`` as its compute
+        dtype); ``special`` maps module prefixes to a dtype that wins for their tensors.
 
         Example:
             >>> t = SizeTree.build([TensorSpec("w", 4, "float32"), TensorSpec("i", 4, "int64")])

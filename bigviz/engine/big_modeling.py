@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from bigviz.checkpoint.index import CheckpointIndex
 from bigviz.checkpoint.load import execute_load_plan, inventory_of, torch_load_dtype
+from bigviz.checkpoint.quantized import prepare_for_checkpoint
 from bigviz.core.names import owner, parent
 from bigviz.core.stream_plan import MachineFacts
 from bigviz.engine.devices import DeviceLike, torch_device
@@ -32,6 +33,7 @@ from bigviz.engine.offload_hooks import CpuOffload, UserCpuOffloadHook
 from bigviz.engine.weights import open_offload_folder
 from bigviz.modeling.budgets import default_execution_device
 from bigviz.modeling.inventory import ModelInventory
+from bigviz.modeling.quant import as_quant_config
 from bigviz.planning.chain import plan_chain
 
 __all__ = ["load_checkpoint_and_dispatch", "cpu_offload", "cpu_offload_with_hook", "disk_offload"]
@@ -55,6 +57,7 @@ def load_checkpoint_and_dispatch(
     resident: str = "auto",
     stream: str = "ring",
     machine: MachineFacts | None = None,
+    quantization: object = None,
 ) -> nn.Module:
     """Plan (if asked), load ``checkpoint`` into ``model`` and dispatch it; returns it in eval mode.
 
@@ -89,6 +92,13 @@ def load_checkpoint_and_dispatch(
             available RAM now). ``bigviz.dispatch_plan(...)`` with the same arguments prints
             the plan this carries out, before anything moves; ``bigviz.residency(model)`` says
             what was done.
+        quantization: ``"int8"`` (torchao, one scale per row) or ``"int4"`` (bitsandbytes 4-bit),
+            or a `~bigviz.core.quant.QuantConfig` or transformers' ``TorchAoConfig`` /
+            ``BitsAndBytesConfig``: the linear layers' weights are quantized while they load,
+            one at a time (the float model is never in memory), planned in their packed bytes,
+            and offloaded and streamed packed (disk units are written once, packed, to
+            ``offload_folder``). A checkpoint stored quantized (its ``config.json`` says how)
+            needs none: it loads as stored. Needs ``pip install 'bigviz[quant]'``.
 
     Raises:
         ValueError: a GPU named by the map is absent, the map does not fit the model, or a
@@ -107,8 +117,10 @@ def load_checkpoint_and_dispatch(
     """
     refuse_dispatched(model, "load_checkpoint_and_dispatch")  # before anything is read
     dtype = torch_load_dtype(dtype)  # floating only, before planning with it
-    inventory = inventory_of(model)  # ties made, then the model's one walk for this call
+    config = as_quant_config(quantization)
     index = CheckpointIndex.open(checkpoint)  # headers read once for this call
+    prepare_for_checkpoint(model, index, config, dtype=dtype)  # quantized layers, on meta
+    inventory = inventory_of(model)  # ties made, then the model's one walk for this call
     _, loads, plan = plan_chain(
         inventory,
         index,
@@ -124,6 +136,7 @@ def load_checkpoint_and_dispatch(
         resident=resident,
         stream=stream,
         machine=machine,
+        quantization=config,
     )
     assert loads is not None
     result = execute_load_plan(inventory, index, loads, progress=False)

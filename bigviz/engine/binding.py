@@ -35,6 +35,7 @@ from bigviz.core.offload_units import Fetch, OffloadUnit, Resident
 from bigviz.engine.devices import torch_device
 from bigviz.engine.weights import Slot, nbytes, offloaded_placeholder, set_slot
 from bigviz.modeling.inventory import ModelInventory, is_container
+from bigviz.modeling.packed import release_module_state, split
 
 __all__ = ["BoundUnit", "Binding", "bind", "bound_units", "called_modules", "is_container", "find_source"]
 
@@ -98,6 +99,7 @@ class BoundUnit:
         """Point every slot back at its ``meta`` placeholder (no copy back: nothing to save)."""
         for slot, placeholder in self.placeholders.values():
             set_slot(slot, placeholder)
+            release_module_state(slot[0])  # what a layer keeps of its packed weight goes with it
 
 
 @dataclass
@@ -196,8 +198,18 @@ def _stream_source(
     if tensor.is_meta:
         binding.problems.append(_not_found(key))
         return None
-    (binding.to_write if on_disk else binding.to_pin)[key] = tensor
+    (binding.to_write if on_disk else binding.to_pin)[key] = _whole(inventory, key, tensor)
     return key, None
+
+
+def _whole(inventory: ModelInventory, key: str, tensor: Tensor) -> Tensor:
+    """A packed weight with everything it needs (bitsandbytes' ``Linear8bitLt`` keeps its
+    weight's row scales in ``module.state`` once it ran: they travel with the weight)."""
+    module = inventory.slots[key][0]
+    packed = split(tensor, module=module)
+    if packed is None or packed.kind != "bitsandbytes Int8Params" or getattr(tensor, "SCB", None) is not None:
+        return tensor
+    return packed.build(packed.parts)
 
 
 def _add_fetch(
@@ -214,7 +226,9 @@ def _add_fetch(
         unit.sources[key] = store
     if key not in unit.slots:
         unit.slots[key] = []
-        unit.key_nbytes[key] = nbytes(tensor)
+        stored = getattr(store, "stored_nbytes", None)  # a packed weight on meta: its store knows its bytes
+        packed = stored(key) if stored is not None else None
+        unit.key_nbytes[key] = packed if packed is not None else nbytes(tensor)
         unit.dtypes[key] = tensor.dtype
         if not tensor.is_meta:
             unit.materialised.add(key)

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from bigviz.checkpoint.offload_folder import offload_problems, offload_weights
+from bigviz.checkpoint.packed_weights import PackedWeights, flatten
 from bigviz.core.dispatch_plan import DispatchPlan
 from bigviz.core.errors import BigvizError, DeviceMapError, StateError
 from bigviz.engine.binding import Binding, BoundUnit, bind, called_modules
@@ -423,7 +424,9 @@ def _materialise(binding: Binding, options: DispatchOptions, state: DispatchStat
     new_sources: dict[str, Mapping[str, Tensor]] = {}
     if binding.to_write:
         assert options.offload_folder is not None  # checked in _checked_binding
-        store = offload_weights(binding.to_write, options.offload_folder)  # what this write made, locked
+        flat, recipes = flatten(binding.to_write)  # a quantized weight is written packed: its parts
+        store: Mapping[str, Tensor] = offload_weights(flat, options.offload_folder)  # what this write made, locked
+        store = PackedWeights(store, recipes) if recipes else store
         state.owned.append(store)
         new_sources.update(dict.fromkeys(binding.to_write, store))
     if binding.to_pin:

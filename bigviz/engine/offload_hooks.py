@@ -35,6 +35,7 @@ from bigviz.modeling.budgets import default_execution_device
 from bigviz.engine.scheduler import Scheduler
 from bigviz.engine.binding import BoundUnit
 from bigviz.engine.weights import as_slot_value, get_slot, meta_like, set_slot
+from bigviz.modeling.packed import clone
 
 __all__ = [
     "AlignDevicesHook",
@@ -278,7 +279,7 @@ class OffloadHook(ModelHook):
                 placeholder = self.unit.placeholders[(id(slot[0]), slot[1])][1]
                 value = self.restored.get((id(store), key))
                 if value is None:
-                    data = store[key] if self.unit.storage == "cpu" else store[key].clone()  # files close next
+                    data = store[key] if self.unit.storage == "cpu" else clone(store[key])  # files close next
                     value = as_slot_value(data, slot[2], requires_grad=placeholder.requires_grad)
                     self.restored[(id(store), key)] = value
                 set_slot(slot, value)

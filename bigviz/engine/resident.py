@@ -68,6 +68,7 @@ from bigviz.core.errors import DeviceMapError
 from bigviz.core.stream_plan import StreamPlan
 from bigviz.engine.fetchers.spans import FileMaps, FileSpan, can_open, file_span, span_identity
 from bigviz.osio.direct import ALIGN, CHUNK, Piece, block_room, pieces_of, read_piece
+from bigviz.modeling.packed import Packed, release_module_state, split
 
 __all__ = ["ResidentReport", "Residency", "make_resident", "mapped_bytes", "residency"]
 
@@ -159,11 +160,27 @@ def _cpu_tensors(model: nn.Module) -> Iterator[tuple[nn.Module, str, str, Tensor
                     yield module, attr, kind, tensor
 
 
+def _plain_tensors(model: nn.Module) -> Iterator[tuple[nn.Module, str, str, Tensor, Packed | None]]:
+    """:func:`_cpu_tensors`, a packed (quantized) weight once per part: ``(module, attribute,
+    kind, part, the packed weight)``; a plain tensor comes with None."""
+    seen: dict[int, Packed | None] = {}  # a tied weight is split once: one object is built again
+    for module, attr, kind, tensor in _cpu_tensors(model):
+        if id(tensor) not in seen:
+            seen[id(tensor)] = split(tensor, module=module)
+        packed = seen[id(tensor)]
+        if packed is None:
+            yield module, attr, kind, tensor, None
+        else:
+            for part in packed.parts.values():
+                yield module, attr, kind, part, packed
+
+
 def mapped_bytes(model: nn.Module) -> int:
-    """Bytes of the model's CPU tensors that are memory-mapped from files (counted once)."""
+    """Bytes of the model's CPU tensors that are memory-mapped from files (counted once; a
+    packed weight by its parts)."""
     seen: dict[tuple[int, int], int] = {}
     maps = FileMaps()
-    for _, _, _, tensor in _cpu_tensors(model):
+    for _, _, _, tensor, _ in _plain_tensors(model):
         span = file_span(tensor, maps, deleted=True)
         if span is not None:
             seen[(span.address, span.length)] = span.length
@@ -181,10 +198,9 @@ def make_resident(model: nn.Module, *, readers: int = 4, progress: bool = True, 
     """
     copies: dict[tuple[int, int, torch.dtype, tuple[int, ...]], Tensor] = {}
     maps = FileMaps()
-    todo = [
-        (m, a, k, t, s) for m, a, k, t in _cpu_tensors(model) if (s := file_span(t, maps, deleted=True)) is not None
-    ]
-    unique: dict[tuple[int, int], FileSpan] = {(s.address, s.length): s for *_, s in todo}
+    pieces = [(m, a, k, t, p, file_span(t, maps, deleted=True)) for m, a, k, t, p in _plain_tensors(model)]
+    todo = [(m, a, k, t, s) for m, a, k, t, p, s in pieces if p is None and s is not None]
+    unique: dict[tuple[int, int], FileSpan] = {(s.address, s.length): s for *_, s in pieces if s is not None}
     start = time.perf_counter()
     with byte_bar(sum(s.length for s in unique.values()), "resident", enabled=progress) as bar:
         buffers, direct_bytes = _read_all(list(unique.values()), readers, bar.update, direct=direct)
@@ -196,8 +212,35 @@ def make_resident(model: nn.Module, *, readers: int = 4, progress: bool = True, 
             tensor.data = copies[key]
         else:
             module._buffers[attr] = copies[key]
+    _copy_packed([x for x in pieces if x[4] is not None], buffers, copies)
     total = sum(s.length for s in unique.values())
     return ResidentReport(len(unique), total, time.perf_counter() - start, direct_bytes)
+
+
+def _copy_packed(pieces: list, buffers: dict[tuple[int, int], Tensor], copies: dict) -> None:
+    """Packed weights built again over the copies of their mapped parts (one object per weight:
+    its slots, tied ones too, get the same); what a layer keeps of the old one goes.
+    ``pieces``: ``(module, attribute, kind, part, packed weight, the part's file span)``."""
+    spans = {id(part): span for _, _, _, part, _, span in pieces}
+    built: dict[int, Tensor] = {}
+    for module, attr, kind, _, packed, _ in pieces:
+        if id(packed) not in built:
+            parts = {}
+            for name, tensor in packed.parts.items():
+                span = spans.get(id(tensor))
+                if span is None:
+                    parts[name] = tensor  # in memory already
+                    continue
+                key = (span.address, span.length, tensor.dtype, tuple(tensor.shape))
+                if key not in copies:
+                    copies[key] = buffers[(span.address, span.length)].view(tensor.dtype).view(tensor.shape)
+                parts[name] = copies[key]
+            built[id(packed)] = packed.build(parts)
+        value = built[id(packed)]
+        if kind == "param" and not isinstance(value, nn.Parameter):
+            value = nn.Parameter(value, requires_grad=False)
+        (module._parameters if kind == "param" else module._buffers)[attr] = value
+        release_module_state(module)
 
 
 def _read_all(

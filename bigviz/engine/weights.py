@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
+from bigviz.modeling.packed import is_packed, split, stored_nbytes
 
 __all__ = [
     "Slot",
@@ -47,6 +48,7 @@ __all__ = [
 ]
 
 Slot = tuple[nn.Module, str, str]  # (module, attribute, "param" | "buffer")
+_PLAIN = (Tensor, nn.Parameter)  # a quick test before asking whether a tensor is packed
 
 
 def get_slot(slot: Slot) -> Tensor:
@@ -86,6 +88,8 @@ def as_slot_value(value: Tensor, kind: str, *, requires_grad: bool = False) -> T
     """
     if kind != "param":
         return value
+    if type(value) not in _PLAIN and is_packed(value):  # a quantized weight: as its library made it
+        return value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad=False)
     return nn.Parameter(value, requires_grad=requires_grad and value.is_floating_point())
 
 
@@ -99,6 +103,8 @@ def meta_like(tensor: Tensor, kind: str) -> Tensor:
     """
     if tensor.device.type == "meta" and not isinstance(tensor, Offloaded):
         return tensor
+    if type(tensor) not in _PLAIN and is_packed(tensor):  # a plain stand-in with the weight's shape and dtype
+        return as_slot_value(torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"), kind)
     placeholder = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
     return as_slot_value(placeholder, kind, requires_grad=tensor.requires_grad)
 
@@ -225,6 +231,8 @@ def nbytes(tensor: Tensor) -> int:
         >>> nbytes(torch.zeros(4, dtype=torch.float16))
         8
     """
+    if type(tensor) not in _PLAIN and is_packed(tensor):
+        return stored_nbytes(tensor)  # a quantized weight: its packed parts
     return tensor.numel() * tensor.element_size()
 
 
@@ -236,6 +244,9 @@ def pin(tensor: Tensor) -> Tensor:
         >>> pin(torch.ones(2)).device.type  # pinned only when CUDA exists
         'cpu'
     """
+    packed = split(tensor) if type(tensor) not in _PLAIN else None
+    if packed is not None:  # each part pinned; the weight built over them
+        return packed.build({part: pin(t) for part, t in packed.parts.items()})
     cpu = tensor.detach().to("cpu")
     if not torch.cuda.is_available():
         return cpu.clone() if cpu.data_ptr() == tensor.data_ptr() else cpu

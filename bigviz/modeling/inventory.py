@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -35,9 +35,12 @@ from torch import nn
 from bigviz.core.dtypes import canonical_dtype
 from bigviz.core.names import join, leaf, parent
 from bigviz.core.tree import SizeTree, TensorSpec
+from bigviz.modeling.packed import is_packed, packed_kind, stored_nbytes
 from bigviz.modeling.reads import reads_of
 
 __all__ = ["Slot", "ModelTensor", "ModelInventory", "merge_groups", "is_container", "tie_model"]
+
+_PLAIN = (torch.Tensor, nn.Parameter)  # a quick test before asking whether a tensor is packed
 
 Slot = tuple[nn.Module, str, str]
 """Where a tensor lives: ``(module, attribute, "param" | "buffer")``."""
@@ -235,10 +238,14 @@ class ModelInventory:
         computed = self._computed
         shapes = {alias: (shape, dtype) for _, aliases, shape, dtype, *_ in self._described for alias in aliases}
         dtypes: dict[torch.dtype, str] = {}
-        for name, (_, _, kind) in self.slots.items():
+        for name, (module, attr, kind) in self.slots.items():
             shape, torch_dtype = shapes[name]
             dtype = dtypes.get(torch_dtype) or dtypes.setdefault(torch_dtype, canonical_dtype(torch_dtype))
-            specs.append(TensorSpec(name, _numel(shape), dtype, shape, kind, name not in computed))
+            spec = TensorSpec(name, _numel(shape), dtype, shape, kind, name not in computed)
+            tensor = (module._parameters if kind == "param" else module._buffers)[attr]
+            if type(tensor) not in _PLAIN and is_packed(tensor):  # a quantized weight: its packed bytes
+                spec = replace(spec, stored=stored_nbytes(tensor, module=module), quant=packed_kind(tensor))
+            specs.append(spec)
         return SizeTree.build(specs, self.classes, self.ties, containers=self.containers)
 
     def __repr__(self) -> str:
@@ -309,8 +316,13 @@ def _storage_ties(slots: Mapping[str, Slot]) -> list[list[str]]:
     for name, (module, attr, kind) in slots.items():
         tensor = (module._parameters if kind == "param" else module._buffers)[attr]
         assert tensor is not None
-        if tensor.is_meta or tensor.numel() == 0 or id(tensor) in seen:
-            continue  # meta tensors have no memory; an object's own names are identity ties
+        if (
+            tensor.is_meta
+            or tensor.numel() == 0
+            or id(tensor) in seen
+            or (type(tensor) not in _PLAIN and is_packed(tensor))
+        ):
+            continue  # meta tensors have no memory; an object's own names are identity ties; packed: several
         seen.add(id(tensor))
         key = (
             tensor.device,

@@ -32,7 +32,15 @@ from types import TracebackType
 
 from bigviz.osio.procfs import mapped_file_bytes, status_fields
 
-__all__ = ["status_bytes", "rss", "rss_anon", "resident_bytes", "mapped_file_bytes", "max_rss", "PeakMemory"]
+__all__ = [
+    "status_bytes",
+    "rss",
+    "rss_anon",
+    "resident_bytes",
+    "mapped_file_bytes",
+    "max_rss",
+    "PeakMemory",
+]
 
 FIELDS = ("VmRSS", "RssAnon")
 

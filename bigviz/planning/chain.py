@@ -42,10 +42,12 @@ from bigviz.core.dispatch_plan import DispatchPlan, make_dispatch_plan
 from bigviz.core.errors import DeviceMapError
 from bigviz.core.offload_units import UnitRule
 from bigviz.core.plan import STRATEGIES, DevicePlan
+from bigviz.core.quant import QuantConfig, quantized_tree, with_stored
 from bigviz.core.stream_plan import MachineFacts, StreamOptions, check_stream_options
 from bigviz.core.tree import SizeTree
 from bigviz.modeling.budgets import absent_device_problems, available_devices, machine_facts
 from bigviz.modeling.inventory import ModelInventory
+from bigviz.modeling.quant import as_quant_config, quant_targets
 from bigviz.planning.inputs import no_split_names, unit_rule_of
 
 __all__ = ["PlanChain", "plan_chain", "load_plan", "dispatch_plan", "map_problems", "check_map"]
@@ -148,6 +150,7 @@ def plan_chain(
     readers: int = 4,
     machine: MachineFacts | None = None,
     check_machine: bool = True,
+    quantization: object = None,
 ) -> PlanChain:
     """The whole chain for ``model``: ``(DevicePlan, LoadPlan, DispatchPlan)``, validated once.
 
@@ -167,6 +170,8 @@ def plan_chain(
         machine: the machine's facts the stream plan is made for (default: this machine's
             available RAM now).
         check_machine: refuse devices this machine lacks (``False``: plan for another one).
+        quantization: ``"int8"`` / ``"int4"`` (or a config): the linear layers' weights are
+            quantized while they load; every plan sizes them packed.
 
     Raises:
         DeviceMapError: every problem of the map (names, devices, coverage), at once.
@@ -177,25 +182,36 @@ def plan_chain(
     options = StreamOptions(resident, stream, readers, prefetch)
     check_stream_options(options)  # before anything is read
     inventory = inventory_of(model) if checkpoint is not None else ModelInventory.of(model)
+    config = as_quant_config(quantization)
     if checkpoint is not None:
         dtype = torch_load_dtype(dtype)  # what it loads in: floating only, before planning with it
     device, mapping = _device_plan(
-        inventory, device_map, max_memory, dtype, no_split_module_classes, preload_module_classes, offload_buffers
+        inventory,
+        device_map,
+        max_memory,
+        dtype,
+        no_split_module_classes,
+        preload_module_classes,
+        offload_buffers,
+        quantization=config,
     )
     index = CheckpointIndex.open(checkpoint) if checkpoint is not None else None  # headers read once
     if index is not None and mapping is not None:
         mapping = device_map_in_model_names(inventory, index, mapping)  # a map planned from headers
     if mapping is None:
-        loads = _checked_load(inventory, index, None, [], dtype, strict, offload_folder) if index else None
+        loads = _checked_load(inventory, index, None, [], dtype, strict, offload_folder, config) if index else None
         return PlanChain(device, loads, None)
     tree = inventory.tree()
+    if config is not None:  # quantized while loading: held and streamed packed
+        tree = quantized_tree(tree, config, quant_targets(inventory, config))
     canonical, problems = map_problems(tree, mapping, main_device=main_device, machine=check_machine)
     loads = None
     if index is not None:
         loads = _checked_load(
-            inventory, index, mapping if problems else canonical, problems, dtype, strict, offload_folder
+            inventory, index, mapping if problems else canonical, problems, dtype, strict, offload_folder, config
         )
         tree = tree.with_dtype(None, {a: str(x.dtype).removeprefix("torch.") for x in loads.loads for a in x.aliases})
+        tree = with_stored(tree, {a: (x.nbytes, x.operation) for x in loads.loads if _packs(x) for a in x.aliases})
     else:
         _raise_map_problems(problems)
     rule = _rule(
@@ -221,9 +237,11 @@ def _device_plan(
     no_split: Collection[str] | None,
     preload: Collection[str] | None,
     offload_buffers: bool,
+    *,
+    quantization: QuantConfig | None = None,
 ) -> tuple[DevicePlan | None, dict[str, Any] | None]:
     """``(plan, map)`` from what a user passes as ``device_map``: a strategy name (planned
-    now), a `DevicePlan`, a dict, or None."""
+    now, with the weights sized as ``quantization`` packs them), a `DevicePlan`, a dict, or None."""
     if device_map is None:
         return None, None
     if isinstance(device_map, str):
@@ -241,6 +259,7 @@ def _device_plan(
             dtype=dtype,
             preload_module_classes=preload,
             offload_buffers=offload_buffers,
+            quantization=quantization,
         )
         return made, dict(made.device_map)
     if isinstance(device_map, DevicePlan):
@@ -285,11 +304,19 @@ def _checked_load(
     dtype: Any,
     strict: bool,
     offload_folder: str | Path | None,
+    quantization: QuantConfig | None = None,
 ) -> LoadPlan:
     """The load plan, and the one validation pass: the map's ``problems`` (names, devices this
     machine has, coverage) and the checkpoint's (keys, shapes, files), in one error."""
     _, loads = plan_load(
-        inventory, index, mapping, dtype=dtype, offload_folder=offload_folder, strict=strict, check=False
+        inventory,
+        index,
+        mapping,
+        dtype=dtype,
+        offload_folder=offload_folder,
+        strict=strict,
+        check=False,
+        quantization=quantization,
     )
     if problems and not plan_problems(loads, strict=strict, map_checked=True)[0]:
         _raise_map_problems(problems)
@@ -318,6 +345,7 @@ def load_plan(
     strict: bool = True,
     keep_in_fp32_modules: Sequence[str] | None = None,
     key_mapping: Mapping[str, str] | None = None,
+    quantization: object = None,
 ) -> LoadPlan:
     """The load plan of ``checkpoint`` into ``model``: for each model tensor, the checkpoint
     key(s), file, byte offsets, stored and loaded dtype, conversion and target device; made
@@ -329,8 +357,9 @@ def load_plan(
         checkpoint: a weights file, an index file or a folder.
         device_map: a dict, a `DevicePlan`, or None (everything to the CPU). A map planned
             from checkpoint headers is translated into the model's names.
-        dtype, offload_folder, strict, keep_in_fp32_modules, key_mapping: as for
-            `bigviz.load_checkpoint_in_model`.
+        dtype, offload_folder, strict, keep_in_fp32_modules, key_mapping, quantization: as for
+            `bigviz.load_checkpoint_in_model` (``quantization="int8"``: each targeted weight's
+            load reads the float tensor and packs it; its bytes are the packed ones).
 
     Raises:
         CheckpointError: listing every missing key, unexpected key, shape mismatch, bad
@@ -347,7 +376,8 @@ def load_plan(
         [('weight', 'disk', 'float32', 'torch.float16', True), ('bias', 'disk', 'float32', 'torch.float16', True)]
     """
     inventory = inventory_of(model)
-    _, mapping = _device_plan(inventory, device_map, None, dtype, None, None, False)
+    config = as_quant_config(quantization)
+    _, mapping = _device_plan(inventory, device_map, None, dtype, None, None, False, quantization=config)
     if mapping is not None:
         mapping = device_map_in_model_names(inventory, checkpoint, mapping)
     return plan_load(
@@ -359,6 +389,7 @@ def load_plan(
         strict=strict,
         keep_in_fp32_modules=keep_in_fp32_modules,
         key_mapping=key_mapping,
+        quantization=config,
     )[1]
 
 
@@ -379,6 +410,7 @@ def dispatch_plan(
     stream: str = "ring",
     readers: int = 4,
     machine: MachineFacts | None = None,
+    quantization: object = None,
 ) -> DispatchPlan:
     """The dispatch plan of ``device_map`` on ``model``: the offload units a dispatch fetches
     (the module each hook sits on, where its weights are stored, the tensors and buffers it
@@ -399,6 +431,7 @@ def dispatch_plan(
         dtype, strict: the dtype the checkpoint loads in, and whether its keys must match.
         resident, stream, readers: as for `bigviz.load_checkpoint_and_dispatch`.
         machine: the machine's facts (default: this machine's available RAM now).
+        quantization: ``"int8"``/``"int4"`` (or a config): the units' weights sized packed.
 
     Nothing is read but checkpoint headers, and the devices need not exist here: a plan for
     a machine you do not have is fine (executing it checks them).
@@ -436,6 +469,12 @@ def dispatch_plan(
         readers=readers,
         machine=machine,
         check_machine=False,
+        quantization=quantization,
     )
     assert chain.dispatch is not None
     return chain.dispatch
+
+
+def _packs(load: Any) -> bool:
+    """A load that puts a packed weight in memory (its bytes are the packed ones)."""
+    return bool(getattr(getattr(load.conversion, "rule", None), "stores_packed", False))

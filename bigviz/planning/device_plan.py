@@ -50,6 +50,7 @@ def plan(
     activations: Mapping[str, int] | None = None,
     preload_module_classes: Collection[str] | None = None,
     offload_buffers: bool = False,
+    quantization: object = None,
 ) -> DevicePlan:
     """Plan where every module goes, with bytes and a reason for each placement.
 
@@ -88,6 +89,12 @@ def plan(
         preload_module_classes, offload_buffers: as the dispatch will use them: the room kept
             for streamed weights is computed from the offload units the engine will fetch
             (:mod:`bigviz.core.offload_units`).
+        quantization: ``"int8"`` or ``"int4"`` (or a `~bigviz.core.quant.QuantConfig`, or
+            transformers' ``TorchAoConfig`` / ``BitsAndBytesConfig``): the linear layers'
+            weights sized as the quantizer stores them (values, scales, zero points; the
+            modules it keeps in high precision as they are), exactly what
+            ``load_checkpoint_and_dispatch(..., quantization=...)`` puts in memory. A checkpoint
+            stored quantized is sized as stored without it.
 
     Without ``max_memory``, this machine's free memory: a model larger than the RAM gets a
     "cpu" budget that leaves room for the ring its streamed units pass through (the stream
@@ -119,6 +126,7 @@ def plan(
         activations=activations,
         preload_module_classes=preload_module_classes,
         offload_buffers=offload_buffers,
+        quantization=quantization,
     )
     return place(inputs)
 

@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -24,24 +25,37 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from bigviz.checkpoint.quantized import quantization_config
 from bigviz.core.devicemap import device_of
 from bigviz.core.devices import Device, device_label, streamed_devices
+from bigviz.core.errors import PlanError
 from bigviz.core.headroom import headroom
 from bigviz.core.names import is_prefix
 from bigviz.core.nosplit import check_no_split, is_no_split
 from bigviz.core.offload_units import UnitRule, largest_unit
 from bigviz.core.plan import DevicePlan, PlanOptions
 from bigviz.core.planner import make_plan
+from bigviz.core.quant import QuantConfig, default_targets, quantized_tree
 from bigviz.core.stream_plan import resident_room
 from bigviz.core.tree import SizeTree
 from bigviz.core.workload import Workload
 from bigviz.modeling.budgets import get_max_memory, machine_facts
 from bigviz.modeling.inventory import ModelInventory
+from bigviz.modeling.quant import as_quant_config, quant_targets
 from bigviz.planning.models import ModelLike, as_tree, default_no_split, inventory_or_none, resolve_model
 from bigviz.planning.positions import check_context, position_rule
 from bigviz.planning.workload import device_type, workload_bytes
 
-__all__ = ["PlannerInputs", "planner_inputs", "with_workload", "place", "unit_rule_of", "no_split_names"]
+__all__ = [
+    "PlannerInputs",
+    "planner_inputs",
+    "with_workload",
+    "place",
+    "unit_rule_of",
+    "no_split_names",
+    "quantized_for_plan",
+    "quant_note",
+]
 
 
 @dataclass(frozen=True)
@@ -62,6 +76,7 @@ class PlannerInputs:
             trained for).
         dtype: The dtype the model is planned in (``None``: as built), for its run's bytes.
         given_run: ``(kv_cache, activations)`` bytes per module given by hand, if any.
+        quant_note: The line naming the quantization the tree is sized in ("" when none).
         given_reserve: ``reserve`` as the caller gave it: the headroom kept per device depends
             on whether a run is planned (:func:`bigviz.core.headroom.headroom`).
     """
@@ -74,6 +89,7 @@ class PlannerInputs:
     notes: tuple[str, ...] = ()
     dtype: torch.dtype | str | None = None
     given_run: tuple[Mapping[str, int] | None, Mapping[str, int] | None] = (None, None)
+    quant_note: str = ""
     given_reserve: Mapping[Any, object] | int | str | None = None
 
 
@@ -94,8 +110,11 @@ def planner_inputs(
     activations: Mapping[str, int] | None = None,
     preload_module_classes: Collection[str] | None = None,
     offload_buffers: bool = False,
+    quantization: object = None,
 ) -> PlannerInputs:
-    """Everything the planner takes for ``model`` (see :func:`bigviz.plan` for the knobs).
+    """Everything the planner takes for ``model`` (see :func:`bigviz.plan` for the knobs;
+    ``quantization``: the linear layers' weights sized as the quantizer packs them, the one
+    place ``bigviz.plan``, ``max_context`` and the Planner size them).
 
     Raises:
         PlanError: a no-split class the model does not have (a typo would split every block
@@ -104,6 +123,8 @@ def planner_inputs(
     model = resolve_model(model)
     model = ModelInventory.of(model) if isinstance(model, nn.Module) else model  # one walk for the call
     tree = as_tree(model, dtype, special_dtypes)
+    config = as_quant_config(quantization)
+    tree = quantized_for_plan(model, tree, config)
     no_split = no_split_names(model, tree, no_split_module_classes)
     budgets = get_max_memory(max_memory)
     if max_memory is None and "cpu" in budgets:  # a model larger than RAM leaves room to stream
@@ -120,7 +141,15 @@ def planner_inputs(
         rule=unit_rule_of(inventory, tree, no_split, preload=preload_module_classes, offload_buffers=offload_buffers),
     )
     inputs = PlannerInputs(
-        model, tree, budgets, options, inventory, dtype=dtype, given_run=(kv_cache, activations), given_reserve=reserve
+        model,
+        tree,
+        budgets,
+        options,
+        inventory,
+        dtype=dtype,
+        given_run=(kv_cache, activations),
+        given_reserve=reserve,
+        quant_note=quant_note(model, tree, config),
     )
     return with_workload(inputs, workload or Workload())
 
@@ -227,7 +256,8 @@ def place(inputs: PlannerInputs) -> DevicePlan:
         PlanError: nothing fits, or the inputs are invalid.
     """
     result = _direct_reads_resident(inputs, make_plan(inputs.tree, inputs.budgets, inputs.options))
-    return replace(result, notes=(*result.notes, *inputs.notes), _cache={}) if inputs.notes else result
+    notes = (*inputs.notes, inputs.quant_note) if inputs.quant_note else inputs.notes
+    return replace(result, notes=(*result.notes, *notes), _cache={}) if notes else result
 
 
 def _direct_reads_resident(inputs: PlannerInputs, result: DevicePlan) -> DevicePlan:
@@ -255,3 +285,49 @@ def _direct_reads_resident(inputs: PlannerInputs, result: DevicePlan) -> DeviceP
     }
     placements = tuple(replace(p, reason=why[p.name], override=False) if p.name in why else p for p in again.placements)
     return replace(again, placements=placements, _cache={})
+
+
+def quantized_for_plan(model: ModelLike, tree: SizeTree, config: QuantConfig | None) -> SizeTree:
+    """``tree`` with the weights ``config`` packs in their packed bytes (the model's rule when
+    there is a model, else the one for names and shapes alone).
+
+    Raises:
+        PlanError: ``model`` is a checkpoint already stored quantized (it is sized as stored).
+    """
+    if config is None:
+        return tree
+    if isinstance(model, (str, os.PathLike)) and quantization_config(os.fspath(model)) is not None:
+        raise PlanError(
+            f"quantization={config.method!r}: {os.fspath(model)!r} is already stored quantized; plan it "
+            "without quantization= (it is sized as stored)"
+        )
+    inventory = inventory_or_none(model)
+    targets = quant_targets(inventory, config) if inventory is not None else default_targets(tree, config)
+    return quantized_tree(tree, config, [t for t in targets if t in tree.tensors])
+
+
+def quant_note(model: ModelLike, tree: SizeTree, config: QuantConfig | None) -> str:
+    """One line naming the quantization a plan sized, its packed bytes and the dtype the model
+    computes in ("" when none): a plan's bytes are only read right knowing the format."""
+    from bigviz.core.quant import prequantized_format
+    from bigviz.core.sizes import format_size
+
+    packed = [s for s in tree.tensors.values() if s.quant]
+    computed = sorted({s.dtype for s in packed}) or _dominant_dtype(tree)
+    in_dtype = f"computed in {', '.join(computed)}"
+    if config is not None:
+        size = format_size(sum(s.nbytes for s in packed))
+        return f"quantized: {len(packed)} weights as {config.describe()}, {size}; {in_dtype}"
+    qc = quantization_config(os.fspath(model)) if isinstance(model, (str, os.PathLike)) else None
+    if qc is None:
+        return ""
+    method = str(qc.get("quant_method", "")).lower().replace("_", "-")
+    held = f"{len(packed)} weights held packed ({format_size(sum(s.nbytes for s in packed))})" if packed else ""
+    return f"stored quantized ({method}): {held or prequantized_format(method).how}; {in_dtype}"
+
+
+def _dominant_dtype(tree: SizeTree) -> list[str]:
+    by_dtype: dict[str, int] = {}
+    for spec in tree.tensors.values():
+        by_dtype[spec.dtype] = by_dtype.get(spec.dtype, 0) + spec.nbytes
+    return [max(by_dtype, key=by_dtype.__getitem__)] if by_dtype else []

@@ -372,6 +372,8 @@ class Planner:
             bar.value, bar.description = step, f"{step}/3"
             self.controls.run_result.value = html.escape(message)
 
+        if self.state.quantization is not None:
+            kwargs.setdefault("quantization", self.state.quantization)
         model, self.last_run = run_plan(
             self.plan, model, checkpoint, dtype=self.state.dtype, progress=progress, **kwargs
         )
@@ -459,6 +461,7 @@ class Planner:
             tuple(s.reserve.items()),
             s.strategy,
             s.dtype,
+            s.unquantized,
             s.no_split,
             tuple(s.overrides.items()),
             s.workload.batch_size,
@@ -474,6 +477,12 @@ class Planner:
             settings, longest = self._longest
             stale = settings != self._settings()
         return self.panels.fit_html(plan, per_token, longest, stale)
+
+    def keep_unquantized(self, *modules: str) -> None:
+        """With the dtype ``int8`` / ``int4``: keep ``modules`` in high precision (their weights
+        are not quantized; e.g. ``planner.keep_unquantized("model.layers.0")``), and re-plan."""
+        self.state.keep_unquantized(modules)
+        self.refresh()
 
     # ---- wiring --------------------------------------------------------------------
     @contextlib.contextmanager

@@ -58,12 +58,12 @@ class PlannerView:
 
     def __init__(self, controls: Any, stage_controls: StageControls, state: PlannerState, tabs: Any) -> None:
         self.controls, self.stage_controls, self.state, self.tabs = controls, stage_controls, state, tabs
-        self._layouts: dict[str | None, TreemapLayout] = {}
+        self._layouts: dict[tuple[str | None, tuple[str, ...]], TreemapLayout] = {}
         self._dispatch_shown: DevicePlan | None = None  # the plan the Dispatch tab shows
 
     def layout(self) -> TreemapLayout:
-        """The treemap's shape at the state's dtype (cached per dtype)."""
-        key = self.state.dtype
+        """The treemap's shape at the state's dtype (cached per dtype and modules kept unquantized)."""
+        key = (self.state.dtype, self.state.unquantized)
         if key not in self._layouts:
             self._layouts[key] = layout_of(self.state.tree)
         return self._layouts[key]

@@ -35,9 +35,12 @@ DTYPE_CHOICES: dict[str, str | None] = {
     "float32": "float32",
     "float16": "float16",
     "bfloat16": "bfloat16",
-    "int8 (weights)": "int8",
+    "int8 (torchao)": "int8",
+    "int4 (bitsandbytes)": "int4",
 }
-"""Dropdown label -> dtype the planner re-sizes floating tensors to (``None``: unchanged)."""
+"""Dropdown label -> dtype the planner re-sizes floating tensors to (``None``: unchanged);
+``int8`` / ``int4``: the linear layers' weights quantized as ``load_checkpoint_and_dispatch(...,
+quantization=...)`` loads them (see :mod:`bigviz.core.quant`)."""
 
 
 def cost_html(cost: ForwardEstimate, sentence: str = "") -> str:

@@ -30,6 +30,7 @@ from typing import Any
 
 from bigviz.core.plan import DevicePlan
 from bigviz.core.dtypes import FLOATING_DTYPES
+from bigviz.core.quant import QUANT_METHODS
 from bigviz.core.devices import Device
 from bigviz.core.sizes import format_size
 from bigviz.modeling.process_memory import mapped_file_bytes, resident_bytes
@@ -97,14 +98,14 @@ def run_plan(
         plan: the plan to execute (passed as ``device_map``).
         model: the ``nn.Module`` the plan was made for (on meta is fine).
         checkpoint: a weights file, an index file or a folder.
-        dtype: floating dtype to load weights in (the plan's dtype); ``int8`` sizes are a
-            what-if and cannot be loaded.
+        dtype: floating dtype to load weights in (the plan's dtype); ``"int8"`` / ``"int4"``:
+            the weights are quantized while they load (``quantization=``), as the plan sized them.
         progress: called with ``(step, message)`` for steps 1 to 3.
         **kwargs: passed to :func:`bigviz.engine.big_modeling.load_checkpoint_and_dispatch`
             (``offload_folder``, ``strict``, ``prefetch``, ...).
 
     Raises:
-        ValueError: for a checkpoint path that does not exist or an int8 plan.
+        ValueError: for a checkpoint path that does not exist.
     """
     import time
 
@@ -115,12 +116,14 @@ def run_plan(
             f"checkpoint {str(checkpoint)!r} does not exist: give a weights file, an index "
             "file or a folder holding them"
         )
-    if dtype is not None and dtype not in FLOATING_DTYPES:
+    if dtype in QUANT_METHODS:  # the plan sized them quantized: quantize them while they load
+        kwargs.setdefault("quantization", dtype)
+    elif dtype is not None and dtype not in FLOATING_DTYPES:
         raise UsageError(
             f"the plan sizes weights as {dtype}, which bigviz cannot load into: choose a "
-            "floating dtype (or 'as built') in the planner to run it"
+            "floating dtype, int8, int4 (or 'as built') in the planner to run it"
         )
-    if dtype is not None:
+    elif dtype is not None:
         import torch
 
         kwargs.setdefault("dtype", getattr(torch, dtype))

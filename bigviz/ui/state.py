@@ -28,6 +28,7 @@ from bigviz.core.headroom import Headroom, headroom
 from bigviz.core.plan import STRATEGIES, DevicePlan, PlanOptions
 from bigviz.core.planner import PlanError
 from bigviz.core.dtypes import canonical_dtype, itemsize
+from bigviz.core.quant import QUANT_METHODS, QuantConfig, default_targets, quantized_tree
 from bigviz.core.tree import SizeTree
 from bigviz.core.errors import DeviceMapError, UsageError
 from bigviz.core.devices import Device, device_label, normalize_device
@@ -61,6 +62,9 @@ class PlannerState:
         rule: the unit rule's knobs the model gives (direct reads, shared modules); its blocks
             are ``no_split``.
         inventory: the model's inventory (for the direct-read rule), if it has one.
+        quant_tree: the size tree with the weights a quantization packs in their packed bytes
+            (:func:`~bigviz.planning.inputs.quantized_for_plan`, as ``bigviz.plan`` sizes them).
+        unquantized: modules kept in high precision when the dtype is ``int8`` / ``int4``.
     """
 
     base_tree: SizeTree
@@ -76,6 +80,8 @@ class PlannerState:
     positions: PositionLimit | None = None
     rule: UnitRule = field(default_factory=UnitRule, repr=False)
     inventory: Any = field(default=None, repr=False)
+    quant_tree: Callable[[QuantConfig], SizeTree] | None = field(default=None, repr=False)
+    unquantized: tuple[str, ...] = ()
     _trees: dict[str | None, SizeTree] = field(default_factory=dict, repr=False)
     _specs: dict[str, RunSpec] = field(default_factory=dict, repr=False)
 
@@ -94,7 +100,7 @@ class PlannerState:
         ``max_memory=None`` means this machine's free memory (``get_max_memory()``).
         """
         from bigviz.planning import as_tree, model_run_spec, resolve_model
-        from bigviz.planning.inputs import no_split_names, planner_inputs
+        from bigviz.planning.inputs import no_split_names, planner_inputs, quantized_for_plan
         from bigviz.planning.positions import position_rule
 
         if strategy not in STRATEGIES:
@@ -116,16 +122,43 @@ class PlannerState:
             state.run_specs = lambda device_type: model_run_spec(model, tree, device_type=device_type)
             state.positions = position_rule(model)
             state.position_limit = state.positions.tokens if state.positions else None
+        state.quant_tree = lambda config: quantized_for_plan(model, tree, config)  # bigviz.plan's rule
         state.set_dtype(None if dtype is None else str(dtype))
         return state
 
     # ---- the plan ------------------------------------------------------------------
     @property
     def tree(self) -> SizeTree:
-        """The size tree at the chosen dtype (cached per dtype)."""
+        """The size tree at the chosen dtype (cached per dtype); ``int8`` / ``int4``: the linear
+        layers' weights as the quantizer packs them (:mod:`bigviz.core.quant`), but those of
+        the modules in ``unquantized``."""
         if self.dtype not in self._trees:
-            self._trees[self.dtype] = self.base_tree.with_dtype(self.dtype)
+            config = self.quantization
+            if config is None:
+                self._trees[self.dtype] = self.base_tree.with_dtype(self.dtype)
+            elif self.quant_tree is not None:
+                self._trees[self.dtype] = self.quant_tree(config)
+            else:
+                targets = default_targets(self.base_tree, config)
+                self._trees[self.dtype] = quantized_tree(self.base_tree, config, targets)
         return self._trees[self.dtype]
+
+    @property
+    def quantization(self) -> QuantConfig | None:
+        """The quantization the dtype choice means (``int8``, ``int4``), else None."""
+        if self.dtype not in QUANT_METHODS:
+            return None
+        return QuantConfig(self.dtype, modules_to_not_convert=self.unquantized)  # type: ignore[arg-type]
+
+    def keep_unquantized(self, modules: Collection[str]) -> None:
+        """Keep ``modules`` in high precision when the dtype is ``int8`` / ``int4`` (a per-module
+        override: e.g. a sensitive first block kept in bf16)."""
+        unknown = [m for m in modules if m not in self.base_tree.nodes]
+        if unknown:
+            raise UsageError(f"keep_unquantized: {unknown} name no module of this model")
+        self.unquantized = tuple(dict.fromkeys(modules))
+        for method in QUANT_METHODS:
+            self._trees.pop(method, None)
 
     def options(self, workload: Workload | None = None) -> PlanOptions:
         workload = workload or self.workload
@@ -152,10 +185,13 @@ class PlannerState:
     def replan(self, workload: Workload | None = None) -> DevicePlan:
         """Plan with the current settings (``bigviz.plan``'s planner, headroom and direct-read
         rule). Raises ``PlanError`` when nothing fits."""
-        from bigviz.planning.inputs import PlannerInputs, place
+        from bigviz.planning.inputs import PlannerInputs, place, quant_note
 
         notes = self.headroom(workload).notes
-        inputs = PlannerInputs(None, self.tree, self.budgets, self.options(workload), self.inventory, notes=notes)
+        note = quant_note(None, self.tree, self.quantization)
+        inputs = PlannerInputs(
+            None, self.tree, self.budgets, self.options(workload), self.inventory, notes=notes, quant_note=note
+        )
         return place(inputs)
 
     # ---- the run -------------------------------------------------------------------

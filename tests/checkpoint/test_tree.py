@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from bigviz.checkpoint.save import save_sharded
-from bigviz.checkpoint.tree import detect_no_split, natural_order, tree_from_checkpoint
+from bigviz.checkpoint.tree import detect_no_split, tree_from_checkpoint
+from bigviz.core.names import natural_order
 from bigviz.modeling.sizes import module_tree
 
 

@@ -179,3 +179,15 @@ def test_every_transformers_config_passes():
         if config_problems(data):
             refused[model_type] = config_problems(data)
     assert refused == {}
+
+
+def test_a_quantizers_own_settings_are_not_sizing_numbers():
+    """torchao writes ``dim = -1`` (per-row scales) inside ``quantization_config``: a checkpoint
+    stored quantized builds; remote code named there is still refused, and sizing numbers
+    outside it are still checked."""
+    quantizer = {"quant_type": {"default": {"_data": {"granularity": {"_data": {"dim": -1}}}}}}
+    assert config_problems({"model_type": "llama", "num_hidden_layers": 2, "quantization_config": quantizer}) == []
+    nested = {"text_config": {"num_hidden_layers": 2, "quantization_config": quantizer}}
+    assert config_problems(nested) == []
+    assert config_problems({"quantization_config": {"auto_map": {"AutoModel": "m.X"}}})
+    assert config_problems({"num_hidden_layers": -2, "quantization_config": quantizer})

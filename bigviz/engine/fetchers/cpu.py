@@ -28,7 +28,9 @@ from torch import Tensor
 
 from bigviz.engine.binding import BoundUnit
 from bigviz.engine.fetchers.protocol import Handle, cast, hint, read, run_now
+from bigviz.engine.packed import PART, expand
 from bigviz.engine.weights import nbytes
+from bigviz.modeling.packed import split
 from bigviz.osio.pages import available, page_residency, populate
 
 __all__ = ["CpuFetcher", "paged_in", "page_in"]
@@ -47,11 +49,12 @@ def paged_in(tensor: Tensor) -> bool:
 
 def page_in(store: Mapping[str, Tensor], tensors: Mapping[str, Tensor]) -> None:
     """Make the cold ones of ``tensors`` (read from ``store``) resident, from this thread."""
-    cold = [key for key, tensor in tensors.items() if not paged_in(tensor)]
+    flat = expand(tensors, {k: p for k, t in tensors.items() if (p := split(t)) is not None})  # packed: its parts
+    cold = [key for key, tensor in flat.items() if not paged_in(tensor)]
     if cold:
-        hint(store, cold)  # the kernel starts reading every cold tensor at once ...
+        hint(store, list(dict.fromkeys(key.split(PART)[0] for key in cold)))  # the kernel reads them all at once ...
         for key in cold:
-            tensor = tensors[key]
+            tensor = flat[key]
             populate(tensor.data_ptr(), nbytes(tensor))  # ... and this waits for (and maps) each in turn
 
 

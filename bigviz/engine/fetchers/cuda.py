@@ -25,7 +25,9 @@ from torch import Tensor
 from bigviz.engine.binding import BoundUnit
 from bigviz.engine.fetchers.cpu import page_in
 from bigviz.engine.fetchers.protocol import Handle, cast, read, run_now
+from bigviz.engine.packed import packed_of, parts, rebuild
 from bigviz.engine.weights import nbytes
+from bigviz.modeling.packed import split
 
 __all__ = ["CudaFetcher", "staging_size"]
 
@@ -88,14 +90,20 @@ class CudaFetcher:
             slot, buffer, offset = None, None, 0
             try:
                 for store, keys in unit.keys_by_source():
-                    sources = {key: read(store, key) for key in keys}
+                    packs = {key: p for key in keys if (p := packed_of(store, key)) is not None}  # parts, unbuilt
+                    plain = {key: read(store, key) for key in keys if key not in packs}
+                    packs |= {key: p for key, t in plain.items() if (p := split(t)) is not None}
+                    sources = {k: t for k, t in plain.items() if k not in packs} | parts(packs)
                     page_in(store, sources)  # read at disk speed, not page fault by page fault
+                    moved = {}
                     for key, source in sources.items():
                         if not source.is_pinned():
                             if buffer is None:
                                 slot, buffer = self._ring.acquire()
                             source, offset = _stage(source, buffer, offset)
-                        out[key] = cast(unit, key, source.to(self.device, non_blocking=True))
+                        moved[key] = source.to(self.device, non_blocking=True)
+                    # a packed weight's parts go as they are; it is built (FP8: dequantized) on the GPU
+                    out |= {key: cast(unit, key, t) for key, t in rebuild(moved, packs).items()}
             finally:  # even after a failed read: the buffer is reused only once copies finish
                 event = torch.cuda.Event()
                 event.record(self.stream)

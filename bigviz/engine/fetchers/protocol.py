@@ -38,8 +38,11 @@ from torch import Tensor
 
 from bigviz.core.errors import FetchError
 from bigviz.engine.binding import BoundUnit
+from bigviz.modeling.packed import split
 
 __all__ = ["FetchError", "Handle", "Fetcher", "run_now", "verify", "read", "hint", "cast"]
+
+_PLAIN = (Tensor, torch.nn.Parameter)
 
 
 class Handle:
@@ -118,4 +121,6 @@ def hint(store: Mapping[str, Tensor], keys: Sequence[str]) -> None:
 
 def cast(unit: BoundUnit, key: str, tensor: Tensor) -> Tensor:
     want = unit.dtypes.get(key)
-    return tensor if want is None or tensor.dtype == want else tensor.to(want)
+    if want is None or tensor.dtype == want or (type(tensor) not in _PLAIN and split(tensor) is not None):
+        return tensor  # (a packed weight has the dtype of its format: never cast)
+    return tensor.to(want)

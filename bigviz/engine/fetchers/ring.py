@@ -69,7 +69,9 @@ from bigviz.core.stream_plan import RING_AHEAD
 from bigviz.engine.binding import BoundUnit as Unit
 from bigviz.engine.fetchers.cache import StreamStats
 from bigviz.engine.fetchers.protocol import Handle, run_now
-from bigviz.engine.fetchers.spans import FileMaps, FileSpan, Where, file_span, mapped_where, span_identity, unit_tensors
+from bigviz.engine.fetchers.spans import FileMaps, FileSpan, Where, file_span, mapped_where, span_identity, unit_parts
+from bigviz.engine.packed import rebuild
+from bigviz.modeling.packed import Packed
 from bigviz.osio.direct import ALIGN, block_room, pieces_of, read_piece
 from bigviz.core.errors import UsageError
 
@@ -140,6 +142,7 @@ class _Read:
     placed: list[tuple[Tensor, int] | None]
     futures: list[Future] = field(default_factory=list)
     own: Tensor | None = None  # extents that did not fit in the ring
+    packs: Mapping[str, Packed] = field(default_factory=dict)  # packed weights: built from their parts once read
     busy: bool = False
     gone: bool = False  # released or given up: its ring bytes may be read over
 
@@ -236,7 +239,7 @@ class RingFetcher:
         sizes = []
         for unit in units:
             try:
-                sizes.append(self._layout(unit, unit_tensors(unit), maps).size)
+                sizes.append(self._layout(unit, unit_parts(unit)[0], maps).size)
             except Exception:  # noqa: BLE001 - its fetch will fail, naming the unit (FetchError)
                 continue
         return max(sizes, default=0)
@@ -245,7 +248,7 @@ class RingFetcher:
         """Queue ``unit``'s reads behind those already started (readers do them as the ring
         has room, background or not)."""
         try:
-            tensors = unit_tensors(unit)
+            tensors, packs = unit_parts(unit)  # a packed weight's parts are read, not the weight
             layout = self._layout(unit, tensors)
         except Exception as exc:
             future: Future = Future()
@@ -258,7 +261,7 @@ class RingFetcher:
             self._give_up(read)
         if self.capacity is None:
             self.capacity = ring_capacity(layout.size)
-        read = _Read(unit, layout, next(self._clock), tensors, [None] * len(layout.extents))
+        read = _Read(unit, layout, next(self._clock), tensors, [None] * len(layout.extents), packs=packs)
         self._reads[id(unit)] = read
         self._queue.extend((read, i) for i in range(len(layout.extents)))
         self.stats.units_read += 1
@@ -306,7 +309,7 @@ class RingFetcher:
             for key, (offset, length, dtype, shape) in extent.views.items():
                 out[key] = buffer[base + offset : base + offset + length].view(dtype).view(shape)
         read.busy = True
-        return out
+        return rebuild(out, read.packs)  # packed weights built over their parts in the ring
 
     def _pump(self) -> None:
         """Place queued extents, in start order, while the ring has room; start their reads."""
@@ -433,10 +436,10 @@ def _identities(unit: Unit, spans: Mapping[str, FileSpan | None]) -> dict[str, t
     memory mapping says. Reads go to that file even after its path was given to another one
     (a shard replaced by rename while the model runs)."""
     out: dict[str, tuple[int, int] | None] = {}
-    for store, keys in unit.keys_by_source():
-        held = getattr(store, "identity", None)
-        for key in keys:
-            span = spans.get(key)
-            if span is not None:
-                out[key] = (held(key) if held is not None else None) or span_identity(span)
+    stores = {key: store for store, keys in unit.keys_by_source() for key in keys}
+    for key, span in spans.items():
+        if span is None:
+            continue
+        held = getattr(stores.get(key), "identity", None)  # a packed weight's part: its mapping says
+        out[key] = (held(key) if held is not None else None) or span_identity(span)
     return out

@@ -27,7 +27,9 @@ from dataclasses import dataclass, replace
 from torch import Tensor
 
 from bigviz.engine.fetchers.protocol import cast, read
+from bigviz.engine.packed import packed_of, parts
 from bigviz.engine.weights import nbytes
+from bigviz.modeling.packed import Packed, split
 from bigviz.osio.pages import PAGE, discard, drop_file_pages
 from bigviz.osio.procfs import FileMaps, open_identified
 
@@ -41,6 +43,7 @@ __all__ = [
     "drop_pages",
     "mapped_where",
     "unit_tensors",
+    "unit_parts",
     "Where",
 ]
 
@@ -74,7 +77,9 @@ def file_span(tensor: Tensor, maps: FileMaps | None = None, *, deleted: bool = F
         maps: A snapshot of the mappings (default: a new one; pass one for many lookups).
         deleted: Count files that no path or descriptor leads to any more.
     """
-    if tensor.device.type != "cpu" or tensor.numel() == 0 or not tensor.is_contiguous() or tensor.is_meta:
+    if tensor.device.type != "cpu" or tensor.numel() == 0 or tensor.is_meta or split(tensor) is not None:
+        return None  # (a packed weight is several tensors: see unit_parts)
+    if not tensor.is_contiguous():
         return None
     address = tensor.data_ptr()
     maps = maps if maps is not None else FileMaps()
@@ -161,3 +166,22 @@ def unit_tensors(unit: object) -> dict[str, Tensor]:
     for store, keys in unit.keys_by_source():  # type: ignore[attr-defined]
         out.update({key: cast(unit, key, read(store, key)) for key in keys})  # type: ignore[arg-type]
     return out
+
+
+def unit_parts(unit: object) -> tuple[dict[str, Tensor], dict[str, Packed]]:
+    """What a unit reads as plain tensors: :func:`unit_tensors`, but each packed (quantized)
+    weight as its parts (unbuilt: views of the mapped files), under ``key + PART + part``; and
+    the packed weights, to build once the parts are read (:func:`bigviz.engine.packed.rebuild`)."""
+    out: dict[str, Tensor] = {}
+    packs: dict[str, Packed] = {}
+    for store, keys in unit.keys_by_source():  # type: ignore[attr-defined]
+        for key in keys:
+            packed = packed_of(store, key)
+            if packed is None:
+                tensor = cast(unit, key, read(store, key))  # type: ignore[arg-type]
+                packed = split(tensor)
+                if packed is None:
+                    out[key] = tensor
+                    continue
+            packs[key] = packed
+    return out | parts(packs), packs

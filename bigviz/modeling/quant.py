@@ -1,0 +1,309 @@
+"""Quantizing a model's weights: which weights, made with which library, and the model
+prepared for them (torch side of :mod:`bigviz.core.quant`).
+
+bigviz quantizes with the libraries transformers uses on a CPU and calls them as transformers
+does, so a weight quantized while bigviz loads it is the weight ``from_pretrained(...,
+quantization_config=...)`` makes from the same float tensor:
+
+* ``int8``: torchao's ``Int8WeightOnlyConfig`` through ``torchao.quantization.quantize_`` on
+  the linear layer (transformers' ``TorchAoQuantize``); the weight becomes an ``Int8Tensor``.
+* ``int4``: bitsandbytes 4-bit: the linear layers are replaced by ``bnb.nn.Linear4bit`` on
+  ``meta`` (transformers' ``replace_with_bnb_linear``), and each weight becomes a
+  ``Params4bit`` made as transformers' ``Bnb4bitQuantize`` makes it.
+
+Which weights (:func:`quant_targets`): the weights of ``nn.Linear`` layers, except the modules
+transformers keeps in high precision (``get_keys_to_not_convert``: output embeddings, tied
+weights, the module of the last parameter; and ``_keep_in_fp32_modules``), and the config's
+``modules_to_not_convert``. For a model that is not a transformers model the same rule is
+applied to its own ties, ``get_output_embeddings()`` if it has one, and its last parameter.
+
+torchao and bitsandbytes are optional (``pip install 'bigviz[quant]'``): :func:`require` says
+which is missing, before anything is loaded.
+
+Example:
+    >>> import torch.nn as nn
+    >>> model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 10))
+    >>> quant_targets(model, as_quant_config("int8"))  # the last module stays in float
+    ['1.weight']
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from bigviz.core.errors import UsageError
+from bigviz.core.names import join, parent
+from bigviz.core.quant import QuantConfig
+from bigviz.core.quant import as_quant_config as _core_config
+from bigviz.modeling.inventory import ModelInventory
+
+__all__ = [
+    "as_quant_config",
+    "require",
+    "not_converted",
+    "quant_targets",
+    "prepare_model",
+    "quantize_weight",
+    "replace_linear",
+    "torch_dtype",
+    "quiet_torchao",
+    "QuantizationUnavailable",
+]
+
+_INSTALL = "pip install 'bigviz[quant]'"
+
+
+class QuantizationUnavailable(ImportError):
+    """A quantization needs a library that is not installed (the message says which and how)."""
+
+
+def require(library: str, why: str) -> None:
+    """Raise :class:`QuantizationUnavailable` when ``library`` cannot be imported.
+
+    Example:
+        >>> require("torch", "tensors")  # present: nothing happens
+    """
+    if importlib.util.find_spec(library) is None:
+        raise QuantizationUnavailable(
+            f"{why} needs the {library} package, which is not installed: {_INSTALL} "
+            f"(or pip install {library}); nothing was loaded"
+        )
+
+
+def quiet_torchao() -> None:
+    """Import torchao without its import-time noise: it logs a warning, with the file's absolute
+    path, for each prebuilt kernel library this machine cannot load (CUDA ones on a CPU), and
+    torch warns about an enum it registers. Neither concerns the CPU kernels bigviz uses."""
+    if "torchao" in sys.modules:
+        return
+    import logging
+
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        import torchao  # noqa: F401
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def as_quant_config(value: object) -> QuantConfig | None:
+    """A :class:`~bigviz.core.quant.QuantConfig` from ``"int8"``, ``"int4"``, ``None``, a
+    ``QuantConfig``, or a transformers config: ``TorchAoConfig(Int8WeightOnlyConfig())`` or
+    ``BitsAndBytesConfig(load_in_4bit=True, ...)`` (its quant type and skipped modules kept).
+
+    Raises:
+        ValueError: a config bigviz does not run (named, with what it takes instead).
+
+    Example:
+        >>> as_quant_config("int4").quant_type
+        'nf4'
+    """
+    method = getattr(value, "quant_method", None)
+    if method is None or isinstance(value, (str, QuantConfig)):
+        return _core_config(value)
+    method = str(getattr(method, "value", method))
+    skip = tuple(getattr(value, "modules_to_not_convert", None) or getattr(value, "llm_int8_skip_modules", None) or ())
+    if method == "torchao":
+        kind = type(getattr(value, "quant_type", None)).__name__
+        if kind == "Int8WeightOnlyConfig":
+            return QuantConfig("int8", modules_to_not_convert=skip)
+        raise UsageError(
+            f"quantization=TorchAoConfig({kind}): bigviz quantizes with torchao's Int8WeightOnlyConfig only "
+            "(the torchao config with a CPU kernel here); use quantization='int8', or 'int4' (bitsandbytes)"
+        )
+    if method == "bitsandbytes" and getattr(value, "load_in_4bit", False):
+        return QuantConfig("int4", quant_type=str(value.bnb_4bit_quant_type), modules_to_not_convert=skip)
+    raise UsageError(
+        f"quantization config {type(value).__name__} ({method}): bigviz quantizes while loading with "
+        "'int8' (torchao) or 'int4' (bitsandbytes 4-bit); a checkpoint stored quantized (bitsandbytes 8-bit "
+        "included) loads as it is, with no quantization= argument"
+    )
+
+
+def _is_transformers(model: nn.Module) -> bool:
+    if "transformers" not in sys.modules:
+        return False
+    from transformers import PreTrainedModel
+
+    return isinstance(model, PreTrainedModel)
+
+
+def not_converted(model: nn.Module | ModelInventory) -> list[str]:
+    """Module names kept in high precision by default: transformers' rule
+    (``get_keys_to_not_convert`` and ``_keep_in_fp32_modules``) for its models; for others the
+    same rule on the model's own ties, output embeddings and last parameter.
+
+    Example:
+        >>> sorted(not_converted(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))))
+        ['1']
+    """
+    inventory = ModelInventory.of(model)
+    module = inventory.model
+    if _is_transformers(module):
+        from transformers.quantizers.base import get_keys_to_not_convert
+
+        keep = list(getattr(module, "_keep_in_fp32_modules", None) or [])
+        return sorted(set(get_keys_to_not_convert(module)) | set(keep))
+    names = {parent(n) for group in inventory.ties for n in group}
+    params = [n for n, (_, _, kind) in inventory.slots.items() if kind == "param"]
+    if params:
+        names.add(parent(params[-1]))
+    output = getattr(module, "get_output_embeddings", None)
+    head = output() if callable(output) else None
+    if isinstance(head, nn.Module):
+        names.add(inventory.name_of(head) or "")
+    return sorted(n for n in names if n)
+
+
+def _converts(name: str, patterns: Sequence[str]) -> bool:
+    """transformers' ``should_convert_module``: a pattern matches ``name`` from its start up to
+    a module boundary (also as a regex), or as a suffix."""
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    return not any(re.match(rf"(?:{p}){boundary}", name) or name.endswith(p) for p in patterns)
+
+
+def quant_targets(model: nn.Module | ModelInventory, config: QuantConfig) -> list[str]:
+    """The weights ``config`` quantizes: each ``nn.Linear`` weight (``bnb.nn.Linear4bit`` too,
+    once the model is prepared), but for the modules kept in high precision (see
+    :func:`not_converted`) and the config's ``modules_to_not_convert``; a weight tied to
+    another stays as it is.
+
+    Example:
+        >>> m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+        >>> quant_targets(m, QuantConfig("int8", modules_to_not_convert=("0",)))
+        ['1.weight']
+    """
+    inventory = ModelInventory.of(model)
+    skip = [*not_converted(inventory), *config.modules_to_not_convert]
+    tied = {n for group in inventory.ties for n in group}
+    out = []
+    for name, module in inventory.modules.items():
+        if not name or inventory.same_module.get(name) is not None or not _linear(module):
+            continue
+        weight = join(name, "weight")
+        if weight in inventory.slots and weight not in tied and _converts(name, skip) and not config.skips(name):
+            if len(inventory.tensor(weight).shape) == 2:
+                out.append(weight)
+    return out
+
+
+def _linear(module: nn.Module) -> bool:
+    if isinstance(module, nn.Linear):
+        return True
+    return type(module).__name__ == "Linear4bit" and type(module).__module__.startswith("bitsandbytes")
+
+
+def prepare_model(model: nn.Module, config: QuantConfig, *, dtype: torch.dtype | None = None) -> list[str]:
+    """Make ``model`` (on meta) ready to receive ``config``'s weights; returns the targets.
+
+    ``int8`` changes nothing (torchao's weights are tensor subclasses in the same layers);
+    ``int4`` replaces each target's ``nn.Linear`` by ``bnb.nn.Linear4bit`` with transformers'
+    ``replace_with_bnb_linear`` (compute dtype ``dtype``, else the layer's).
+
+    Raises:
+        QuantizationUnavailable: the library the method needs is not installed.
+    """
+    require(config.library, f"quantization={config.method!r}")
+    targets = quant_targets(model, config)
+    if config.method != "int4" or not targets:
+        return targets
+    compute = dtype or ModelInventory.of(model).tensor(targets[0]).dtype
+    settings = {"load_in_4bit": True, "bnb_4bit_quant_type": config.quant_type, "bnb_4bit_compute_dtype": compute}
+    replace_linear(model, {parent(t) for t in targets}, settings)
+    return quant_targets(model, config)
+
+
+def replace_linear(
+    model: nn.Module, modules: Collection[str], settings: Mapping[str, Any], *, pre_quantized: bool = False
+) -> None:
+    """Replace the ``nn.Linear`` layers named in ``modules`` (on meta) by bitsandbytes' layers,
+    with transformers' ``replace_with_bnb_linear`` and a ``BitsAndBytesConfig`` of
+    ``settings``; every other linear layer stays as it is."""
+    require("transformers", "bitsandbytes layers")
+    from transformers import BitsAndBytesConfig
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+
+    chosen = set(modules)
+    linear = {n: m for n, m in model.named_modules() if n and isinstance(m, nn.Linear)}
+    others = [n for n in linear if n not in chosen]
+    config = BitsAndBytesConfig.from_dict(dict(settings))
+    keep = [f"^{re.escape(n)}$" for n in others] or None
+    _quietly(
+        replace_with_bnb_linear,
+        model,
+        modules_to_not_convert=keep,
+        quantization_config=config,
+        pre_quantized=pre_quantized,
+    )
+    for name in chosen & set(linear):  # new layers keep the mode of those they replace (eval: no training path)
+        model.get_submodule(name).train(linear[name].training)
+
+
+def _quietly(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    import logging
+
+    logger = logging.getLogger("transformers.integrations.bitsandbytes")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        logger.setLevel(level)
+
+
+def quantize_weight(weight: Tensor, config: QuantConfig, *, placeholder: Tensor | None = None) -> Tensor:
+    """``weight`` (a float tensor, in the dtype the model computes with) packed by ``config``.
+
+    Args:
+        weight: the float weight, on the device it will live on.
+        config: the method.
+        placeholder: the model's parameter it replaces (bitsandbytes' ``Params4bit`` on meta
+            carries the quant type, storage and module its weight is made with).
+
+    Example:
+        >>> w = torch.randn(8, 16)
+        >>> q = quantize_weight(w, QuantConfig("int8"))
+        >>> type(q).__name__, q.shape, float((q.dequantize() - w).abs().max()) < 0.05
+        ('Int8Tensor', torch.Size([8, 16]), True)
+    """
+    if config.method == "int8":
+        require("torchao", "quantization='int8'")
+        quiet_torchao()
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+        holder = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        holder.weight = nn.Parameter(weight, requires_grad=False)
+        quantize_(holder, Int8WeightOnlyConfig())  # what transformers' TorchAoQuantize runs
+        return holder.weight.detach()
+    require("bitsandbytes", "quantization='int4'")
+    import bitsandbytes as bnb
+
+    fields = dict(getattr(placeholder, "__dict__", {}))
+    fields.setdefault("quant_type", config.quant_type)
+    fields.pop("quant_state", None)
+    fields.pop("bnb_quantized", None)
+    value = bnb.nn.Params4bit(weight, requires_grad=False, **fields)
+    return value.to(weight.device)  # bitsandbytes quantizes on the move, as Bnb4bitQuantize does
+
+
+def torch_dtype(dtype: object) -> torch.dtype | None:
+    """``torch.float16`` for ``"float16"``, ``"torch.float16"`` or ``torch.float16``; None for None.
+
+    Example:
+        >>> torch_dtype("bfloat16"), torch_dtype(None)
+        (torch.bfloat16, None)
+    """
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    found = getattr(torch, str(dtype).removeprefix("torch."), None)
+    return found if isinstance(found, torch.dtype) else None
