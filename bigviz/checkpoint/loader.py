@@ -13,7 +13,6 @@ Example:
     >>> from bigviz.checkpoint.save import save_sharded
     >>> from bigviz.checkpoint.load import plan_load
     >>> from bigviz.modeling.inventory import ModelInventory
-from bigviz.modeling.packed import is_packed, stored_nbytes
     >>> folder = save_sharded(torch.nn.Linear(2, 2), pathlib.Path(tempfile.mkdtemp()) / "c", progress=False)
     >>> with torch.device("meta"):
     ...     model = torch.nn.Linear(2, 2)
