@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -125,14 +125,25 @@ class _Items:
     flops: tuple[int, ...]
     kv: tuple[int, ...] = ()  # KV cache of the layers in the item (empty without a run)
     act: tuple[int, ...] = ()  # the largest step in the item (empty without a run)
+    outs: tuple[int, ...] = ()  # outputs the item's modules keep alive all forward (input embeddings)
 
     @property
     def held(self) -> tuple[int, ...]:
-        """What adds up along a stage: weights and KV cache."""
-        return tuple(b + k for b, k in zip(self.nbytes, self.kv)) if self.kv else self.nbytes
+        """What adds up along a stage: weights, KV cache and held outputs."""
+        if not self.kv:
+            return self.nbytes
+        outs = self.outs or (0,) * len(self.nbytes)
+        return tuple(b + k + o for b, k, o in zip(self.nbytes, self.kv, outs))
 
     def act_of(self, i: int) -> int:
         return self.act[i] if self.act else 0
+
+    def span_act(self, span: Iterable[int]) -> int:
+        """A stage's activations, by the planner's rule (``bigviz.plan``'s
+        :func:`~bigviz.core.run_charges.run_usage`): its largest step plus the outputs its
+        modules hold all forward."""
+        span = list(span)
+        return max((self.act_of(i) for i in span), default=0) + sum(self.outs[i] for i in span if self.outs)
 
 
 def _item_run(
@@ -140,11 +151,14 @@ def _item_run(
     groups: Sequence[Sequence[str]],
     kv_cache: Mapping[str, int],
     activations: Mapping[str, int],
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """KV cache and activation bytes per item, by the planner's rule (``bigviz.plan``): a
-    layer's cache goes with the unit holding it (a layer split into parts: with its first
-    part); an item keeps room for the largest step run inside it or by a module around it."""
-    unknown = [n for n in [*kv_cache, *activations] if n not in tree.nodes]
+    held: Mapping[str, int] | None = None,
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """KV cache, activation and held-output bytes per item, by the planner's rule
+    (``bigviz.plan``): a layer's cache, and an output kept alive all forward, go with the
+    unit holding the module (a layer split into parts: with its first part); an item keeps
+    room for the largest step run inside it or by a module around it."""
+    held = held or {}
+    unknown = [n for n in [*kv_cache, *activations, *held] if n not in tree.nodes]
     PipelineError.check(
         [f"{n!r} is no module of the model" for n in unknown[:8]],
         "cannot plan the run: KV cache or activation bytes given for names that are no module",
@@ -160,15 +174,16 @@ def _item_run(
         key = owner(module, item_of)
         return [item_of[key]] if key is not None else under.get(module, [])
 
-    kv, act = [0] * len(groups), [0] * len(groups)
-    for module, nbytes in kv_cache.items():
-        found = items_of(module)
-        if found:
-            kv[min(found)] += nbytes
+    kv, act, outs = [0] * len(groups), [0] * len(groups), [0] * len(groups)
+    for per_item, given in ((kv, kv_cache), (outs, held)):
+        for module, nbytes in given.items():
+            found = items_of(module)
+            if found:
+                per_item[min(found)] += nbytes
     for module, nbytes in activations.items():
         for i in items_of(module):
             act[i] = max(act[i], nbytes)
-    return tuple(kv), tuple(act)
+    return tuple(kv), tuple(act), tuple(outs)
 
 
 def _reserves(items: _Items, k: int) -> tuple[int, ...]:
@@ -195,6 +210,7 @@ def _items(
     units: list[tuple[str, str]],
     kv_cache: Mapping[str, int] | None = None,
     activations: Mapping[str, int] | None = None,
+    held: Mapping[str, int] | None = None,
 ) -> _Items:
     groups: list[list[str]] = []
     head: list[str] = []
@@ -212,7 +228,7 @@ def _items(
         i, j = item_of[owner(follower, item_of)], item_of[owner(lead, item_of)]  # type: ignore[index]
         if i != j:
             nbytes[i] += tree.tensor_bytes(lead)
-    kv, act = _item_run(tree, groups, kv_cache, activations or {}) if kv_cache is not None else ((), ())
+    kv, act, outs = _item_run(tree, groups, kv_cache, activations or {}, held) if kv_cache is not None else ((), (), ())
     return _Items(
         tuple(tuple(g) for g in groups),
         dict(units),
@@ -220,6 +236,7 @@ def _items(
         tuple(sum(unit_flops(tree, n) for n in g) for g in groups),
         kv,
         act,
+        outs,
     )
 
 
@@ -427,6 +444,7 @@ def make_pipeline_plan(
     dtype: str | None = None,
     kv_cache: Mapping[str, int] | None = None,
     activations: Mapping[str, int] | None = None,
+    held: Mapping[str, int] | None = None,
     run: PipelineRun | None = None,
 ) -> PipelinePlan:
     """Cut ``tree`` into pipeline stages between no-split units.
@@ -443,6 +461,8 @@ def make_pipeline_plan(
         dtype: recorded in the plan (the tree is already sized for it).
         kv_cache: KV cache bytes per layer module, for the whole batch.
         activations: activation bytes per module step, for one micro-batch.
+        held: bytes a module's output keeps alive all forward (``RunBytes.held``: the input
+            embeddings), for one micro-batch; added to its stage's activations.
         run: what those bytes were computed for (recorded in the plan).
 
     Raises:
@@ -459,7 +479,7 @@ def make_pipeline_plan(
         ((800, 800), (200, 200), (50, 50), (1050, 1050))
     """
     units = pipeline_units(tree, no_split)
-    items = _items(tree, units, _run_map(kv_cache, activations), activations)
+    items = _items(tree, units, _run_map(kv_cache, activations), activations, held)
     request = _parse_request(stages, balance, len(items.names), units)
     metric = items.flops if balance == "compute" else items.held
     chain = _Chain(metric, items.held)
@@ -486,6 +506,7 @@ def cut_pipeline(
     dtype: str | None = None,
     kv_cache: Mapping[str, int] | None = None,
     activations: Mapping[str, int] | None = None,
+    held: Mapping[str, int] | None = None,
     run: PipelineRun | None = None,
 ) -> PipelinePlan:
     """The plan with stages beginning at ``split_points`` (blocks of ``tree``, in order).
@@ -504,7 +525,7 @@ def cut_pipeline(
         (('h.0',), ('h.1', 'h.2', 'h.3'))
     """
     units = pipeline_units(tree, no_split)
-    items = _items(tree, units, _run_map(kv_cache, activations), activations)
+    items = _items(tree, units, _run_map(kv_cache, activations), activations, held)
     where = {next(n for n in group if items.roles[n] == "block"): i for i, group in enumerate(items.names)}
     problems = [
         f"split point {p!r} is not a no-split block of this model (blocks: {', '.join(list(where)[:4])} ...)"
@@ -565,7 +586,8 @@ def _assemble(
         stage_flops[stage] += items.flops[i]
         if items.kv:
             stage_kv[stage] += items.kv[i]
-            stage_act[stage] = max(stage_act[stage], items.act_of(i))
+    if items.kv:
+        stage_act = [items.span_act(range(bounds[s], bounds[s + 1])) for s in range(request.k)]
     for s in shared:
         for stage in s.stages[1:]:
             stage_bytes[stage] += s.nbytes
@@ -699,7 +721,7 @@ def _does_not_fit(tree: SizeTree, items: _Items, request: _Request) -> PipelineE
         need = items.held[i] + items.act_of(i)
         if need > max(budgets):
             problems.append(
-                f"{' + '.join(group)} alone needs {_needs(items.nbytes[i], items.kv[i] if run else 0, items.act_of(i), run)}"
+                f"{' + '.join(group)} alone needs {_needs(items.nbytes[i], items.kv[i] if run else 0, items.span_act((i,)), run)}"
                 f", more than the largest budget ({format_size(max(budgets))})"
             )
     if 0 not in items.nbytes:  # every block holds bytes: a stage with nothing to spend holds none
@@ -743,7 +765,7 @@ def _even_fill(items: _Items, budgets: Sequence[int]) -> list[tuple[int, tuple[s
         span_items = range(bounds[s], bounds[s + 1])
         weights = sum(items.nbytes[i] for i in span_items)
         cache = sum(items.kv[i] for i in span_items) if items.kv else 0
-        act = max((items.act_of(i) for i in span_items), default=0)
+        act = items.span_act(span_items)
         if weights + cache + act > budget:
             first, last = items.names[bounds[s]][0], items.names[bounds[s + 1] - 1][-1]
             span = first if first == last else f"{first} .. {last}"

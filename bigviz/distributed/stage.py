@@ -54,7 +54,7 @@ from bigviz.core.tree import SizeTree
 from bigviz.core.sizes import format_size
 from bigviz.distributed.adapters import DecoderLayout, decoder_layout
 from bigviz.modeling.sizes import module_tree
-from bigviz.planning.pipeline import pipeline_run_bytes
+from bigviz.planning.pipeline import pipeline_run_bytes, run_knobs
 from bigviz.core.errors import StateError
 
 __all__ = ["SPLITS", "StageBuild", "check_pipeline", "build_stage_module", "build_stage"]
@@ -142,7 +142,6 @@ def _replan(model: nn.Module, plan: PipelinePlan) -> PipelinePlan:
     """The plan with the same cuts for this model: same blocks per stage, and each stage's
     weights (and run, when the plan counts one) within its budget."""
     tree = module_tree(model, plan.dtype)
-    kv, act = pipeline_run_bytes(model, tree, plan.run, dtype=plan.dtype)
     mine = cut_pipeline(
         tree,
         plan.split_points,
@@ -150,9 +149,8 @@ def _replan(model: nn.Module, plan: PipelinePlan) -> PipelinePlan:
         balance=plan.balance,
         budgets=plan.budgets,
         dtype=plan.dtype,
-        kv_cache=kv,
-        activations=act,
         run=plan.run,
+        **run_knobs(pipeline_run_bytes(model, tree, plan.run, dtype=plan.dtype)),
     )
     problems = [
         f"stage {s}: the plan has blocks {_span(plan.blocks(s))}, this model {_span(mine.blocks(s))}"

@@ -222,7 +222,7 @@ def hf_config(data: Mapping[str, Any], where: str) -> Any:
         raise ConfigError(
             f"{where} describes a transformers model: building it needs transformers (pip install transformers)"
         ) from err
-    kwargs = dict(data)
+    kwargs = _decoded_floats(dict(data))
     model_type = kwargs.pop("model_type", None)
     if not model_type:
         raise ConfigError(
@@ -273,6 +273,22 @@ def _unknown_type(model_type: object, where: str, known: list[str]) -> str:
 def _is_config_object(source: object) -> bool:
     """A transformers ``PretrainedConfig`` or a bigviz ``GPTConfig`` / ``LlamaConfig``."""
     return hasattr(source, "to_dict") and hasattr(source, "model_type") and not isinstance(source, Mapping)
+
+
+def _decoded_floats(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with the non-finite floats transformers writes as ``{"__float__": "Infinity"}``
+    decoded, as its own ``from_pretrained`` decodes them (a Mamba-2 ``time_step_limit`` of
+    ``(0.0, inf)``): the config class refuses the tagged form. Transformers' own decoder is
+    used where it has one; older versions never wrote the tags.
+
+    Example:
+        >>> _decoded_floats({"time_step_limit": [0.0, {"__float__": "Infinity"}]})
+        {'time_step_limit': [0.0, inf]}
+    """
+    from transformers import PretrainedConfig
+
+    decode = getattr(PretrainedConfig, "_decode_special_floats", None)
+    return decode(data) if callable(decode) else data
 
 
 @contextmanager

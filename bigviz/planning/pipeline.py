@@ -19,10 +19,11 @@ import torch
 from bigviz.core.pipeline import PipelineError, PipelinePlan, PipelineRun
 from bigviz.core.stages import cut_pipeline, make_pipeline_plan, over_budget
 from bigviz.core.tree import SizeTree
+from bigviz.core.workload import RunBytes
 from bigviz.planning.models import ModelLike, as_tree, default_no_split, resolve_model
-from bigviz.planning.workload import model_run_spec
+from bigviz.planning.workload import model_run_spec, with_given
 
-__all__ = ["plan_pipeline", "pipeline_run_bytes"]
+__all__ = ["plan_pipeline", "pipeline_run_bytes", "run_knobs"]
 
 
 def plan_pipeline(
@@ -103,10 +104,10 @@ def plan_pipeline(
         no_split = list(default_no_split(model_or_checkpoint, tree))
     label = str(dtype).removeprefix("torch.") if dtype is not None else (keep.dtype if keep is not None else None)
     run = _run(batch_size, context_length, kv_dtype, microbatches, device_type, kv_cache, activations)
-    kv, act = pipeline_run_bytes(
+    counted = pipeline_run_bytes(
         model_or_checkpoint, tree, run, dtype=dtype, kv_cache=kv_cache, activations=activations
     )
-    knobs = dict(no_split=no_split, dtype=label, kv_cache=kv, activations=act, run=run)
+    knobs = dict(no_split=no_split, dtype=label, run=run, **run_knobs(counted))
     if keep is None:
         return make_pipeline_plan(tree, stages, balance=balance, **knobs)  # type: ignore[arg-type]
     plan = cut_pipeline(tree, keep.split_points, balance=keep.balance, budgets=keep.budgets, **knobs)  # type: ignore[arg-type]
@@ -147,24 +148,35 @@ def pipeline_run_bytes(
     dtype: object = None,
     kv_cache: Mapping[str, int] | None = None,
     activations: Mapping[str, int] | None = None,
-) -> tuple[dict[str, int] | None, dict[str, int] | None]:
-    """``(KV cache, activations)`` bytes per module for a pipeline's run: the caches of the
-    whole batch, the activations of one micro-batch's prefill; ``(None, None)`` without a
-    run. Read from the model (the rules of :func:`bigviz.plan`) unless given by hand.
+) -> RunBytes | None:
+    """The bytes per module of a pipeline's run: the caches of the whole batch, the
+    activations and held outputs (the input embeddings) of one micro-batch's prefill; None
+    without a run. Read from the model by the rules of :func:`bigviz.plan` (the same
+    :class:`~bigviz.core.workload.RunBytes`, bytes given by hand as
+    :func:`~bigviz.planning.workload.with_given` takes them), so a stage holding the whole
+    model charges what ``bigviz.plan`` charges one device.
 
     Example:
         >>> from bigviz.models import build
         >>> with torch.device("meta"):
         ...     model = build("gpt-tiny")
-        >>> kv, act = pipeline_run_bytes(model, as_tree(model), PipelineRun(batch_size=2, context_length=8))
-        >>> kv["transformer.h.0"], sorted(act)[-1]
+        >>> run = pipeline_run_bytes(model, as_tree(model), PipelineRun(batch_size=2, context_length=8))
+        >>> run.kv_cache["transformer.h.0"], sorted(run.activations)[-1]
         (4096, 'transformer.h.1')
     """
     if run is None:
-        return None, None
+        return None
     if kv_cache is not None and activations is not None:
-        return dict(kv_cache), dict(activations)
+        return RunBytes(dict(kv_cache), dict(activations))
     spec = model_run_spec(model, tree, dtype=dtype, device_type=run.device_type)
-    kv = dict(kv_cache) if kv_cache is not None else spec.kv_cache(run.workload())
-    act = dict(activations) if activations is not None else spec.activations(run.workload(microbatch=True))
-    return kv, act
+    whole = with_given(RunBytes.of(spec, run.workload()), kv_cache, activations)
+    micro = with_given(RunBytes.of(spec, run.workload(microbatch=True)), kv_cache, activations)
+    return RunBytes(whole.kv_cache, micro.activations, micro.held)
+
+
+def run_knobs(run: RunBytes | None) -> dict[str, Mapping[str, int] | None]:
+    """``kv_cache``, ``activations`` and ``held`` for :func:`~bigviz.core.stages.make_pipeline_plan`
+    and :func:`~bigviz.core.stages.cut_pipeline` (all None without a run: weights only)."""
+    if run is None:
+        return {"kv_cache": None, "activations": None, "held": None}
+    return {"kv_cache": run.kv_cache, "activations": run.activations, "held": run.held}

@@ -30,7 +30,7 @@ from bigviz.modeling.workload import run_spec
 from bigviz.planning.models import ModelLike
 from bigviz.core.errors import UsageError
 
-__all__ = ["workload_bytes", "model_run_spec", "device_type"]
+__all__ = ["workload_bytes", "with_given", "model_run_spec", "device_type"]
 
 
 def device_type(budgets: Mapping[Device, int]) -> str:
@@ -56,7 +56,18 @@ def workload_bytes(
     if kv_cache is not None and activations is not None:
         return RunBytes(dict(kv_cache), dict(activations))
     spec = model_run_spec(model, tree, dtype=dtype, device_type=device_type)
-    run = RunBytes.of(spec, workload)
+    return with_given(RunBytes.of(spec, workload), kv_cache, activations)
+
+
+def with_given(run: RunBytes, kv_cache: Mapping[str, int] | None, activations: Mapping[str, int] | None) -> RunBytes:
+    """``run`` with the bytes given by hand in place of the model's: activations given by hand
+    replace the held outputs too (they say all a module keeps alive). One rule for
+    ``bigviz.plan`` and the pipeline planner.
+
+    Example:
+        >>> with_given(RunBytes({"h.0": 8}, {"h.0": 4}, {"wte": 2}), None, {"h.0": 6})
+        RunBytes(kv_cache={'h.0': 8}, activations={'h.0': 6}, held={})
+    """
     return RunBytes(
         dict(kv_cache) if kv_cache is not None else run.kv_cache,
         dict(activations) if activations is not None else run.activations,

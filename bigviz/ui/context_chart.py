@@ -17,6 +17,7 @@ Example:
     >>> with torch.device("meta"):
     ...     model = build("gpt-tiny")
     >>> state = PlannerState.from_model(model, {0: 400_000, "cpu": 10**8})
+    >>> state.set_reserve(0, 0)   # a toy GPU budget: none of the default 1 GiB headroom kept free
     >>> state.set_workload(context_length=32)
     >>> curves = context_curves(state, state.replan(), points=5)
     >>> curves.tokens, curves.devices
