@@ -101,6 +101,11 @@ class _Ties:
 def make_plan(tree: SizeTree, max_memory: Mapping[Any, object], options: PlanOptions | None = None) -> DevicePlan:
     """Place every module of ``tree`` within ``max_memory``.
 
+    A balanced plan (``"auto"``, ``"balanced"``) caps each GPU at its share; where those caps
+    would stream weights in from CPU RAM or disk and filling the GPUs in order streams fewer, the
+    filled plan is returned, with a note: an uneven split costs nothing at run time, an offloaded
+    layer costs every forward (``"balanced_low_0"`` keeps its low GPU 0: that is its purpose).
+
     Args:
         tree: the model's size tree.
         max_memory: budgets per device (bytes or strings such as ``"10GiB"``); ``"disk"``
@@ -112,6 +117,25 @@ def make_plan(tree: SizeTree, max_memory: Mapping[Any, object], options: PlanOpt
             not fit in the budgets (listing what is left over and how to fix it).
     """
     options = options or PlanOptions()
+    result = _make_plan(tree, max_memory, options)
+    streamed = sum(result.offloaded_bytes().values())
+    if options.strategy not in ("auto", "balanced") or not streamed:
+        return result
+    try:
+        filled = _make_plan(tree, max_memory, replace(options, strategy="sequential"))
+    except PlanError:
+        return result
+    if sum(filled.offloaded_bytes().values()) >= streamed:
+        return result
+    note = (
+        f"the balanced shares would stream {format_size(streamed)} in per forward; the GPUs filled in "
+        f"order stream {format_size(sum(filled.offloaded_bytes().values()))}: placed in order instead"
+    )
+    return replace(filled, strategy=options.strategy, notes=(note, *filled.notes), _cache={})
+
+
+def _make_plan(tree: SizeTree, max_memory: Mapping[Any, object], options: PlanOptions) -> DevicePlan:
+    """:func:`make_plan` for the strategy ``options`` names, as it is."""
     budgets = parse_max_memory(max_memory)
     budgets.setdefault("disk", UNLIMITED)
     overrides, reserve = _check_inputs(tree, budgets, options)
