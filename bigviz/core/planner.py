@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 from dataclasses import dataclass, field, replace
@@ -34,6 +35,9 @@ from bigviz.core.run_charges import (
     Run,
     charge_run,
     check_run_fits,
+    follower_hold,
+    follower_step,
+    keep_step,
     room_text,
     run_bytes,
     run_room,
@@ -189,8 +193,9 @@ def _make_plan(tree: SizeTree, max_memory: Mapping[Any, object], options: PlanOp
         check_run_fits(usage, bool(overrides))
     notes += _warnings(usage, main)
     capped = {g: _share_name(options.strategy) for g in budgets if caps[g] < budgets[g]}
+    kept = {d: (reserve.get(d, 0), state.run.slack.get(d, 0.0) if state.run else 0.0) for d in budgets}
     return DevicePlan(
-        _placements(tree, state, capped),
+        _placements(tree, state, capped, kept),
         usage,
         options.strategy,
         main,
@@ -367,17 +372,31 @@ def _fit(
     embedding does not push every later layer off the GPUs, as it does in accelerate.
     """
     assert state.ties is not None
-    promises = {f: state.follower_units[f] for f, _ in state.ties.by_leader.get(name, ()) if not is_prefix(name, f)}
-    extra = sum(promises.values())
+    followers = [f for f, _ in state.ties.by_leader.get(name, ()) if not is_prefix(name, f)]
+
+    def promises(device: Device | None) -> dict[str, int]:
+        """Room kept on ``device`` for the tied modules that will follow ``name`` there:
+        their units' weights and, where they run, their cache and held outputs."""
+        return {f: state.follower_units[f] + follower_hold(state.run, f, device) for f in followers}
+
+    def fits(device: Device | None) -> bool:
+        """``name`` fits ``device`` with its followers (their largest step kept as a step)."""
+        kept = sum(promises(device).values()) + follower_step(state.run, followers, name, device)
+        return device is not None and size + kept + run_bytes(state.run, name, device) <= state.remaining[device]
+
+    def accept(device: Device, miss: tuple[Device, int, int] | None, streamed: bool = False) -> None:
+        _accept(tree, state, name, device, size, promises(device), miss, streamed=streamed)
+        keep_step(state.run, state.remaining, followers, device)
+
     resident = [d for d in devices if d not in streamed]
     here = resident[index] if index < len(resident) else None
-    if size == 0 and not extra and not run_bytes(state.run, name, here):
+    if size == 0 and not followers and not run_bytes(state.run, name, here):
         device = here if here is not None else devices[0]
         _put(tree, state, name, device, 0, ("empty",))
         return index
     miss = None  # (device, bytes needed, bytes left) of the resident device it did not fit
-    if here is not None and size + extra + run_bytes(state.run, name, here) <= state.remaining[here]:
-        _accept(tree, state, name, here, size, promises, None)
+    if here is not None and fits(here):
+        accept(here, None)
         return index
     if splittable:
         _split(tree, name, stack)  # try the parts; streamed weights are planned per block
@@ -385,12 +404,12 @@ def _fit(
     if here is not None:
         miss = (here, size + run_bytes(state.run, name, here), max(state.remaining[here], 0))
         for later in range(index + 1, len(resident)):
-            if size + extra + run_bytes(state.run, name, resident[later]) <= state.remaining[resident[later]]:
-                _accept(tree, state, name, resident[later], size, promises, miss)
+            if fits(resident[later]):
+                accept(resident[later], miss)
                 return later
     for device in (d for d in devices if d in streamed):
-        if size + extra <= state.remaining[device]:
-            _accept(tree, state, name, device, size, promises, miss, streamed=True)
+        if fits(device):
+            accept(device, miss, streamed=True)
             return index
     state.unplaced.append(name)
     return index
@@ -416,14 +435,24 @@ def _accept(
 
 
 def _write(
-    tree: SizeTree, name: str, device: Device, size: int, why: Why, capped: Mapping[Device, str] | None = None
+    tree: SizeTree,
+    name: str,
+    device: Device,
+    size: int,
+    why: Why,
+    capped: Mapping[Device, str] | None = None,
+    kept: Mapping[Device, tuple[int, float]] | None = None,
 ) -> str:
-    """A placement's reason as a person reads it."""
+    """A placement's reason as a person reads it (``kept``: each device's headroom, its
+    reserve bytes and the share of the run kept free on top, named where it shrank the room)."""
     code = why[0]
     if code == "fits":
-        return _write_fits(tree, name, device, size, *why[1:], capped=capped or {})
+        return _write_fits(tree, name, device, size, *why[1:], capped=capped or {}, kept=kept or {})
     if code == "run":  # a workload's cache and activations, where they live
-        return _write(tree, name, device, size, why[1], capped) + run_text(*why[2:])
+        text = _write(tree, name, device, size, why[1], capped, kept) + run_text(*why[2:])
+        share = (kept or {}).get(device if why[4] is None else why[4], (0, 0.0))[1]
+        slack = math.ceil((why[2] + why[3]) * share)
+        return text + (f"; headroom: {format_size(slack)} for its run ({share:.0%} of it)" if slack else "")
     if code == "tied":
         return f"tied to {why[1]}, which is on {device_label(device)}"
     if code == "override":
@@ -445,19 +474,35 @@ def _write_fits(
     free: int,
     *,
     capped: Mapping[Device, str],
+    kept: Mapping[Device, tuple[int, float]],
 ) -> str:
     on = f"of {device_label(device)}'s {capped[device]}" if device in capped else f"on {device_label(device)}"
     where = f"{room_text(size, room)} of {format_size(left)} left {on}"
     text = f"streamed in from {device_label(device)} at forward time ({where})" if streamed else f"fits: {where}"
     if extra:
         text += f", with {format_size(extra)} kept for the modules tied to it"
+    text += _headroom_text(device, room, kept)
     if here is None:
         return text
     of = f" of its {capped[here]}" if here in capped else ""
+    reserve = kept.get(here, (0, 0.0))[0]
+    of += f", {format_size(reserve)} more kept free as headroom" if reserve else ""
     return (
         f"{_what(tree, name)} did not fit {device_label(here)} ({format_size(need)} needed, "
         f"{format_size(free)} left{of}): {text}"
     )
+
+
+def _headroom_text(device: Device, room: tuple[int, ...] | None, kept: Mapping[Device, tuple[int, float]]) -> str:
+    """What a reason adds about the headroom on ``device``: the bytes kept free there and,
+    for a unit whose run is charged there, the share of its run kept free on top (the
+    allocator's slack; :mod:`bigviz.core.headroom`). Empty where the device keeps none."""
+    reserve, share = kept.get(device, (0, 0.0))
+    slack = math.ceil(sum(room) * share) if room and share else 0
+    parts = [f"{format_size(reserve)} kept free"] if reserve else []
+    if slack:
+        parts.append(f"{format_size(slack)} for its run ({share:.0%} of it)")
+    return f"; headroom: {' + '.join(parts)}" if parts else ""
 
 
 def _follower_unit_bytes(tree: SizeTree, follower: str, leader: str, no_split: frozenset[str]) -> int:
@@ -557,14 +602,17 @@ def _share_name(strategy: str) -> str:
     return f"{'balanced' if strategy == 'auto' else strategy} share"
 
 
-def _placements(tree: SizeTree, state: _Pass, capped: Mapping[Device, str]) -> tuple[Placement, ...]:
+def _placements(
+    tree: SizeTree, state: _Pass, capped: Mapping[Device, str], kept: Mapping[Device, tuple[int, float]]
+) -> tuple[Placement, ...]:
     """The placements of the pass that became the plan, their reasons written (room on a GPU
-    a balanced strategy caps is said to be left of its share, not of its budget: ``capped``)."""
+    a balanced strategy caps is said to be left of its share, not of its budget: ``capped``;
+    the headroom each device keeps: ``kept``)."""
     out = []
     for placed in state.placed:
         name, device, size, override, tied_to = placed[:5]
         node = tree.nodes.get(name)
-        reason = _write(tree, name, device, size, placed[5:], capped)
+        reason = _write(tree, name, device, size, placed[5:], capped, kept)
         out.append(
             Placement(
                 name,

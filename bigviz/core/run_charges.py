@@ -33,6 +33,9 @@ __all__ = [
     "check_run_fits",
     "streamed_run_needs",
     "run_usage",
+    "follower_hold",
+    "follower_step",
+    "keep_step",
 ]
 
 
@@ -142,6 +145,39 @@ def run_room(run: Run | None, name: str, device: Device) -> tuple[int, ...] | No
     return (kv, held + max(0, step - run.act.get(device, 0)))
 
 
+def follower_hold(run: Run | None, name: str, device: Device | None) -> int:
+    """Room a tied module that will follow its leader to ``device`` needs there for its run
+    besides its largest step (:func:`follower_step`): its cache and held outputs, the slack on
+    top; 0 without a workload or on a streamed device (it runs on the execution device)."""
+    if run is None or device is None or device in run.streamed:
+        return 0
+    kv, _, _, held = run.unit(name)
+    return run.with_slack(device, kv + held)
+
+
+def follower_step(run: Run | None, names: list[str], leader: str, device: Device | None) -> int:
+    """Bytes raising ``device``'s largest step to the steps of the tied modules ``names`` adds,
+    beyond what placing ``leader`` there charges (a tied head's logits are often the largest
+    step of all: the room is kept once, as a step, not added to every block's)."""
+    if run is None or device is None or device in run.streamed or not names:
+        return 0
+    step = max(run.unit(n)[2] for n in names)
+    return run.with_slack(device, max(0, step - max(run.act.get(device, 0), run.unit(leader)[2])))
+
+
+def keep_step(run: Run | None, remaining: dict[Device, int], names: list[str], device: Device) -> None:
+    """Raise ``device``'s largest step to the tied modules' that will follow there, charged
+    now (:func:`follower_step`): the blocks placed before them see the room already taken."""
+    if run is None or device in run.streamed or not names:
+        return
+    step = max(run.unit(n)[2] for n in names)
+    added = max(0, step - run.act.get(device, 0))
+    if added:
+        remaining[device] -= run.with_slack(device, added)
+        run.slack_bytes[device] = run.slack_bytes.get(device, 0) + run.with_slack(device, added) - added
+        run.act[device] = step
+
+
 def room_text(size: int, room: tuple[int, ...] | None) -> str:
     """``"1.1 GiB weights + 0.4 GiB KV cache + 52 MiB activations"`` (just the size without
     a workload)."""
@@ -150,8 +186,10 @@ def room_text(size: int, room: tuple[int, ...] | None) -> str:
     if not room:
         return f"{format_size(size)} weights"
     kv, grow = room
-    return f"{format_size(size)} weights + {format_size(kv)} KV cache" + (
-        f" + {format_size(grow)} activations" if grow else ""
+    return (
+        f"{format_size(size)} weights"
+        + (f" + {format_size(kv)} KV cache" if kv else "")
+        + (f" + {format_size(grow)} activations" if grow else "")
     )
 
 
@@ -182,11 +220,12 @@ def run_text(kv: int, step: int, streamed_to: Device | None) -> str:
     """What a reason adds about a unit's run: its cache and activations on ``streamed_to``,
     the execution device, for a streamed unit; else on its own device."""
     if streamed_to is not None:
-        return (
-            f"; its {format_size(kv)} KV cache and {format_size(step)} of activations live on "
-            f"{device_label(streamed_to)}, where it runs"
-        )
-    return f" (+ {format_size(kv)} KV cache, up to {format_size(step)} of activations there)"
+        held = [f"{format_size(kv)} KV cache"] if kv else []
+        held += [f"{format_size(step)} of activations"] if step else []
+        return f"; its {' and '.join(held)} live on {device_label(streamed_to)}, where it runs" if held else ""
+    held = [f"{format_size(kv)} KV cache"] if kv else []
+    held += [f"up to {format_size(step)} of activations"] if step else []
+    return f" (+ {', '.join(held)} there)" if held else ""
 
 
 def check_run_fits(usage: tuple[DeviceUsage, ...], overridden: bool) -> None:

@@ -5,6 +5,7 @@ definition, and ``bigviz plan CONFIG --batch --context`` prints the run."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -13,7 +14,7 @@ from torch import nn
 
 import bigviz
 from bigviz.cli import main
-from bigviz.models import GPTConfig, LlamaConfig, build
+from bigviz.models import GPT, GPTConfig, LlamaConfig, build
 
 transformers = pytest.importorskip("transformers")
 GiB = 2**30
@@ -192,6 +193,59 @@ def test_max_context_keeps_the_default_headroom_on_the_cpu():
     u = plan.usage_of("cpu")
     assert u.free >= 0 and u.reserve == -(-(u.kv_cache + u.activations) // 4)
     assert u.used + 1.25 * (u.kv_cache + u.activations) <= budgets["cpu"] + 1
+
+
+def _sizes(text: str) -> list[int]:
+    """The sizes a reason names, in bytes, in order (``format_size``'s spellings)."""
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+    return [round(float(n) * units[u]) for n, u in re.findall(r"([0-9.]+) (B|KiB|MiB|GiB|TiB)\b", text)]
+
+
+@pytest.mark.parametrize("given", [None, {0: "1GiB"}])
+def test_reasons_name_the_headroom_they_kept(given):
+    """Each placement's reason says what headroom shrank its room: the bytes a device keeps
+    free (the default 1 GiB on a GPU, or the caller's reserve) and the share of the unit's run
+    kept free on top (10% on a GPU by default); ``reserve=0`` says none."""
+    with bigviz.init_empty_weights():
+        model = GPT(GPTConfig.preset("gpt2"))
+    budgets = {0: 2**30 + 400_000_000, "cpu": 2**30}
+    plan = bigviz.plan(model, budgets, context_length=256, reserve=given)
+    assert plan.usage_of(0).used and plan.usage_of("cpu").used, plan.summary()  # a split
+    on_gpu = [p for p in plan.placements if p.device == 0 and p.reason.startswith("fits: ")]
+    missed = [p for p in plan.placements if "did not fit GPU 0" in p.reason]
+    assert on_gpu and missed, plan.summary()
+    assert all("1.0 GiB more kept free as headroom" in p.reason for p in missed)
+    for p in on_gpu:
+        assert "; headroom: 1.0 GiB kept free" in p.reason, p.reason
+        if given is None:  # the share of the run kept free, and its bytes
+            weights, *run, left = _sizes(p.reason.split(" left ")[0])
+            if run:  # its KV cache and the activations it adds
+                slack = _sizes(p.reason.split("; headroom: ")[1])[1]
+                assert slack == pytest.approx(0.1 * sum(run), rel=0.05), p.reason  # sizes as printed, rounded
+                assert "(10% of it)" in p.reason
+        else:  # a reserve given replaces the default for that device: no share of the run
+            assert "of it)" not in p.reason, p.reason
+    bare = bigviz.plan(model, budgets, context_length=256, reserve=0)
+    assert not any("headroom" in p.reason for p in bare.placements)
+
+
+def test_a_tied_head_keeps_room_for_its_run():
+    """A leader keeps room on its device for the tied modules that follow it there, their run
+    included (GPT-2's head, tied to the input embeddings, holds the logits: the largest step):
+    every split of a GPU and the CPU that plans is within budget, with the run charged."""
+    with bigviz.init_empty_weights():
+        model = GPT(GPTConfig.preset("gpt2"))
+    planned = 0
+    for gpu in range(280_000_000, 520_000_000, 30_000_000):
+        try:
+            plan = bigviz.plan(model, {0: gpu, "cpu": 2**30}, context_length=256, reserve=0)
+        except bigviz.PlanError:
+            continue
+        planned += 1
+        u = plan.usage_of(0)
+        assert u.free >= 0 and u.activations > 0, plan.summary()
+        assert plan.device_map["lm_head"] == plan.device_map["transformer.wte"]
+    assert planned >= 7
 
 
 def test_cli_plans_a_config_with_a_workload(tmp_path, capsys):
