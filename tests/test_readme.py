@@ -125,3 +125,20 @@ def test_the_notebooks_pictures_are_the_notebooks_own() -> None:
     assert shown and {Path(s).name for s in shown} == set(wanted), "README shows another set of pictures"
     stale = [name for name, data in wanted.items() if (ROOT / "docs" / "notebooks" / name).read_bytes() != data]
     assert not stale, f"stale pictures {stale}: run python tools/notebook_pictures.py"
+
+
+def test_the_planner_block_plans_what_the_picture_shows() -> None:
+    """The README's Planner block builds the model and budgets the live picture was recorded
+    with (docs/planner-live.png, frames from tests/browser/test_planner_browser.py's SETUP)."""
+    from tests.browser.test_planner_browser import SETUP
+
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## See and change the plan in Jupyter", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+
+    def calls(text: str) -> list[str]:
+        preset = re.findall(r'GPTConfig\.preset\("([^"]+)"\)', text)
+        planner = re.findall(r"bigviz\.Planner\(\w+, (.*)\)", text)
+        return preset + planner
+
+    assert calls(block) and calls(block) == calls(SETUP), (calls(block), calls(SETUP))
+    assert "planner-live.png" in readme.split("## See and change the plan in Jupyter", 1)[1][:2000]

@@ -34,8 +34,8 @@ import bigviz
 from bigviz.models import GPT, GPTConfig
 
 with bigviz.init_empty_weights():
-    model = GPT(GPTConfig.preset("gpt2"))  # 475 MiB in float32: little of it fits GPU 0 at first
-planner = bigviz.Planner(model, {0: "0.1GiB", "cpu": "2GiB"}, strategy="sequential")
+    model = GPT(GPTConfig.preset("gpt2"))  # 475 MiB in float32: a third of it fits GPU 0 at first
+planner = bigviz.Planner(model, {0: "0.2GiB", "cpu": "2GiB"}, strategy="sequential")
 planner"""
 PICKED = "transformer.wte"  # a leaf tile, large enough to click
 PICKED_NB7 = "transformer.h.11.mlp"
@@ -217,7 +217,10 @@ def test_live_planner_in_jupyterlab(tmp_path):
         server.start_kernel(NOTEBOOK)  # it starts while the page loads
         page.open_and_run(server.page_url(NOTEBOOK))
         first = page.treemap()
-        raw.locator(".jp-OutputArea-output").first.evaluate("el => el.scrollIntoView({block: 'start'})")
+        output = raw.locator(".jp-OutputArea-output").first
+        assert "over budget" not in output.inner_text(), "the first state (the picture's first frame) is a healthy plan"
+        assert 0 < first.count(GPU0) < len(first), "the first state splits the model: GPU 0 holds part of it"
+        output.evaluate("el => el.scrollIntoView({block: 'start'})")
         cast.shoot()
 
         # 1280x800: the treemap fits the column the settings leave; nothing is cut off
