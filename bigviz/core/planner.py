@@ -123,7 +123,8 @@ def make_plan(tree: SizeTree, max_memory: Mapping[Any, object], options: PlanOpt
     options = options or PlanOptions()
     result = _make_plan(tree, max_memory, options)
     streamed = sum(result.offloaded_bytes().values())
-    if options.strategy not in ("auto", "balanced") or not streamed:
+    capped = any(u.cap < u.budget for u in result.usage)  # no GPU capped: the fill in order is this plan
+    if options.strategy not in ("auto", "balanced") or not streamed or not capped:
         return result
     try:
         filled = _make_plan(tree, max_memory, replace(options, strategy="sequential"))
@@ -373,21 +374,6 @@ def _fit(
     """
     assert state.ties is not None
     followers = [f for f, _ in state.ties.by_leader.get(name, ()) if not is_prefix(name, f)]
-
-    def promises(device: Device | None) -> dict[str, int]:
-        """Room kept on ``device`` for the tied modules that will follow ``name`` there:
-        their units' weights and, where they run, their cache and held outputs."""
-        return {f: state.follower_units[f] + follower_hold(state.run, f, device) for f in followers}
-
-    def fits(device: Device | None) -> bool:
-        """``name`` fits ``device`` with its followers (their largest step kept as a step)."""
-        kept = sum(promises(device).values()) + follower_step(state.run, followers, name, device)
-        return device is not None and size + kept + run_bytes(state.run, name, device) <= state.remaining[device]
-
-    def accept(device: Device, miss: tuple[Device, int, int] | None, streamed: bool = False) -> None:
-        _accept(tree, state, name, device, size, promises(device), miss, streamed=streamed)
-        keep_step(state.run, state.remaining, followers, device)
-
     resident = [d for d in devices if d not in streamed]
     here = resident[index] if index < len(resident) else None
     if size == 0 and not followers and not run_bytes(state.run, name, here):
@@ -395,8 +381,9 @@ def _fit(
         _put(tree, state, name, device, 0, ("empty",))
         return index
     miss = None  # (device, bytes needed, bytes left) of the resident device it did not fit
-    if here is not None and fits(here):
-        accept(here, None)
+    if here is not None and _fits(state, name, size, followers, here):
+        _accept(tree, state, name, here, size, _promises(state, followers, here), None)
+        keep_step(state.run, state.remaining, followers, here)
         return index
     if splittable:
         _split(tree, name, stack)  # try the parts; streamed weights are planned per block
@@ -404,15 +391,33 @@ def _fit(
     if here is not None:
         miss = (here, size + run_bytes(state.run, name, here), max(state.remaining[here], 0))
         for later in range(index + 1, len(resident)):
-            if fits(resident[later]):
-                accept(resident[later], miss)
+            device = resident[later]
+            if _fits(state, name, size, followers, device):
+                _accept(tree, state, name, device, size, _promises(state, followers, device), miss)
+                keep_step(state.run, state.remaining, followers, device)
                 return later
     for device in (d for d in devices if d in streamed):
-        if fits(device):
-            accept(device, miss, streamed=True)
+        if _fits(state, name, size, followers, device):
+            _accept(tree, state, name, device, size, _promises(state, followers, device), miss, streamed=True)
+            keep_step(state.run, state.remaining, followers, device)
             return index
     state.unplaced.append(name)
     return index
+
+
+def _promises(state: _Pass, followers: list[str], device: Device) -> dict[str, int]:
+    """Room a leader placed on ``device`` keeps for the tied modules that will follow it there:
+    their units' weights and, where they run, their cache and held outputs (their largest
+    step is kept once, as the device's step: :func:`keep_step`)."""
+    return {f: state.follower_units[f] + follower_hold(state.run, f, device) for f in followers}
+
+
+def _fits(state: _Pass, name: str, size: int, followers: list[str], device: Device) -> bool:
+    """``name`` fits ``device`` with its run and the room its tied followers will take there."""
+    need = size + run_bytes(state.run, name, device)
+    if followers:
+        need += sum(_promises(state, followers, device).values()) + follower_step(state.run, followers, name, device)
+    return need <= state.remaining[device]
 
 
 def _accept(

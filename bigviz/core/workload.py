@@ -48,7 +48,7 @@ __all__ = [
     "RunSpec",
     "RunBytes",
     "CACHE_KINDS",
-    "kv_cache_bytes",
+    "layer_cache_bytes",
     "activation_bytes",
     "longest_fit",
 ]
@@ -262,7 +262,7 @@ class RunSpec:
 
     def kv_cache(self, workload: Workload) -> dict[str, int]:
         """Bytes of cache per layer module once the run is over (what a static cache holds)."""
-        return kv_cache_bytes(self.caches, self.resolved(workload), self.dtype)
+        return layer_cache_bytes(self.caches, self.resolved(workload), self.dtype)
 
     def kv_peak(self, workload: Workload) -> dict[str, int]:
         """The most each layer's cache holds during the run (see :meth:`CacheSpec.peak_nbytes`):
@@ -304,12 +304,12 @@ class RunBytes:
         return cls(spec.kv_peak(workload), spec.activations(workload), spec.held_bytes(workload))
 
 
-def kv_cache_bytes(caches: Mapping[str, Iterable[CacheSpec]], workload: Workload, dtype: str) -> dict[str, int]:
+def layer_cache_bytes(caches: Mapping[str, Iterable[CacheSpec]], workload: Workload, dtype: str) -> dict[str, int]:
     """Bytes of cache per layer module.
 
     Example:
         >>> specs = {f"layers.{i}": (CacheSpec("full_attention", heads=2, k_dim=4, v_dim=4),) for i in range(2)}
-        >>> kv_cache_bytes(specs, Workload(batch_size=2, context_length=10), "float16")
+        >>> layer_cache_bytes(specs, Workload(batch_size=2, context_length=10), "float16")
         {'layers.0': 640, 'layers.1': 640}
     """
     return {name: sum(spec.nbytes(workload, dtype) for spec in specs) for name, specs in caches.items()}

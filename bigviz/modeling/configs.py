@@ -278,17 +278,35 @@ def _is_config_object(source: object) -> bool:
 def _decoded_floats(data: dict[str, Any]) -> dict[str, Any]:
     """``data`` with the non-finite floats transformers writes as ``{"__float__": "Infinity"}``
     decoded, as its own ``from_pretrained`` decodes them (a Mamba-2 ``time_step_limit`` of
-    ``(0.0, inf)``): the config class refuses the tagged form. Transformers' own decoder is
-    used where it has one; older versions never wrote the tags.
+    ``(0.0, inf)``): the config class refuses the tagged form. Decoded here, not through
+    transformers' decoder, which is private (``PretrainedConfig._decode_special_floats``) and
+    absent from versions that never wrote the tags; the tag's three spellings are its.
 
     Example:
         >>> _decoded_floats({"time_step_limit": [0.0, {"__float__": "Infinity"}]})
         {'time_step_limit': [0.0, inf]}
     """
-    from transformers import PretrainedConfig
+    decoded = _decode_floats(data)
+    assert isinstance(decoded, dict)
+    return decoded
 
-    decode = getattr(PretrainedConfig, "_decode_special_floats", None)
-    return decode(data) if callable(decode) else data
+
+_SPECIAL_FLOATS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def _decode_floats(value: object) -> object:
+    """``value`` with every ``{"__float__": "Infinity" | "-Infinity" | "NaN"}`` made a float."""
+    if isinstance(value, dict):
+        if (
+            set(value) == {"__float__"}
+            and isinstance(value["__float__"], str)
+            and value["__float__"] in _SPECIAL_FLOATS
+        ):
+            return _SPECIAL_FLOATS[value["__float__"]]
+        return {k: _decode_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode_floats(v) for v in value]
+    return value
 
 
 @contextmanager

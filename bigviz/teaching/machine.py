@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from bigviz.checkpoint.index import CheckpointIndex
-from bigviz.checkpoint.probe import drop_file_pages
+from bigviz.osio.pages import drop_file_pages
 from bigviz.osio.procfs import disk_read_bytes, io_accounting, thread_times
 from bigviz.osio.procfs import mount_holding as mount_of
 

@@ -19,7 +19,7 @@ from bigviz.core.workload import (
     Term,
     Workload,
     activation_bytes,
-    kv_cache_bytes,
+    layer_cache_bytes,
     longest_fit,
 )
 
@@ -66,7 +66,7 @@ def test_kv_dtype_of_the_workload_wins_and_the_state_keeps_its_own():
     spec = CacheSpec("state", state=((10, None), (10, "float32")))
     assert spec.nbytes(Workload(1, 1, kv_dtype="fp16"), "float32") == 10 * 2 + 10 * 4
     full = CacheSpec("full_attention", heads=1, k_dim=4, v_dim=4)
-    assert kv_cache_bytes({"a": (full, full)}, Workload(2, 10, "float8_e4m3fn"), "float32") == {"a": 2 * 2 * 10 * 8}
+    assert layer_cache_bytes({"a": (full, full)}, Workload(2, 10, "float8_e4m3fn"), "float32") == {"a": 2 * 2 * 10 * 8}
 
 
 def test_bad_workloads_and_specs_say_what_is_wrong():
