@@ -900,7 +900,9 @@ def _later_row(
 ) -> str:
     floor_part = streamed / bandwidth if bandwidth else None
     note = f"read of the streamed part at the floor's speed: {fmt_s(floor_part)} ({ratio(seconds, floor_part)})"
-    if compute and bandwidth:
+    if "streamed_bytes" in r:  # packed weights: the compute measured is float32's, no prediction made from it
+        note += "; not predicted (the bench measures float32's block compute, not the packed block's)"
+    elif compute and bandwidth:
         depth, ring = r.get("depth", 2), r.get("ring")
         guess = predict(shape, r["map"], compute, bandwidth, depth, ring)
         ahead = f"a {ring / GiB:.2f} GiB ring" if ring else f"{depth} unit(s) read ahead"
