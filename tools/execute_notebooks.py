@@ -12,7 +12,8 @@ The kernel starts with an IPython startup file of this script's (:data:`QUIET`) 
 import-time log lines of other packages, which are not the notebooks' and would be saved as
 stderr (tests/test_notebooks_meta.py refuses stderr in a saved notebook): transformers imports
 torchao when it is installed, and a torchao build whose compiled parts do not match the Python
-logs "Failed to load ...so" with the library's absolute path, then torch a deprecation notice.
+logs "Failed to load ...so" with the library's absolute path, then torch a deprecation notice;
+bitsandbytes, on a CPU with AVX-512 BF16, logs that the optional ``kernels`` package is missing.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import logging
 
 logging.getLogger("torchao").setLevel(logging.ERROR)  # "Failed to load .../torchao/_C_*.so" (a mismatched build)
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # torchao's enums: a torch deprecation notice
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)  # AVX-512 BF16 CPUs: "pip install kernels"
 """
 
 
