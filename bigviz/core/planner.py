@@ -21,7 +21,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 from dataclasses import dataclass, field, replace
@@ -31,6 +30,7 @@ from bigviz.core.errors import PlanError
 from bigviz.core.names import ancestors, is_prefix, parent
 from bigviz.core.nosplit import check_no_split, is_no_split, no_split_problems
 from bigviz.core.offload_units import UnitRule, above_blocks, streamed_needs, unit_sizes
+from bigviz.core.reasons import write_reason
 from bigviz.core.run_charges import (
     Run,
     charge_run,
@@ -38,10 +38,8 @@ from bigviz.core.run_charges import (
     follower_hold,
     follower_step,
     keep_step,
-    room_text,
     run_bytes,
     run_room,
-    run_text,
     run_usage,
     streamed_run_needs,
 )
@@ -439,77 +437,6 @@ def _accept(
     state.promised.update({f: (device, b) for f, b in promises.items()})
 
 
-def _write(
-    tree: SizeTree,
-    name: str,
-    device: Device,
-    size: int,
-    why: Why,
-    capped: Mapping[Device, str] | None = None,
-    kept: Mapping[Device, tuple[int, float]] | None = None,
-) -> str:
-    """A placement's reason as a person reads it (``kept``: each device's headroom, its
-    reserve bytes and the share of the run kept free on top, named where it shrank the room)."""
-    code = why[0]
-    if code == "fits":
-        return _write_fits(tree, name, device, size, *why[1:], capped=capped or {}, kept=kept or {})
-    if code == "run":  # a workload's cache and activations, where they live
-        text = _write(tree, name, device, size, why[1], capped, kept) + run_text(*why[2:])
-        share = (kept or {}).get(device if why[4] is None else why[4], (0, 0.0))[1]
-        slack = math.ceil((why[2] + why[3]) * share)
-        return text + (f"; headroom: {format_size(slack)} for its run ({share:.0%} of it)" if slack else "")
-    if code == "tied":
-        return f"tied to {why[1]}, which is on {device_label(device)}"
-    if code == "override":
-        return f"override: you put it on {device_label(device)}"
-    return f"holds no weights: stays with its neighbours on {device_label(device)}"
-
-
-def _write_fits(
-    tree: SizeTree,
-    name: str,
-    device: Device,
-    size: int,
-    left: int,
-    extra: int,
-    streamed: bool,
-    room: tuple[int, ...] | None,
-    here: Device | None,
-    need: int,
-    free: int,
-    *,
-    capped: Mapping[Device, str],
-    kept: Mapping[Device, tuple[int, float]],
-) -> str:
-    on = f"of {device_label(device)}'s {capped[device]}" if device in capped else f"on {device_label(device)}"
-    where = f"{room_text(size, room)} of {format_size(left)} left {on}"
-    text = f"streamed in from {device_label(device)} at forward time ({where})" if streamed else f"fits: {where}"
-    if extra:
-        text += f", with {format_size(extra)} kept for the modules tied to it"
-    text += _headroom_text(device, room, kept)
-    if here is None:
-        return text
-    of = f" of its {capped[here]}" if here in capped else ""
-    reserve = kept.get(here, (0, 0.0))[0]
-    of += f", {format_size(reserve)} more kept free as headroom" if reserve else ""
-    return (
-        f"{_what(tree, name)} did not fit {device_label(here)} ({format_size(need)} needed, "
-        f"{format_size(free)} left{of}): {text}"
-    )
-
-
-def _headroom_text(device: Device, room: tuple[int, ...] | None, kept: Mapping[Device, tuple[int, float]]) -> str:
-    """What a reason adds about the headroom on ``device``: the bytes kept free there and,
-    for a unit whose run is charged there, the share of its run kept free on top (the
-    allocator's slack; :mod:`bigviz.core.headroom`). Empty where the device keeps none."""
-    reserve, share = kept.get(device, (0, 0.0))
-    slack = math.ceil(sum(room) * share) if room and share else 0
-    parts = [f"{format_size(reserve)} kept free"] if reserve else []
-    if slack:
-        parts.append(f"{format_size(slack)} for its run ({share:.0%} of it)")
-    return f"; headroom: {' + '.join(parts)}" if parts else ""
-
-
 def _follower_unit_bytes(tree: SizeTree, follower: str, leader: str, no_split: frozenset[str]) -> int:
     """Bytes of the unit a tied follower will be placed in: its outermost no-split
     ancestor not holding the leader, else its module if that is a leaf, else itself (0)."""
@@ -518,15 +445,6 @@ def _follower_unit_bytes(tree: SizeTree, follower: str, leader: str, no_split: f
             return tree.total(module)
     module = parent(follower)
     return tree.total(module) if not tree.nodes[module].children else 0
-
-
-def _what(tree: SizeTree, name: str) -> str:
-    node = tree.nodes.get(name)
-    if node is None:
-        return "this tensor"
-    if node.children:
-        return f"{node.class_name or 'this module'} is no-split and"
-    return f"{node.class_name or 'this module'} (a leaf module)"
 
 
 def _split(tree: SizeTree, name: str, stack: list[str]) -> None:
@@ -617,7 +535,7 @@ def _placements(
     for placed in state.placed:
         name, device, size, override, tied_to = placed[:5]
         node = tree.nodes.get(name)
-        reason = _write(tree, name, device, size, placed[5:], capped, kept)
+        reason = write_reason(tree, name, device, size, placed[5:], capped, kept)
         out.append(
             Placement(
                 name,

@@ -33,6 +33,7 @@ __all__ = [
     "check_run_fits",
     "streamed_run_needs",
     "run_usage",
+    "slack_bytes",
     "follower_hold",
     "follower_step",
     "keep_step",
@@ -117,7 +118,7 @@ class Run:
 
     def with_slack(self, device: Device, run: int) -> int:
         """``run`` bytes charged on ``device`` with the share kept free on top (the allocator's slack)."""
-        return run + math.ceil(run * self.slack.get(device, 0.0))
+        return run + slack_bytes(run, self.slack.get(device, 0.0))
 
     def resident_bytes(self, name: str, device: Device) -> int:
         """Room a unit's run takes on a resident device besides its weights."""
@@ -143,6 +144,16 @@ def run_room(run: Run | None, name: str, device: Device) -> tuple[int, ...] | No
         return ()
     kv, _, step, held = run.unit(name)
     return (kv, held + max(0, step - run.act.get(device, 0)))
+
+
+def slack_bytes(run: int, share: float) -> int:
+    """Bytes kept free on top of ``run`` bytes of a run for a slack ``share`` (rounded up).
+
+    Example:
+        >>> slack_bytes(1001, 0.1)
+        101
+    """
+    return math.ceil(run * share)
 
 
 def follower_hold(run: Run | None, name: str, device: Device | None) -> int:
