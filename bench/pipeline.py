@@ -106,6 +106,7 @@ def naive_worker(checkpoint: str, out: str) -> None:
     dist.gather_object(report, gathered, dst=0)
     if rank == 0:
         Path(out).write_text(json.dumps({"ranks": gathered}))
+    dist.barrier()  # before leaving: see bigviz.distributed.close_process_group
     dist.destroy_process_group()
 
 

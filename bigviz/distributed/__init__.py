@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "HFStage": "bigviz.distributed.adapters",
     "cache_nbytes": "bigviz.distributed.adapters",
     "generate": "bigviz.distributed.generation",
+    "close_process_group": "bigviz.distributed.generation",
     "generation_ids": "bigviz.distributed.generation",
     "GenerateResult": "bigviz.distributed.generation",
 }

@@ -342,11 +342,15 @@ def _agree(problems: list[str], joined: bool) -> list[str]:
     return shared_problems(problems)
 
 
-def _leave(joined: bool) -> None:
+def _leave(joined: bool, *, failed: bool = False) -> None:
+    """Leave the group: after a barrier when this rank finished (see ``close_process_group``);
+    at once when it failed (the others may never reach a barrier; torchrun stops them)."""
     if joined:
         import torch.distributed as dist
 
-        dist.destroy_process_group()
+        from bigviz.distributed.generation import close_process_group
+
+        close_process_group() if not failed else dist.destroy_process_group()
 
 
 # ---- running ------------------------------------------------------------------------------
@@ -494,10 +498,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"bigviz.distributed: {text}", file=sys.stderr)
         _leave(joined)
         return 2
+    failed = True
     try:
         if job.rank == 0:
             print(job.plan.summary(), flush=True)
         result = _run(job)
+        failed = False
         if result is not None:
             _say(job, result)
             try:
@@ -506,5 +512,5 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"bigviz.distributed: the run finished but its output was not written: {err}", file=sys.stderr)
                 return 1
     finally:
-        _leave(joined)
+        _leave(joined, failed=failed)
     return 0

@@ -24,6 +24,7 @@ Example (on every rank of a group of 2, e.g. under ``torchrun --nproc-per-node 2
     built = build_stage_module(model, "ckpt/", plan, dist.get_rank(), split="wrap")
     result = generate(built, ids if dist.get_rank() == 0 else None, 16, microbatches=2)
     result.tokens  # (B, T + 16) on rank 0, None elsewhere
+    close_process_group()  # the worker's last step: see close_process_group
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from torch import Tensor
 from bigviz.core.pipeline import PipelineError
 from bigviz.distributed.adapters import cache_nbytes
 
-__all__ = ["GenerateResult", "generate", "generation_ids", "shared_problems"]
+__all__ = ["GenerateResult", "close_process_group", "generate", "generation_ids", "shared_problems"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.long)
 _SKIP, _TENSOR = 0, 1  # header kinds: the micro-batch has finished (nothing follows), or a tensor follows
@@ -190,6 +191,27 @@ def shared_problems(problems: Sequence[str], group: Any = None) -> list[str]:
     common = [p for p in gathered[0] if all(p in found for found in gathered)]
     own = [f"rank {r}: {p}" for r, found in enumerate(gathered) for p in found if p not in common]
     return common + own
+
+
+def close_process_group(group: Any = None) -> None:
+    """Wait for every rank of ``group``, then ``torch.distributed.destroy_process_group(group)``:
+    call it as a torchrun worker's last step, instead of ``destroy_process_group`` alone.
+
+    Why: once ``torch._dynamo`` has been imported (building a transformers model does it), torch
+    keeps references to the process group that ``destroy_process_group`` does not drop, so
+    gloo's worker threads outlive it. A worker thread frees a finished collective's tensors
+    (``all_gather_object``'s, say) only when it gets the GIL; a process that returns from the
+    collective and exits at once finalizes Python first, and that thread then aborts the
+    process ("terminate called without an active exception", SIGABRT: one torchrun in a dozen
+    on a 2-core machine). The barrier releases the GIL while it waits for the other ranks,
+    which lets those threads finish first.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    dist.barrier(group=group)
+    dist.destroy_process_group(group)
 
 
 def generate(

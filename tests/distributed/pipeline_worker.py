@@ -18,7 +18,7 @@ def main(out: str, new: int, microbatches: int, prompt: str, folders: list[str])
     import torch.distributed as dist
 
     import bigviz
-    from bigviz.distributed import build_stage_module, empty_model, generate
+    from bigviz.distributed import build_stage_module, close_process_group, empty_model, generate
     from bigviz.distributed.models import generation_config
     from bigviz.distributed.generation import generation_ids
 
@@ -44,7 +44,7 @@ def main(out: str, new: int, microbatches: int, prompt: str, folders: list[str])
             results[folder] = {"tokens": result.tokens, "ranks": gathered}
     if rank == 0:
         torch.save(results, out)
-    dist.destroy_process_group()
+    close_process_group()
 
 
 if __name__ == "__main__":

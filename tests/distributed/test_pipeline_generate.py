@@ -148,3 +148,20 @@ def test_bad_arguments_are_refused_on_every_rank_before_anything_runs(folders, o
     assert traced.method == "trace"
     with pytest.raises(PipelineError, match="keeps no cache: build the stage with split='wrap'"):
         generate(traced, PROMPT, 2)
+
+
+def test_close_process_group_waits_then_leaves_and_is_safe_twice():
+    """The worker's last step (see its docstring for the abort it prevents): a barrier, then the
+    group is destroyed; with no group it does nothing."""
+    from bigviz.distributed import close_process_group
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    gathered: list[object] = [None]
+    dist.all_gather_object(gathered, {"rank": 0})
+    close_process_group()
+    assert not dist.is_initialized() and gathered == [{"rank": 0}]
+    close_process_group()  # nothing to close: no error
