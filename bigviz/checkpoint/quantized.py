@@ -636,13 +636,16 @@ def prepare_for_checkpoint(
 ) -> None:
     """Make ``model`` (on meta) ready for what the load will put in it: bitsandbytes' layers
     for a checkpoint stored in bitsandbytes' formats (exactly the layers whose weights it
-    stores quantized) or for ``quantization="int4"``; nothing for other formats (torchao's
-    weights are tensor subclasses in the same layers, FP8 is dequantized).
+    stores quantized) or for ``quantization="int4"``; for torchao's int8 (stored, or
+    ``quantization="int8"``) the same layers made :class:`~bigviz.modeling.int8_linear.Int8Linear`
+    (its weights are tensor subclasses; the layer runs them on torch's packed CPU kernel);
+    nothing for other formats (FP8 and MXFP4 are dequantized).
 
     Raises:
         QuantizationUnavailable: a library the format needs is missing.
         CheckpointError: the checkpoint is stored in a format bigviz cannot run here.
     """
+    from bigviz.modeling.int8_linear import use_int8_kernel
     from bigviz.modeling.quant import prepare_model, replace_linear
 
     check_supported(checkpoint)
@@ -650,12 +653,15 @@ def prepare_for_checkpoint(
         prepare_model(model, quantization, dtype=dtype)
         return
     qc = quantization_config(checkpoint)
-    if qc is None or _method(qc) != "bitsandbytes":
+    if qc is None or _method(qc) not in ("bitsandbytes", "torchao"):
         return
     from bigviz.checkpoint.convert import checkpoint_view
 
-    groups = _groups("bitsandbytes", qc, checkpoint_view(checkpoint.entries, None), checkpoint)
+    groups = _groups(_method(qc), qc, checkpoint_view(checkpoint.entries, None), checkpoint)
     layers = _model_names({g.rpartition(".")[0] for g in groups}, [n for n, _ in model.named_modules()])
+    if _method(qc) == "torchao":  # its weights are tensor subclasses in the same layers: the CPU kernel
+        use_int8_kernel(model, sorted(layers))
+        return
     settings = {k: v for k, v in qc.items() if k != "quant_method"}
     if dtype is not None:
         settings["bnb_4bit_compute_dtype"] = dtype

@@ -6,7 +6,9 @@ does, so a weight quantized while bigviz loads it is the weight ``from_pretraine
 quantization_config=...)`` makes from the same float tensor:
 
 * ``int8``: torchao's ``Int8WeightOnlyConfig`` through ``torchao.quantization.quantize_`` on
-  the linear layer (transformers' ``TorchAoQuantize``); the weight becomes an ``Int8Tensor``.
+  the linear layer (transformers' ``TorchAoQuantize``); the weight becomes an ``Int8Tensor``,
+  and its layer an :class:`~bigviz.modeling.int8_linear.Int8Linear`, which runs it on torch's
+  packed CPU kernel (torchao's own CPU path widens the whole weight at every call).
 * ``int4``: bitsandbytes 4-bit: the linear layers are replaced by ``bnb.nn.Linear4bit`` on
   ``meta`` (transformers' ``replace_with_bnb_linear``), and each weight becomes a
   ``Params4bit`` made as transformers' ``Bnb4bitQuantize`` makes it.
@@ -42,6 +44,7 @@ from bigviz.core.errors import UsageError
 from bigviz.core.names import join, parent
 from bigviz.core.quant import QuantConfig
 from bigviz.core.quant import as_quant_config as _core_config
+from bigviz.modeling.int8_linear import use_int8_kernel
 from bigviz.modeling.inventory import ModelInventory
 
 __all__ = [
@@ -206,7 +209,9 @@ def _linear(module: nn.Module) -> bool:
 def prepare_model(model: nn.Module, config: QuantConfig, *, dtype: torch.dtype | None = None) -> list[str]:
     """Make ``model`` (on meta) ready to receive ``config``'s weights; returns the targets.
 
-    ``int8`` changes nothing (torchao's weights are tensor subclasses in the same layers);
+    ``int8`` makes each target's layer an :class:`~bigviz.modeling.int8_linear.Int8Linear`
+    (torchao's weights are tensor subclasses in the same layers; that layer runs them on
+    torch's packed CPU kernel);
     ``int4`` replaces each target's ``nn.Linear`` by ``bnb.nn.Linear4bit`` with transformers'
     ``replace_with_bnb_linear`` (compute dtype ``dtype``, else the layer's).
 
@@ -215,6 +220,8 @@ def prepare_model(model: nn.Module, config: QuantConfig, *, dtype: torch.dtype |
     """
     require(config.library, f"quantization={config.method!r}")
     targets = quant_targets(model, config)
+    if config.method == "int8":
+        use_int8_kernel(model, sorted({parent(t) for t in targets}))
     if config.method != "int4" or not targets:
         return targets
     compute = dtype or ModelInventory.of(model).tensor(targets[0]).dtype

@@ -7,7 +7,9 @@ DeepSeek-V3's FP8 layout (transformers cannot quantize to FP8 without a GPU), an
 with its experts in MXFP4 as gpt-oss ships them (written by hand too: transformers quantizes to
 MXFP4 only with its Triton kernels). Each one's logits
 are compared with transformers' own ``from_pretrained`` of the same configuration: the kernels
-are the same, so bit for bit.
+are the same, so bit for bit. In bfloat16, torchao's int8 runs on torch's packed CPU kernel in
+bigviz (``Int8Linear``): its reference is transformers' model with the same layers made
+``Int8Linear`` (bit for bit), and torchao's own path agrees within bfloat16 rounding.
 """
 
 from __future__ import annotations
@@ -117,11 +119,23 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def _transformers(folder: Path, **kwargs: object) -> torch.Tensor:
+def _transformers(folder: Path, *, int8_kernel: bool = True, **kwargs: object) -> torch.Tensor:
+    """transformers' logits; its torchao int8 layers run on bigviz's kernel unless ``int8_kernel=False``."""
     from transformers import LlamaForCausalLM
 
+    model = LlamaForCausalLM.from_pretrained(folder, device_map="cpu", **kwargs)
+    if int8_kernel:
+        _int8_kernel(model)
     with torch.no_grad():
-        return LlamaForCausalLM.from_pretrained(folder, device_map="cpu", **kwargs)(IDS).logits
+        return model(IDS).logits
+
+
+def _int8_kernel(model: torch.nn.Module) -> list[str]:
+    """Every linear layer holding a torchao ``Int8Tensor`` made ``Int8Linear`` (what bigviz does)."""
+    from bigviz.modeling.int8_linear import use_int8_kernel
+
+    names = [n for n, m in model.named_modules() if type(getattr(m, "weight", None)).__name__ == "Int8Tensor"]
+    return use_int8_kernel(model, names)
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +190,31 @@ def test_quantized_while_loading_equals_transformers_bit_for_bit(
         assert kinds & {"Int8Tensor", "Params4bit"}  # packed in memory, not dequantized
 
 
+@pytest.mark.parametrize("source", ["float", "torchao"])
+def test_int8_in_bfloat16_runs_on_torchs_packed_kernel_within_rounding_of_torchaos_path(
+    folders: dict[str, Path], tmp_path: Path, source: str
+) -> None:
+    """Quantized while loading, or stored by transformers, computed in bfloat16: every int8
+    layer (one block on disk) calls ``torch._weight_int8pack_mm``, and the logits are torchao's
+    own path's to bfloat16 rounding (the additions are made in another order; the weights are
+    the same bytes); in float32 torchao's path runs (the float32 tests above: bit for bit)."""
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import TorchAoConfig
+
+    extra: dict[str, object] = {"quantization": "int8"} if source == "float" else {}
+    model = _load(folders[source], MAPS["half"], tmp_path, dtype=torch.bfloat16, **extra)
+    assert sum(type(m).__name__ == "Int8Linear" for m in model.modules()) == 14
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        logits = model(IDS).logits
+    calls = {e.key: e.count for e in prof.key_averages()}
+    assert calls.get("aten::_weight_int8pack_mm") == 14  # every int8 layer, the one on disk too
+    qc = {"quantization_config": TorchAoConfig(Int8WeightOnlyConfig())} if source == "float" else {}
+    torchaos = _transformers(folders[source], int8_kernel=False, dtype=torch.bfloat16, **qc)
+    assert logits.dtype == torchaos.dtype == torch.bfloat16
+    assert float((logits - torchaos).abs().max()) <= 2e-2 * float(torchaos.abs().max())
+    assert torch.equal(logits, _transformers(folders[source], dtype=torch.bfloat16, **qc))  # the same kernel
+
+
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("budget", ["1GiB", "60KiB"])
 def test_plan_bytes_equal_the_bytes_in_memory_after_the_load(
@@ -220,6 +259,7 @@ def test_bigviz_gpt_quantized_while_loading_is_torchaos_own_quantize(tmp_path: P
     quantize_(
         reference, Int8WeightOnlyConfig(), filter_fn=lambda m, n: isinstance(m, torch.nn.Linear) and n not in kept
     )
+    assert _int8_kernel(reference)
     idx = torch.tensor([[66, 105, 103, 32, 109]])
     with torch.no_grad():
         assert torch.equal(model(idx)[0], reference(idx)[0])
