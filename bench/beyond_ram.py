@@ -4,7 +4,7 @@
     python bench/beyond_ram.py --only auto      # one scenario (disk, auto, accelerate; repeatable)
     python bench/beyond_ram.py --small          # ~300 MB, the same code path, under a minute
     python bench/beyond_ram.py --report bench/_work/beyond-ram-results.json   # a saved run's table
-    python bench/beyond_ram.py --quantize int8  # also int8 weights, all-disk and 2/3 (issue 25)
+    python bench/beyond_ram.py --quantize int8  # also int8 weights (in bfloat16), all-disk and 2/3 (issue 25)
 
 The checkpoint: a bigviz GPT (``n_embd`` 6144: blocks of 1.81 GB) about ``--ram-multiple``
 times this machine's RAM, written block by block (one block's tensors in RAM at a time),
@@ -28,7 +28,8 @@ it at the end). Then, page cache dropped before each measurement, side by side:
 With ``--quantize int8`` (or ``int4``), the bigviz all-disk and 2/3 scenarios again with the
 weights quantized while loading (``load_checkpoint_and_dispatch(..., quantization="int8")``):
 the planner sizes them packed, the blocks it puts on disk are written once, packed, to an
-offload folder (about a quarter of their float32 bytes) and streamed from there; the later
+offload folder (about a quarter of their float32 bytes) and streamed from there; they compute
+in bfloat16 (``--quantized-dtype``; int8 then runs on torch's packed int8 kernel); the later
 forwards are compared with the float32 ones of the same run and with the time to read the
 packed bytes at the floor's speed (or the compute, when that is slower).
 
@@ -479,6 +480,10 @@ def _dispatch(spec: dict[str, Any], model: Any) -> Any:
         import bigviz
 
         quantized = {"quantization": spec.get("quantization"), "offload_folder": spec["offload"]}
+        if spec.get("quantized_dtype") == "bfloat16":  # int8 in bfloat16: torch's packed int8 kernel (Int8Linear)
+            import torch
+
+            quantized["dtype"] = torch.bfloat16
         return bigviz.load_checkpoint_and_dispatch(
             model,
             spec["ckpt"],
@@ -1034,6 +1039,12 @@ def parse_args() -> argparse.Namespace:
         "--quantize", choices=["int8", "int4"], help="also run bigviz all-disk and 2/3 with quantized weights"
     )
     parser.add_argument(
+        "--quantized-dtype",
+        choices=["float32", "bfloat16"],
+        default="bfloat16",
+        help="what the quantized runs compute in (default bfloat16: int8 runs torch's packed int8 kernel)",
+    )
+    parser.add_argument(
         "--no-results", action="store_true", help="do not record the results (bench/results/, bench/RESULTS.md)"
     )
     parser.add_argument("--report", type=Path, help="print the report of a saved run (its -results.json)")
@@ -1144,7 +1155,12 @@ def measure(args: argparse.Namespace, shape: Shape, folder: Path) -> str | None:
         for base in ("bigviz all-disk", "bigviz auto"):
             if base in scenarios:
                 extra = {k: v for k, v in scenarios[base].items() if k != "paired"}
-                scenarios[f"{base} {args.quantize}"] = {**extra, "quantization": args.quantize}
+                suffix = args.quantize + ("-bf16" if args.quantized_dtype == "bfloat16" else "")
+                scenarios[f"{base} {suffix}"] = {
+                    **extra,
+                    "quantization": args.quantize,
+                    "quantized_dtype": args.quantized_dtype,
+                }
     results = {}
     only = {{"disk": "0", "auto": "2/3"}.get(o, o) for o in args.only}
     for name, extra in scenarios.items():
