@@ -580,7 +580,7 @@ def quantize_loads(
         ...              (), (), (), (), ())
         >>> q = quantize_loads(p, QuantConfig("int8"), ["fc.weight"], shapes={"fc.weight": (8, 8)})
         >>> q.loads[0].nbytes, q.loads[0].operation
-        (104, 'int8 (torchao weight-only, one float32 scale per output row)')
+        (104, 'int8 (torchao weight-only, one scale per output row in the compute dtype)')
     """
     wanted = set(targets)
     loads = []

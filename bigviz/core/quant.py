@@ -9,8 +9,8 @@ the packed weights on a CPU, as transformers uses them, so the bytes are the sam
 ========  =========================================  ==============================================
 method    library and format                         stored per weight ``[out, in]``
 ========  =========================================  ==============================================
-``int8``  torchao ``Int8WeightOnlyConfig`` (one      ``out x in`` int8 values, ``out`` float32
-          scale per output row, symmetric)           scales and ``out`` int8 zero points
+``int8``  torchao ``Int8WeightOnlyConfig`` (one      ``out x in`` int8 values, ``out`` scales in
+          scale per output row, symmetric)           the compute dtype, ``out`` int8 zero points
 ``int4``  bitsandbytes 4-bit (``nf4``; ``fp4`` by    ``out x in / 2`` packed bytes, one float32
           config), blocks of 64 values               absmax per block, a 16-value float32 code
 ========  =========================================  ==============================================
@@ -102,7 +102,7 @@ class QuantConfig:
     def describe(self) -> str:
         """One line a person reads: the method, the library, the format."""
         if self.method == "int8":
-            return "int8 (torchao weight-only, one float32 scale per output row)"
+            return "int8 (torchao weight-only, one scale per output row in the compute dtype)"
         return f"int4 (bitsandbytes {self.quant_type}, blocks of {INT4_BLOCK}, float32 absmax)"
 
     def skips(self, module: str) -> bool:

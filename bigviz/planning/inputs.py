@@ -317,13 +317,21 @@ def quant_note(model: ModelLike, tree: SizeTree, config: QuantConfig | None) -> 
     in_dtype = f"computed in {', '.join(computed)}"
     if config is not None:
         size = format_size(sum(s.nbytes for s in packed))
-        return f"quantized: {len(packed)} weights as {config.describe()}, {size}; {in_dtype}"
+        hint = _INT8_HINT if config.method == "int8" and "float32" in computed else ""
+        return f"quantized: {len(packed)} weights as {config.describe()}, {size}; {in_dtype}{hint}"
     qc = quantization_config(os.fspath(model)) if isinstance(model, (str, os.PathLike)) else None
     if qc is None:
         return ""
     method = str(qc.get("quant_method", "")).lower().replace("_", "-")
     held = f"{len(packed)} weights held packed ({format_size(sum(s.nbytes for s in packed))})" if packed else ""
-    return f"stored quantized ({method}): {held or prequantized_format(method).how}; {in_dtype}"
+    hint = _INT8_HINT if method == "torchao" and "float32" in computed else ""
+    return f"stored quantized ({method}): {held or prequantized_format(method).how}; {in_dtype}{hint}"
+
+
+_INT8_HINT = (
+    " (int8 in float32 runs torchao's path, slower than float32 on a CPU; with dtype=torch.bfloat16 "
+    "it runs on torch's packed int8 kernel: docs/quantization.md)"
+)
 
 
 def _dominant_dtype(tree: SizeTree) -> list[str]:

@@ -304,6 +304,10 @@ def test_a_quantized_what_if_names_its_format_and_compute_dtype(folders: dict[st
     summary = bigviz.plan(folders["float"], {"cpu": "1GiB"}, quantization="int4").summary()
     assert "note: quantized: 14 weights as int4 (bitsandbytes nf4" in summary and "computed in float32" in summary
     assert "quantized" not in bigviz.plan(folders["float"], {"cpu": "1GiB"}).summary()
+    int8 = bigviz.plan(folders["float"], {"cpu": "1GiB"}, quantization="int8").summary()
+    fast = bigviz.plan(folders["float"], {"cpu": "1GiB"}, quantization="int8", dtype=torch.bfloat16).summary()
+    assert "with dtype=torch.bfloat16 it runs on torch's packed int8 kernel" in int8  # the fast path, named
+    assert "computed in bfloat16" in fast and "packed int8 kernel" not in fast
 
 
 def test_stored_in_blocks_on_disk_the_checkpoint_is_read_in_place(folders: dict[str, Path], tmp_path: Path) -> None:
