@@ -405,9 +405,6 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                 out["ring"] = getattr(state.scheduler.fetcher, "capacity", None)  # CPU streaming: its ring
             if state is not None and getattr(state, "residency", None) is not None:
                 out["residency"] = bigviz.residency(model).reason
-                copied = bigviz.residency(model).copied
-                if copied is not None:
-                    out["copy"] = {"bytes": copied.nbytes, "seconds": copied.seconds, "direct": copied.direct_bytes}
             out["threads"] = torch.get_num_threads()
             for key in ("first_s", "next_s", "third_s"):
                 out["phase"] = key
@@ -420,6 +417,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                     out[key] = time.perf_counter() - start
                 if line is not None:
                     out["timeline"] = _timeline_data(line)
+                if key == "first_s" and state is not None and getattr(state, "residency", None) is not None:
+                    copied = bigviz.residency(model).copied  # made while the first forward ran (read after it)
+                    if copied is not None:
+                        out["copy"] = {"bytes": copied.nbytes, "seconds": copied.seconds, "direct": copied.direct_bytes}
             out["phase"] = "done"
         except Exception as exc:  # what a peer does wrong is a result, not a crash of the bench
             out["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"

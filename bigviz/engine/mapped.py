@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -61,20 +61,21 @@ class MappedFiles:
         self._files = files
 
     @classmethod
-    def of(cls, model: nn.Module, stamps: Iterable[tuple[int, ...]] = ()) -> MappedFiles:
+    def of(cls, model: nn.Module, stamps: Iterable[tuple[int, ...]] = (), *, skip: Collection[int] = ()) -> MappedFiles:
         """The files ``model``'s CPU parameters and buffers are memory-mapped from.
 
         Args:
             model: the model (after its load and dispatch).
             stamps: stamps known from when the files were opened (a checkpoint index's), used
                 for the files they identify (by device and inode); the others are stamped now.
+            skip: ``id()`` of tensors left out (a resident copy running replaces them).
         """
         known = {stamp[:2]: stamp for stamp in stamps}
         maps, found = FileMaps(), {}
         for name, module in model.named_modules():
             tensors = [*module._parameters.values(), *module._buffers.values()]
             for tensor in tensors:
-                if tensor is None or tensor.device.type != "cpu" or tensor.is_meta:
+                if tensor is None or tensor.device.type != "cpu" or tensor.is_meta or id(tensor) in skip:
                     continue
                 span = file_span(tensor, maps)
                 if span is None:

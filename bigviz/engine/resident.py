@@ -12,7 +12,8 @@ without polluting:
   progress bar), into **anonymous memory** (:func:`make_resident`): each 16 MiB piece of the
   copy is prefaulted in one call, then read with ``O_DIRECT`` (the disk writes into it, the
   page cache never holds a second copy); where the filesystem refuses ``O_DIRECT``, buffered
-  reads whose pages are dropped behind them;
+  reads whose pages are dropped behind them; when units also stream from disk, the copy runs
+  beside the first forward (:mod:`bigviz.engine.resident_copy`);
 - the disk units get a :class:`~bigviz.engine.fetchers.ring.RingFetcher`: read ahead in execution
   order by parallel readers with ``O_DIRECT`` into one ring buffer allocated once and reused,
   1.5 times the largest unit (no page cache, nothing to drop; fresh memory per unit costs a
@@ -59,6 +60,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -93,16 +95,26 @@ class Residency:
 
     Attributes:
         plan: The stream plan the dispatch executed.
-        copied: The resident copy, when one was made.
+        copy: The resident copy, when one was made: its report, or the copy still running
+            while the first forward runs (``copied`` waits for it).
         fetcher: The class of the fetcher streaming the units (``""``: none).
         ring_bytes: Bytes of the ring made (the plan's, rounded up to whole blocks of its
             reads; 0 without one).
     """
 
     plan: StreamPlan
-    copied: ResidentReport | None = None
+    copy: Any = None
     fetcher: str = ""
     ring_bytes: int = 0
+
+    @property
+    def copied(self) -> ResidentReport | None:
+        """The resident copy's report, when one was made; a copy still running in the
+        background (:class:`~bigviz.engine.resident_copy.ResidentCopy`) is waited for."""
+        if self.copy is None or isinstance(self.copy, ResidentReport):
+            return self.copy
+        report: ResidentReport = self.copy.wait()
+        return report
 
     @property
     def mode(self) -> str:
@@ -262,20 +274,28 @@ def _read_all(
             out[(span.address, span.length)] = _copy_mapped(span)
             done(span.length)  # type: ignore[operator]
             continue
-        head, size = block_room(span.offset, span.length, direct=direct)
-        raw = torch.empty(size + ALIGN, dtype=torch.uint8)
-        base = -raw.data_ptr() % ALIGN
-        out[(span.address, span.length)] = raw[base + head : base + head + span.length]
-        address = raw.data_ptr() + base
-        pieces += pieces_of(
-            span.path, span.offset, span.length, address, direct=direct, chunk=_CHUNK, identity=span_identity(span)
-        )
+        out[(span.address, span.length)], mine = _spans_pieces(span, direct)
+        pieces += mine
     direct_bytes = 0
     with ThreadPoolExecutor(max(1, readers), thread_name_prefix="bigviz-resident") as pool:
         for need, was_direct in pool.map(lambda piece: read_piece(piece, direct), pieces):
             direct_bytes += need if was_direct else 0
             done(need)
     return out, direct_bytes
+
+
+def _spans_pieces(span: FileSpan, direct: bool) -> tuple[Tensor, list[Piece]]:
+    """A new anonymous buffer for ``span`` (the span's bytes as a uint8 tensor; with ``direct``
+    it covers the whole file blocks around them, aligned for ``O_DIRECT``) and the pieces that
+    read it."""
+    head, size = block_room(span.offset, span.length, direct=direct)
+    raw = torch.empty(size + ALIGN, dtype=torch.uint8)
+    base = -raw.data_ptr() % ALIGN
+    address = raw.data_ptr() + base
+    pieces = pieces_of(
+        span.path, span.offset, span.length, address, direct=direct, chunk=_CHUNK, identity=span_identity(span)
+    )
+    return raw[base + head : base + head + span.length], pieces
 
 
 def _copy_mapped(span: FileSpan) -> Tensor:

@@ -204,11 +204,51 @@ def test_auto_copies_when_the_model_does_not_fit(checkpoint: tuple[Path, GPT]) -
     assert plan.resident_bytes + plan.streamed_bytes > small.room
     model = bigviz.load_checkpoint_and_dispatch(model, folder, _split_map(4), machine=small)
     residency = bigviz.residency(model)
-    assert residency.mode == "copy" and mapped_bytes(model) == 0 and residency.fetcher == "RingFetcher"
+    assert residency.mode == "copy" and residency.fetcher == "RingFetcher"
     idx = torch.arange(7).view(1, 7)
+    with torch.no_grad():  # the first forward runs while the copy is made: each block waits for its own bytes
+        assert torch.equal(model(idx)[0], reference(idx)[0])
+    report = residency.copied  # waits for the copy, if still running
+    assert report is not None and report.nbytes == plan.resident_bytes and mapped_bytes(model) == 0
+    assert not any(m._forward_pre_hooks for m in model.modules())  # the copy's waits are gone with it
     with torch.no_grad():
         assert torch.equal(model(idx)[0], reference(idx)[0])
     bigviz.remove_hooks(model)
+
+
+def test_the_resident_copy_runs_beside_the_first_forward_and_says_when_it_failed(tmp_path: Path) -> None:
+    """ResidentCopy on its own: modules wait for their own bytes only; a read that fails (the
+    file truncated after it was mapped) is raised at the next wait, not lost in its thread."""
+    from bigviz.checkpoint.lazy import map_file
+    from bigviz.engine.resident_copy import ResidentCopy
+
+    values = torch.randn(4, 2048)
+    paths = []
+    for i in range(4):
+        paths.append(tmp_path / f"w{i}.bin")
+        paths[-1].write_bytes(values[i].numpy().tobytes())
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 32, bias=False) for _ in range(4)))
+    for i, layer in enumerate(model):
+        layer.weight.data = map_file(paths[i]).view(torch.float32).view(32, 64)
+    copy = ResidentCopy(model, ["0", "1", "2", "3"], readers=2, progress=False)
+    x = torch.randn(1, 64)
+    with torch.no_grad():
+        for i in (2, 0):  # in any order: each layer waits for its own bytes
+            assert torch.equal(model[i](x), x @ values[i].view(32, 64).t())
+    report = copy.wait()
+    assert report.tensors == 4 and report.nbytes == 4 * 2048 * 4
+    assert all(file_span(layer.weight) is None for layer in model)  # copies now, not the mapped files
+    assert not any(layer._forward_pre_hooks for layer in model)
+
+    broken = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False))
+    path = tmp_path / "short.bin"
+    path.write_bytes(values[0].numpy().tobytes())
+    broken[0].weight.data = map_file(path).view(torch.float32).view(32, 64)
+    os.truncate(path, 1024)  # never touched through the mapping: that would be SIGBUS
+    copy = ResidentCopy(broken, ["0"], readers=1, progress=False, direct=False)
+    with pytest.raises(OSError, match="short read"):
+        copy.wait()
+    assert not broken[0]._forward_pre_hooks
 
 
 def test_tied_weights_are_copied_once_and_stay_tied(checkpoint: tuple[Path, GPT]) -> None:
