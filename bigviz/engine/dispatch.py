@@ -373,12 +373,17 @@ def execute_dispatch(
     state = DispatchState(dict(plan.device_map), options, plan, owned=list(owned))
     _materialise(binding, options, state)
     copied, copying = _resident_copy(model, plan, stream, progress)
-    mapped = MappedFiles.of(model, stamps, skip=copying)  # what stays memory-mapped: checked before each forward
-    if len(set(plan.device_map.values())) > 1 or binding.units or force_hooks or len(mapped):
-        state.mapped = mapped if len(mapped) else None
-        _attach(inventory, binding, state, stream)
-    else:
-        mapped.close()
+    try:
+        mapped = MappedFiles.of(model, stamps, skip=copying)  # what stays memory-mapped: checked before each forward
+        if len(set(plan.device_map.values())) > 1 or binding.units or force_hooks or len(mapped):
+            state.mapped = mapped if len(mapped) else None
+            _attach(inventory, binding, state, stream)
+        else:
+            mapped.close()
+    except BaseException:
+        if isinstance(copied, ResidentCopy):  # a dispatch that failed leaves no copy running
+            copied.close()
+        raise
     fetcher = state.scheduler.fetcher if state.scheduler is not None and binding.units else None
     ring = (fetcher.capacity or 0) if isinstance(fetcher, RingFetcher) else 0
     state.residency = Residency(stream, copied, type(fetcher).__name__ if fetcher is not None else "", ring)
