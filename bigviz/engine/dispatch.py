@@ -52,8 +52,8 @@ from bigviz.engine.offload_hooks import AlignDevicesHook, CpuOffload, ForwardLoc
 from bigviz.core.stream_plan import StreamOptions, StreamPlan, make_stream_plan
 from bigviz.engine.fetchers import make_fetcher
 from bigviz.engine.fetchers.ring import RingFetcher
-from bigviz.engine.resident import ResidentReport, Residency, make_resident
-from bigviz.engine.resident_copy import ResidentCopy
+from bigviz.engine.resident import Residency
+from bigviz.engine.resident_copy import ResidentCopy, start_resident_copy
 from bigviz.engine.scheduler import Scheduler
 from bigviz.engine.weights import as_slot_value, pin, set_slot
 from bigviz.modeling.inventory import ModelInventory
@@ -372,7 +372,7 @@ def execute_dispatch(
     binding = _checked_binding(inventory, plan, options, stores)
     state = DispatchState(dict(plan.device_map), options, plan, owned=list(owned))
     _materialise(binding, options, state)
-    copied, copying = _resident_copy(model, plan, stream, progress)
+    copied, copying = start_resident_copy(model, plan, stream, progress)
     try:
         mapped = MappedFiles.of(model, stamps, skip=copying)  # what stays memory-mapped: checked before each forward
         if len(set(plan.device_map.values())) > 1 or binding.units or force_hooks or len(mapped):
@@ -389,23 +389,6 @@ def execute_dispatch(
     state.residency = Residency(stream, copied, type(fetcher).__name__ if fetcher is not None else "", ring)
     model.hf_device_map = dict(plan.device_map)
     return model
-
-
-def _resident_copy(
-    model: nn.Module, plan: DispatchPlan, stream: StreamPlan, progress: bool
-) -> tuple[ResidentCopy | ResidentReport | None, set[int]]:
-    """The resident copy the stream plan asks for, and the ids of the tensors it replaces.
-
-    With units streamed from disk (a model larger than RAM), the copy runs while the first
-    forward does (:class:`~bigviz.engine.resident_copy.ResidentCopy`: one pass over the disk,
-    each resident module waiting for its own bytes); with nothing streamed it is made here."""
-    if stream.mode != "copy":
-        return None, set()
-    if not stream.streamed_bytes:
-        return make_resident(model, readers=stream.readers, progress=progress), set()
-    resident = [n for n, d in plan.device_map.items() if n and str(d) == "cpu"]
-    copy = ResidentCopy(model, resident, readers=stream.readers, progress=progress)
-    return copy, copy.tensor_ids
 
 
 def _zero_copy(plan: DispatchPlan) -> StreamPlan:

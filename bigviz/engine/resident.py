@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -216,6 +216,16 @@ def make_resident(model: nn.Module, *, readers: int = 4, progress: bool = True, 
     start = time.perf_counter()
     with byte_bar(sum(s.length for s in unique.values()), "resident", enabled=progress) as bar:
         buffers, direct_bytes = _read_all(list(unique.values()), readers, bar.update, direct=direct)
+    _take_copies(todo, buffers, copies)
+    _copy_packed([x for x in pieces if x[4] is not None], buffers, copies)
+    total = sum(s.length for s in unique.values())
+    return ResidentReport(len(unique), total, time.perf_counter() - start, direct_bytes)
+
+
+def _take_copies(todo: Iterable[tuple[nn.Module, str, str, Tensor, FileSpan]], buffers: dict, copies: dict) -> None:
+    """Each plain tensor of ``todo`` ``(module, attribute, kind, tensor, its file span)`` made a
+    view of its span's copy in ``buffers`` (one view per span, dtype and shape, kept in
+    ``copies``: tied slots share it); a parameter keeps its identity (``param.data``)."""
     for module, attr, kind, tensor, span in todo:
         key = (span.address, span.length, tensor.dtype, tuple(tensor.shape))
         if key not in copies:
@@ -224,9 +234,6 @@ def make_resident(model: nn.Module, *, readers: int = 4, progress: bool = True, 
             tensor.data = copies[key]
         else:
             module._buffers[attr] = copies[key]
-    _copy_packed([x for x in pieces if x[4] is not None], buffers, copies)
-    total = sum(s.length for s in unique.values())
-    return ResidentReport(len(unique), total, time.perf_counter() - start, direct_bytes)
 
 
 def _copy_packed(pieces: list, buffers: dict[tuple[int, int], Tensor], copies: dict) -> None:

@@ -43,12 +43,22 @@ from typing import Any
 from torch import Tensor, nn
 
 from bigviz.checkpoint.progress import byte_bar
+from bigviz.core.dispatch_plan import DispatchPlan
 from bigviz.core.errors import StateError
+from bigviz.core.stream_plan import StreamPlan
 from bigviz.engine.fetchers.spans import FileMaps, FileSpan, can_open, file_span
-from bigviz.engine.resident import ResidentReport, _copy_mapped, _copy_packed, _plain_tensors, _spans_pieces
+from bigviz.engine.resident import (
+    ResidentReport,
+    _copy_mapped,
+    make_resident,
+    _copy_packed,
+    _plain_tensors,
+    _spans_pieces,
+    _take_copies,
+)
 from bigviz.osio.direct import Piece, read_piece
 
-__all__ = ["ResidentCopy"]
+__all__ = ["ResidentCopy", "start_resident_copy"]
 
 Key = tuple[int, int]  # (address, length) of a mapped span
 
@@ -89,6 +99,18 @@ class ResidentCopy:
             top = model.get_submodule(name)
             mine = {id(m) for m in top.modules()}
             self._needs[id(top)] = {(s.address, s.length) for m, *_, s in self._entries if id(m) in mine}
+        self._plain: dict[Key, list[tuple[nn.Module, str, str, Tensor, FileSpan]]] = {}
+        self._packed: dict[int, tuple[set[Key], list[tuple[Any, ...]]]] = {}  # id(packed): its parts' spans, entries
+        self._packed_of: dict[Key, set[int]] = {}
+        for module, attr, kind, tensor, packed, span in self._entries:
+            key = (span.address, span.length)
+            if packed is None:
+                self._plain.setdefault(key, []).append((module, attr, kind, tensor, span))
+                continue
+            keys, mine = self._packed.setdefault(id(packed), (set(), []))
+            keys.add(key)
+            mine.append((module, attr, kind, tensor, packed, span))
+            self._packed_of.setdefault(key, set()).add(id(packed))
         unique = {(s.address, s.length): s for *_, s in self._entries}
         self._spans = sorted(unique.values(), key=lambda s: (rank[(s.address, s.length)], s.path, s.offset))
         self._total = sum(s.length for s in self._spans)
@@ -167,21 +189,12 @@ class ResidentCopy:
         all read is built again over them. Then the modules waiting on it may run."""
         with self._cond:
             self._done.add(key)
-        for module, attr, kind, tensor, packed, span in self._entries:
-            if packed is not None or (span.address, span.length) != key:
-                continue
-            index = (span.address, span.length, tensor.dtype, tuple(tensor.shape))
-            if index not in copies:
-                copies[index] = buffers[key].view(tensor.dtype).view(tensor.shape)
-            if kind == "param":
-                tensor.data = copies[index]
-            else:
-                module._buffers[attr] = copies[index]
-        ready = [e for e in self._entries if e[4] is not None and id(e[4]) not in built]
-        ready = [e for e in ready if all(_key(s) in self._done for s in _part_spans(e[4], self._entries))]
-        if ready:
-            _copy_packed(ready, buffers, copies)
-            built.update(id(e[4]) for e in ready)
+        _take_copies(self._plain.get(key, []), buffers, copies)
+        for packed in sorted(self._packed_of.get(key, set()) - built):
+            keys, entries = self._packed[packed]
+            if keys <= self._done:
+                _copy_packed(entries, buffers, copies)
+                built.add(packed)
         with self._cond:
             self._cond.notify_all()
 
@@ -227,9 +240,18 @@ class ResidentCopy:
         self._hooks = []
 
 
-def _key(span: FileSpan) -> Key:
-    return (span.address, span.length)
+def start_resident_copy(
+    model: nn.Module, plan: DispatchPlan, stream: StreamPlan, progress: bool
+) -> tuple[ResidentCopy | ResidentReport | None, set[int]]:
+    """The resident copy the stream plan asks for, and the ids of the tensors it replaces.
 
-
-def _part_spans(packed: object, entries: list) -> list[FileSpan]:
-    return [span for _, _, _, _, p, span in entries if p is packed]
+    With units streamed from disk (a model larger than RAM), the copy runs while the first
+    forward does (:class:`~bigviz.engine.resident_copy.ResidentCopy`: one pass over the disk,
+    each resident module waiting for its own bytes); with nothing streamed it is made here."""
+    if stream.mode != "copy":
+        return None, set()
+    if not stream.streamed_bytes:
+        return make_resident(model, readers=stream.readers, progress=progress), set()
+    resident = [n for n, d in plan.device_map.items() if n and str(d) == "cpu"]
+    copy = ResidentCopy(model, resident, readers=stream.readers, progress=progress)
+    return copy, copy.tensor_ids

@@ -25,6 +25,7 @@ import torch
 
 import bigviz
 from bigviz.checkpoint.errors import CheckpointError
+from bigviz.engine.resident import mapped_bytes
 from bigviz.modeling.packed import held_bytes, split
 
 pytest.importorskip("torchao")
@@ -276,8 +277,10 @@ def test_a_checkpoint_stored_quantized_loads_as_transformers_loads_it(
         pytest.skip("compressed-tensors is not installed")
     reference = _transformers(folders[stored])
     for resident in ("map", "copy"):
-        _, logits = _run(folders[stored], MAPS[where], tmp_path / resident, resident=resident)
+        model, logits = _run(folders[stored], MAPS[where], tmp_path / resident, resident=resident)
         assert torch.equal(logits, reference), (stored, where, resident)
+        if resident == "copy" and where == "half":  # copied beside the first forward, packed parts too
+            assert bigviz.residency(model).copied is not None and mapped_bytes(model) == 0
         assert not (tmp_path / resident / "offload").exists()  # on disk: read from the checkpoint's own files
 
 
