@@ -142,3 +142,21 @@ def test_the_planner_block_plans_what_the_picture_shows() -> None:
 
     assert calls(block) and calls(block) == calls(SETUP), (calls(block), calls(SETUP))
     assert "planner-live.png" in readme.split("## See and change the plan in Jupyter", 1)[1][:2000]
+
+
+def test_the_larger_than_ram_table_is_the_benchs_own() -> None:
+    """The README's table of splits is the one ``bench/beyond_ram.py`` recorded in
+    ``bench/RESULTS.md`` (header and rows verbatim: copy it from there after a run), and its
+    picture is the timeline the same run drew (``docs/larger-than-ram-run.svg``)."""
+    readme = README.read_text(encoding="utf-8")
+    section = readme.split("\n## Larger than RAM\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    results = (ROOT / "bench" / "RESULTS.md").read_text(encoding="utf-8")
+    assert len(rows) >= 4, "the README's larger-than-RAM section has no table of splits"
+    stale = [row for row in rows if row not in results.splitlines()]
+    assert not stale, f"rows not in bench/RESULTS.md (copy the bench's table): {stale[:2]}"
+    pictures = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", section)
+    assert pictures == ["docs/larger-than-ram-run.svg"]
+    svg = (ROOT / pictures[0]).read_text(encoding="utf-8")
+    title = re.search(r"<text[^>]*>([^<]+)</text>", svg)
+    assert title and title.group(1).split(",")[0] in section, "the picture is of another model than the table"

@@ -4,7 +4,7 @@ The invariant: bytes handed to a forward are never read over before its release,
 the order of starts, waits and releases (read-ahead that did not come true, a unit waited for
 inside another, a ring too small): checked by a random walk against the file's values. The
 whole model streamed through the ring (bit-exact, the page cache untouched, one ring made
-once) is checked in ``test_engine_resident.py``.
+once) is checked in ``tests/engine/test_resident.py``.
 """
 
 from __future__ import annotations
