@@ -323,24 +323,32 @@ def load_average() -> str:
 
 # ----------------------------------------------------------------------------- floor
 def read_floor(files: list[Path], readers: int, drop: str, *, full: bool = False) -> dict[str, Any]:
-    """All shards read cold by ``readers`` parallel readers, buffered and ``O_DIRECT`` (best of
-    two each; the floor is the faster); with ``full``, one sequential reader too."""
-    from bigviz.checkpoint.probe import timed_read
+    """All shards read cold by ``readers`` parallel readers, buffered (each a contiguous part) and
+    ``O_DIRECT`` in the ring's order (:func:`in_ring_order`), best of two each (the floor is the
+    faster); with ``full``, one sequential reader too."""
+    from bigviz.checkpoint.probe import ReadTiming, timed_read
 
     ranges = [(p, 0, p.stat().st_size) for p in files]
     out: dict[str, Any] = {}
     runs = [
         ("parallel", dict(readers=readers, chunk_bytes=16 * 2**20)),
-        ("direct", dict(readers=readers, chunk_bytes=16 * 2**20, direct=True)),
+        ("direct", dict(readers=readers)),
         ("parallel", dict(readers=readers, chunk_bytes=16 * 2**20)),
-        ("direct", dict(readers=readers, chunk_bytes=16 * 2**20, direct=True)),
-    ]  # O_DIRECT too: how the ring reads (buffered reads pay for fresh page-cache pages on this VM)
+        ("direct", dict(readers=readers)),
+    ]  # O_DIRECT too, in the ring's order (buffered reads pay for fresh page-cache pages on this VM)
     if full:
         runs += [("sequential", dict(readers=1, chunk_bytes=16 * 2**20))]
     for name, knobs in runs:
         drop_caches(files, drop)
         try:
-            timing = timed_read(ranges, **knobs)
+            if name == "direct":
+                cpu = time.process_time()
+                seconds = in_ring_order(ranges, readers=readers)
+                timing = ReadTiming(
+                    bytes=sum(n for *_, n in ranges), seconds=seconds, cpu_seconds=time.process_time() - cpu
+                )
+            else:
+                timing = timed_read(ranges, **knobs)
         except OSError as exc:  # O_DIRECT refused by this filesystem
             out[name + "_error"] = f"{type(exc).__name__}: {exc}"
             continue
@@ -417,9 +425,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                     out[key[:-2] + "_floor_s"] = _paired_floor(spec, out["map"])
                 timed = key == "next_s" and getattr(state, "scheduler", None) is not None
                 with bigviz.timeline(model) if timed else _nothing() as line, torch.no_grad():
-                    start = time.perf_counter()
+                    stolen, start = steal_seconds(), time.perf_counter()
                     model(idx)
                     out[key] = time.perf_counter() - start
+                    out[key[:-2] + "_steal_s"] = steal_seconds() - stolen  # CPU the host took from this VM
                 if line is not None:
                     out["timeline"] = _timeline_data(line)
                 if key == "first_s" and state is not None and getattr(state, "residency", None) is not None:
@@ -432,6 +441,17 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             out["failed_after_s"] = time.perf_counter() - start
     out["anon_peak"] = peak.peak["RssAnon"] - peak.base["RssAnon"]
     return out
+
+
+def steal_seconds() -> float:
+    """CPU seconds the hypervisor has taken from this virtual machine since boot, all CPUs
+    together (``steal`` in ``/proc/stat``; 0 where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else 0.0
+    except (OSError, ValueError):
+        return 0.0
 
 
 @contextlib.contextmanager
@@ -456,6 +476,45 @@ def _timeline_data(line: Any) -> dict[str, Any]:
     return {"summary": line.summary(), "units": units, "seconds": line.bounds[-1][1] - origin}
 
 
+def in_ring_order(blocks: list[tuple[Any, int, int]], *, readers: int) -> float:
+    """Seconds to read ``blocks`` (``(path, offset, length)``, ``offset`` a multiple of 4096)
+    with ``O_DIRECT`` as the ring reads them: 16 MiB pieces in file order, taken in turn by ``readers``
+    threads, into ``2 * readers`` slots of one buffer made (and touched, by one thread) first.
+    Four readers each on a contiguous quarter (``timed_read``) read up to 1.4x slower than the
+    ring's forwards on this disk, which made that floor no floor.
+
+    Raises:
+        OSError: ``O_DIRECT`` refused, or a file shorter than asked.
+    """
+    import ctypes
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bigviz.osio.direct import CHUNK, pieces_of, read_piece
+
+    slots = 2 * readers
+    buffer = mmap.mmap(-1, slots * CHUNK)  # page aligned, as O_DIRECT wants
+    buffer.write(b"\1" * len(buffer))  # touched by one thread, before the clock starts
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buffer))  # the view is gone at once: close() may run
+    futures: list[Any] = []
+    try:
+        with ThreadPoolExecutor(readers) as pool:
+            start = time.perf_counter()
+            for path, offset, length in blocks:
+                for at in range(offset, offset + length, CHUNK):
+                    if len(futures) >= slots:
+                        futures[-slots].result()  # its slot is free again
+                    slot = base + len(futures) % slots * CHUNK
+                    (piece,) = pieces_of(str(path), at, min(CHUNK, offset + length - at), slot, direct=True)
+                    futures.append(pool.submit(read_piece, piece, True))
+            for future in futures:
+                future.result()
+            return time.perf_counter() - start
+    finally:
+        futures.clear()
+        buffer.close()
+
+
 def _paired_floor(spec: dict[str, Any], device_map: dict[str, str] | None) -> float:
     """Seconds to read the streamed part (the checkpoint bytes of the modules on "disk"; every
     shard whole when ``device_map`` is None) cold by ``spec["readers"]`` parallel readers with
@@ -475,9 +534,9 @@ def _paired_floor(spec: dict[str, Any], device_map: dict[str, str] | None) -> fl
             for key, info in CheckpointIndex.open(spec["ckpt"]).entries.items()
             if info.data_offsets is not None and str(device_of(key, device_map)) == "disk"
         ]
-    merged: list[list[Any]] = []  # contiguous ranges of a file in one, whole 4096-byte blocks (O_DIRECT)
+    merged: list[list[Any]] = []  # contiguous ranges of a file in one, from a 4096-byte boundary (O_DIRECT)
     for path, offset, length in sorted(ranges, key=lambda r: (str(r[0]), r[1])):
-        first, end = offset // 4096 * 4096, -(-(offset + length) // 4096) * 4096
+        first, end = offset // 4096 * 4096, offset + length
         if merged and merged[-1][0] == path and first <= merged[-1][2]:
             merged[-1][2] = max(merged[-1][2], end)
         else:
@@ -485,7 +544,7 @@ def _paired_floor(spec: dict[str, Any], device_map: dict[str, str] | None) -> fl
     blocks = [(path, first, end - first) for path, first, end in merged]
     drop_caches(files, spec["drop"])
     try:
-        seconds = timed_read(blocks, readers=spec["readers"], chunk_bytes=16 * 2**20, direct=True).seconds
+        seconds = in_ring_order(blocks, readers=spec["readers"])
     except OSError:  # O_DIRECT refused by this filesystem: buffered, as the ring then reads
         drop_caches(files, spec["drop"])
         seconds = timed_read(blocks, readers=spec["readers"], chunk_bytes=16 * 2**20).seconds
@@ -880,7 +939,7 @@ def _floor_rows(floor: dict[str, Any], shape: Shape, readers: int, best: float |
     rows = []
     labels = {
         "parallel": f"all shards, {readers} parallel readers, buffered (best of two)",
-        "direct": f"all shards, {readers} parallel readers, O_DIRECT (best of two)",
+        "direct": f"all shards, {readers} readers in the ring's order, O_DIRECT (best of two)",
         "sequential": "one sequential reader",
     }
     probe = floor.get("probe")
@@ -977,6 +1036,9 @@ def _later_row(
         if probe:
             at_probe = predict(shape, r["map"], compute, probe["parallel"], depth, ring).seconds
             note += f", {at_probe:.1f} s at the probe's"
+    stolen = r.get(("next" if label == "next forward" else "third") + "_steal_s")
+    if stolen:  # a forward slower than its limit, with the host taking CPU meanwhile, says so
+        note += f"; the host took {stolen:.1f} s of CPU (steal) during it"
     return f"| {name}: {label} | {fmt_s(seconds)} | {ratio(seconds, best)} | | {note} |"
 
 

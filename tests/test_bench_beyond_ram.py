@@ -78,3 +78,32 @@ def test_the_goals_say_which_split_missed_and_why_not(bench: ModuleType) -> None
     assert "**1.25x** of the same minute's" in disk  # 2.0 s of dispatch + first forward against 1.6 s
     assert "anonymous RAM peak" in half and half.endswith("not met")
     assert disk.endswith(": met")
+
+
+def test_the_floor_reads_every_byte_asked_in_file_order(
+    bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same-minute floor reads as the ring does: 16 MiB pieces, in file order, each byte of
+    the ranges once (a range may end where its file ends, off a block boundary); a file shorter
+    than asked is an error, not a fast floor."""
+    from bigviz.osio import direct
+
+    path = tmp_path / "shard.bin"
+    path.write_bytes(bytes(range(256)) * (150_000))  # 38.4 MB: two whole pieces and a short one
+    size = path.stat().st_size
+    seen: list[tuple[int, int]] = []
+    real = direct.read_piece
+
+    def read_piece(piece: Any, want_direct: bool) -> Any:
+        seen.append((piece.offset, piece.upto))
+        return real(piece, want_direct)
+
+    monkeypatch.setattr(direct, "read_piece", read_piece)
+    blocks = [(path, 0, 8192), (path, 3 * 4096, size - 3 * 4096)]  # a hole between, the rest to the end
+    assert bench.in_ring_order(blocks, readers=2) > 0
+    assert [offset for offset, _ in seen] == sorted(offset for offset, _ in seen)
+    covered = sorted((offset, offset + upto) for offset, upto in seen)
+    assert covered[0] == (0, 8192) and covered[-1][1] == size
+    assert sum(end - start for start, end in covered) == size - 4096  # every byte asked, once
+    with pytest.raises(OSError, match="short read"):
+        bench.in_ring_order([(path, 0, size + 10 * 4096)], readers=2)
