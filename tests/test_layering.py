@@ -374,6 +374,7 @@ def test_the_error_check_finds_a_bare_raise(tmp_path: Path) -> None:
 
 CROSS_CUTTING_FOLDERS = {"hostile", "zoo", "browser"}  # attacks, architectures, a real browser: across layers
 TOP_LEVEL_TESTS = {  # about the whole project, not one package
+    "test_bench_beyond_ram.py",
     "test_bench_records.py",
     "test_cli.py",
     "test_docs.py",
