@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -119,6 +119,12 @@ class ResidentCopy:
         self._report: ResidentReport | None = None
         self._stop = False
         self._cond = threading.Condition()
+        self._bar = byte_bar(self._total, "resident copy", enabled=progress)
+        self._bar_lock = threading.Lock()
+        self._streamed = self._streamed_done = 0  # the first forward's streamed bytes, shown on the same bar
+        self._first_done = self._copied = False
+        self._detach: Callable[[], object] | None = None
+        self._first_hook = model.register_forward_hook(self._after_first)
         self._hooks = [
             model.get_submodule(name).register_forward_pre_hook(self._before)
             for name in modules
@@ -143,10 +149,53 @@ class ResidentCopy:
             with self._cond:
                 self._error = err
                 self._cond.notify_all()
+            self._close_bar(copied=True, streamed=True)
             return
         with self._cond:
             self._report = report
             self._cond.notify_all()
+        self._close_bar(copied=True)
+
+    # ---- the progress bar: the copy and the first forward's streamed reads ------------------
+    def show_stream(self, streamed: int, fetcher: Any) -> None:
+        """Show the bytes the first forward streams on the copy's bar (``streamed`` of them;
+        ``fetcher`` tells each piece it reads through ``watch``): the bar then covers the
+        whole checkpoint's one pass over the disk, and closes when both are done."""
+        if streamed <= 0 or not hasattr(fetcher, "watch"):
+            return
+        with self._bar_lock:
+            self._streamed = streamed
+            self._bar.total = self._total + streamed
+            self._bar.set_description("resident copy + streamed")
+            self._bar.refresh()
+            self._detach = lambda: fetcher.watch(None)
+        self._streamed_read(fetcher.watch(self._streamed_read))  # what it read before the bar knew
+
+    def _streamed_read(self, nbytes: int) -> None:
+        with self._bar_lock:
+            take = min(nbytes, self._streamed - self._streamed_done)
+            if take > 0 and not self._bar.disable:
+                self._bar.update(take)
+            self._streamed_done += max(0, take)
+        if self._streamed_done >= self._streamed:
+            self._close_bar(streamed=True)
+
+    def _after_first(self, *_: Any) -> None:
+        self._close_bar(streamed=True)  # the first forward is over: what it read is counted
+
+    def _close_bar(self, *, copied: bool = False, streamed: bool = False) -> None:
+        """The bar closes once the copy is done and the first forward has streamed its part;
+        the fetcher stops reporting then, and the first forward's hook goes."""
+        with self._bar_lock:
+            self._first_done |= streamed
+            self._copied |= copied
+            if not (self._copied and (self._first_done or not self._streamed)):
+                return
+            if self._detach is not None:
+                self._detach()
+                self._detach = None
+            self._first_hook.remove()
+            self._bar.close()
 
     def _copy(self, readers: int, progress: bool, direct: bool) -> ResidentReport:
         buffers: dict[Key, Tensor] = {}
@@ -166,15 +215,15 @@ class ResidentCopy:
         copies: dict[tuple[Any, ...], Tensor] = {}
         built: set[int] = set()
         direct_bytes = 0
-        with byte_bar(self._total, "resident", enabled=progress) as bar:
-            with ThreadPoolExecutor(max(1, readers), thread_name_prefix="bigviz-resident") as pool:
-                results = pool.map(lambda item: self._read(item[1], direct), work)
-                for (key, _), (need, was_direct) in zip(work, results):
-                    direct_bytes += need if was_direct else 0
-                    bar.update(need)
-                    left[key] -= 1
-                    if left[key] == 0:
-                        self._settle(key, buffers, copies, built)
+        with ThreadPoolExecutor(max(1, readers), thread_name_prefix="bigviz-resident") as pool:
+            results = pool.map(lambda item: self._read(item[1], direct), work)
+            for (key, _), (need, was_direct) in zip(work, results):
+                direct_bytes += need if was_direct else 0
+                with self._bar_lock:
+                    self._bar.update(need)
+                left[key] -= 1
+                if left[key] == 0:
+                    self._settle(key, buffers, copies, built)
         return ResidentReport(len(self._spans), self._total, time.perf_counter() - self._start, direct_bytes)
 
     def _read(self, piece: Piece | None, direct: bool) -> tuple[int, bool]:
@@ -222,6 +271,7 @@ class ResidentCopy:
             OSError: a read failed (a file truncated since it was mapped, ...).
         """
         self._thread.join()
+        self._close_bar(copied=True, streamed=True)
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -235,6 +285,7 @@ class ResidentCopy:
         tensors not copied stay memory-mapped (the same bytes)."""
         self._stop = True
         self._thread.join()
+        self._close_bar(copied=True, streamed=True)
         for hook in self._hooks:
             hook.remove()
         self._hooks = []

@@ -216,6 +216,36 @@ def test_auto_copies_when_the_model_does_not_fit(checkpoint: tuple[Path, GPT]) -
     bigviz.remove_hooks(model)
 
 
+def test_one_bar_shows_the_copy_and_the_first_forwards_streamed_reads(checkpoint: tuple[Path, GPT]) -> None:
+    """Issue 26: the first forward of a model larger than RAM is one pass over the checkpoint:
+    the resident copy and the streamed blocks read beside it. One progress bar counts both, to
+    the checkpoint's bytes, and closes when the first forward is over (the ring stops telling it)."""
+    folder, reference = checkpoint
+    with bigviz.init_empty_weights():
+        model = GPT(CONFIG)
+    plan = bigviz.dispatch_plan(model, folder, _split_map(4), machine=MachineFacts(10**12)).stream
+    block = max(u.nbytes for u in plan.units if u.residency == "streamed")
+    small = MachineFacts(int((plan.resident_bytes + ring_bytes(block) + block // 8) / 0.9))
+    model = bigviz.load_checkpoint_and_dispatch(model, folder, _split_map(4), machine=small)  # progress shown
+    copy = bigviz.residency(model).copy
+    fetcher = model._bigviz_dispatch.scheduler.fetcher
+    assert copy is not None and fetcher.on_read is not None  # told each piece the ring reads
+    bar = copy._bar
+    streamed = fetcher.pass_bytes  # the disk blocks' file bytes: their weights (not the buffers made in memory)
+    assert plan.streamed_bytes * 0.9 < streamed <= plan.streamed_bytes
+    assert bar.total == plan.resident_bytes + streamed and "streamed" in bar.desc
+    idx = torch.arange(7).view(1, 7)
+    with torch.no_grad():
+        assert torch.equal(model(idx)[0], reference(idx)[0])
+    assert bigviz.residency(model).copied is not None  # the copy is done
+    assert bar.n == bar.total  # every resident byte copied and every streamed byte read, once
+    assert bar.disable and fetcher.on_read is None  # closed; later forwards are not counted
+    with torch.no_grad():
+        model(idx)
+    assert bar.n == bar.total and not model._forward_hooks
+    bigviz.remove_hooks(model)
+
+
 def test_the_resident_copy_runs_beside_the_first_forward_and_says_when_it_failed(tmp_path: Path) -> None:
     """ResidentCopy on its own: modules wait for their own bytes only; a read that fails (the
     file truncated after it was mapped) is raised at the next wait, not lost in its thread."""

@@ -56,8 +56,9 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -72,7 +73,7 @@ from bigviz.engine.fetchers.protocol import Handle, run_now
 from bigviz.engine.fetchers.spans import FileMaps, FileSpan, Where, file_span, mapped_where, span_identity, unit_parts
 from bigviz.engine.packed import rebuild
 from bigviz.modeling.packed import Packed
-from bigviz.osio.direct import ALIGN, block_room, pieces_of, read_piece
+from bigviz.osio.direct import ALIGN, Piece, block_room, pieces_of, read_piece
 from bigviz.core.errors import UsageError
 
 if TYPE_CHECKING:
@@ -199,6 +200,9 @@ class RingFetcher:
         self._layouts: dict[int, _Layout] = {}
         self._clock = itertools.count(1)
         self.timeline: Timeline | None = None  # set while bigviz.timeline(model) records: reads timed
+        self.on_read: Callable[[int], object] | None = None  # told the bytes of each piece read (a progress bar)
+        self._done_bytes = 0  # bytes read so far (pieces finished), for watch()
+        self._done_lock = threading.Lock()
         self.merge_most = MERGE_MOST  # the largest read tensors are merged into (prepare lowers it)
 
     def __enter__(self) -> RingFetcher:
@@ -234,6 +238,30 @@ class RingFetcher:
                 largest = self._largest(units, maps)
             self.capacity = ring_capacity(largest, ahead)
         return self.capacity or 0
+
+    def watch(self, on_read: Callable[[int], object] | None) -> int:
+        """Tell ``on_read`` the bytes of every piece read from now on (``None``: stop); returns
+        the bytes read before, so that a count started late misses nothing and counts nothing
+        twice."""
+        with self._done_lock:
+            self.on_read = on_read
+            return self._done_bytes
+
+    def _read_counted(self, piece: Piece, direct: bool) -> tuple[int, bool]:
+        """:func:`read_piece`, counted (and told to ``on_read``, if set)."""
+        done = read_piece(piece, direct)
+        with self._done_lock:
+            self._done_bytes += done[0]
+            on_read = self.on_read
+        if on_read is not None:
+            on_read(done[0])
+        return done
+
+    @property
+    def pass_bytes(self) -> int:
+        """Bytes one forward reads from disk: every prepared unit's reads (its tensors' file
+        bytes, with the small gaps merged reads span). What ``on_read`` is told over a forward."""
+        return sum(e.length for layout in self._layouts.values() for e in layout.extents)
 
     def _largest(self, units: Sequence[Unit], maps: FileMaps) -> int:
         sizes = []
@@ -359,13 +387,14 @@ class RingFetcher:
         timeline = self.timeline
         if timeline is not None:
             timeline.queued(read.unit, read)
+        reader = self._read_counted
         for piece in pieces_of(
             extent.path, extent.offset, extent.length, address, direct=True, identity=extent.identity
         ):
             if timeline is None:
-                read.futures.append(self._pool.submit(read_piece, piece, self.direct))
+                read.futures.append(self._pool.submit(reader, piece, self.direct))
             else:  # when each piece ran, in the reader thread
-                job = (read.unit, read, piece.need, read_piece, piece, self.direct)
+                job = (read.unit, read, piece.need, reader, piece, self.direct)
                 read.futures.append(self._pool.submit(timeline.timed, *job))
 
     def _give_up(self, read: _Read) -> None:
