@@ -385,7 +385,7 @@ def execute_dispatch(
             copied.close()
         raise
     fetcher = state.scheduler.fetcher if state.scheduler is not None and binding.units else None
-    if isinstance(copied, ResidentCopy) and fetcher is not None:  # one bar: the copy and the first forward's reads
+    if isinstance(copied, ResidentCopy):  # one bar: the copy and the first forward's reads (if the fetcher tells)
         copied.show_stream(getattr(fetcher, "pass_bytes", 0), fetcher)
     ring = (fetcher.capacity or 0) if isinstance(fetcher, RingFetcher) else 0
     state.residency = Residency(stream, copied, type(fetcher).__name__ if fetcher is not None else "", ring)

@@ -74,6 +74,8 @@ class ResidentCopy:
         readers: threads reading (``O_DIRECT`` where the filesystem allows it).
         progress: show a progress bar.
         direct: try ``O_DIRECT`` first (else buffered reads dropped from the page cache).
+        stream_follows: :meth:`show_stream` will be called (the dispatch, once its fetcher is
+            made): the bar stays open for it even if the copy is done first.
     """
 
     def __init__(
@@ -84,6 +86,7 @@ class ResidentCopy:
         readers: int = 4,
         progress: bool = True,
         direct: bool = True,
+        stream_follows: bool = False,
     ) -> None:
         maps = FileMaps()
         entries = [(m, a, k, t, p, file_span(t, maps, deleted=True)) for m, a, k, t, p in _plain_tensors(model)]
@@ -123,6 +126,7 @@ class ResidentCopy:
         self._bar_lock = threading.Lock()
         self._streamed = self._streamed_done = 0  # the first forward's streamed bytes, shown on the same bar
         self._first_done = self._copied = False
+        self._known = not stream_follows  # whether the streamed reads are shown on the bar (the dispatch says)
         self._detach: Callable[[], object] | None = None
         self._first_hook = model.register_forward_hook(self._after_first)
         self._hooks = [
@@ -149,7 +153,7 @@ class ResidentCopy:
             with self._cond:
                 self._error = err
                 self._cond.notify_all()
-            self._close_bar(copied=True, streamed=True)
+            self._close_bar(copied=True, streamed=True, known=True)
             return
         with self._cond:
             self._report = report
@@ -162,8 +166,10 @@ class ResidentCopy:
         ``fetcher`` tells each piece it reads through ``watch``): the bar then covers the
         whole checkpoint's one pass over the disk, and closes when both are done."""
         if streamed <= 0 or not hasattr(fetcher, "watch"):
+            self._close_bar(known=True)  # nothing streamed to show: the bar is the copy's alone
             return
         with self._bar_lock:
+            self._known = True
             self._streamed = streamed
             self._bar.total = self._total + streamed
             self._bar.set_description("resident copy + streamed")
@@ -183,13 +189,14 @@ class ResidentCopy:
     def _after_first(self, *_: Any) -> None:
         self._close_bar(streamed=True)  # the first forward is over: what it read is counted
 
-    def _close_bar(self, *, copied: bool = False, streamed: bool = False) -> None:
+    def _close_bar(self, *, copied: bool = False, streamed: bool = False, known: bool = False) -> None:
         """The bar closes once the copy is done and the first forward has streamed its part;
         the fetcher stops reporting then, and the first forward's hook goes."""
         with self._bar_lock:
             self._first_done |= streamed
             self._copied |= copied
-            if not (self._copied and (self._first_done or not self._streamed)):
+            self._known |= known
+            if not (self._copied and self._known and (self._first_done or not self._streamed)):
                 return
             if self._detach is not None:
                 self._detach()
@@ -271,7 +278,7 @@ class ResidentCopy:
             OSError: a read failed (a file truncated since it was mapped, ...).
         """
         self._thread.join()
-        self._close_bar(copied=True, streamed=True)
+        self._close_bar(copied=True, streamed=True, known=True)
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -285,7 +292,7 @@ class ResidentCopy:
         tensors not copied stay memory-mapped (the same bytes)."""
         self._stop = True
         self._thread.join()
-        self._close_bar(copied=True, streamed=True)
+        self._close_bar(copied=True, streamed=True, known=True)
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -304,5 +311,5 @@ def start_resident_copy(
     if not stream.streamed_bytes:
         return make_resident(model, readers=stream.readers, progress=progress), set()
     resident = [n for n, d in plan.device_map.items() if n and str(d) == "cpu"]
-    copy = ResidentCopy(model, resident, readers=stream.readers, progress=progress)
+    copy = ResidentCopy(model, resident, readers=stream.readers, progress=progress, stream_follows=True)
     return copy, copy.tensor_ids

@@ -15,6 +15,7 @@ from __future__ import annotations
 import mmap
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -193,16 +194,21 @@ def test_a_model_that_fits_keeps_zero_copy_maps(checkpoint: tuple[Path, GPT]) ->
     bigviz.remove_hooks(model)
 
 
-def test_auto_copies_when_the_model_does_not_fit(checkpoint: tuple[Path, GPT]) -> None:
-    folder, reference = checkpoint
+def _larger_than_ram(folder: Path) -> tuple[GPT, Any]:
+    """The GPT loaded with 4 blocks resident on a pretend machine whose RAM holds the resident
+    part and the ring, not the whole model; and its stream plan."""
     with bigviz.init_empty_weights():
         model = GPT(CONFIG)
-    # pretend: RAM holds the resident part and the ring, not the whole model
     plan = bigviz.dispatch_plan(model, folder, _split_map(4), machine=MachineFacts(10**12)).stream
     block = max(u.nbytes for u in plan.units if u.residency == "streamed")
     small = MachineFacts(int((plan.resident_bytes + ring_bytes(block) + block // 8) / 0.9))
     assert plan.resident_bytes + plan.streamed_bytes > small.room
-    model = bigviz.load_checkpoint_and_dispatch(model, folder, _split_map(4), machine=small)
+    return bigviz.load_checkpoint_and_dispatch(model, folder, _split_map(4), machine=small), plan
+
+
+def test_auto_copies_when_the_model_does_not_fit(checkpoint: tuple[Path, GPT]) -> None:
+    folder, reference = checkpoint
+    model, plan = _larger_than_ram(folder)
     residency = bigviz.residency(model)
     assert residency.mode == "copy" and residency.fetcher == "RingFetcher"
     idx = torch.arange(7).view(1, 7)
@@ -221,12 +227,7 @@ def test_one_bar_shows_the_copy_and_the_first_forwards_streamed_reads(checkpoint
     the resident copy and the streamed blocks read beside it. One progress bar counts both, to
     the checkpoint's bytes, and closes when the first forward is over (the ring stops telling it)."""
     folder, reference = checkpoint
-    with bigviz.init_empty_weights():
-        model = GPT(CONFIG)
-    plan = bigviz.dispatch_plan(model, folder, _split_map(4), machine=MachineFacts(10**12)).stream
-    block = max(u.nbytes for u in plan.units if u.residency == "streamed")
-    small = MachineFacts(int((plan.resident_bytes + ring_bytes(block) + block // 8) / 0.9))
-    model = bigviz.load_checkpoint_and_dispatch(model, folder, _split_map(4), machine=small)  # progress shown
+    model, plan = _larger_than_ram(folder)  # progress shown
     copy = bigviz.residency(model).copy
     fetcher = model._bigviz_dispatch.scheduler.fetcher
     assert copy is not None and fetcher.on_read is not None  # told each piece the ring reads
