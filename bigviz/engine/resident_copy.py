@@ -135,7 +135,7 @@ class ResidentCopy:
             if self._needs[id(model.get_submodule(name))]
         ]
         self._start = time.perf_counter()
-        self._thread = threading.Thread(target=self._run, args=(readers, progress, direct), name="bigviz-resident-copy")
+        self._thread = threading.Thread(target=self._run, args=(readers, direct), name="bigviz-resident-copy")
         self._thread.start()
 
     @property
@@ -146,9 +146,9 @@ class ResidentCopy:
         }
 
     # ---- the thread ---------------------------------------------------------------------
-    def _run(self, readers: int, progress: bool, direct: bool) -> None:
+    def _run(self, readers: int, direct: bool) -> None:
         try:
-            report = self._copy(readers, progress, direct)
+            report = self._copy(readers, direct)
         except BaseException as err:  # raised to the caller at its next wait
             with self._cond:
                 self._error = err
@@ -180,8 +180,8 @@ class ResidentCopy:
     def _streamed_read(self, nbytes: int) -> None:
         with self._bar_lock:
             take = min(nbytes, self._streamed - self._streamed_done)
-            if take > 0 and not self._bar.disable:
-                self._bar.update(take)
+            if take > 0:
+                self._bar.update(take)  # a closed bar ignores it
             self._streamed_done += max(0, take)
         if self._streamed_done >= self._streamed:
             self._close_bar(streamed=True)
@@ -204,7 +204,7 @@ class ResidentCopy:
             self._first_hook.remove()
             self._bar.close()
 
-    def _copy(self, readers: int, progress: bool, direct: bool) -> ResidentReport:
+    def _copy(self, readers: int, direct: bool) -> ResidentReport:
         buffers: dict[Key, Tensor] = {}
         work: list[tuple[Key, Piece | None]] = []
         left: dict[Key, int] = {}
