@@ -74,6 +74,7 @@ warnings.filterwarnings("ignore")
 
 WORK = HERE / "_work"
 TOKENS = 16
+MEMORY_SAMPLE = 4 * 2**30  # fresh memory faulted in before each dispatch, for its rate
 GiB = 2**30
 GUARD_BYTES = 1 * GiB  # a scenario is killed when MemAvailable falls below this
 PICTURES: list[Path] = []  # the timelines drawn in this run, in order
@@ -398,7 +399,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
     out: dict[str, Any] = {"phase": "dispatch"}
     idx = torch.randint(0, spec["config"]["vocab_size"], (1, TOKENS), generator=torch.Generator().manual_seed(1))
-    if spec.get("paired"):  # the whole checkpoint read cold just before the dispatch (same minute)
+    if spec.get("paired"):  # the same minute's floors: fresh memory, then the whole checkpoint read cold
+        sample = min(MEMORY_SAMPLE, spec["budget"] // 4) if spec.get("budget") else MEMORY_SAMPLE
+        out["memory_rate"] = fresh_memory_rate(sample)  # first: its pages are handed back during the read
         out["first_floor_s"] = _paired_floor(spec, None)
     with PeakMemory(("RssAnon",)) as peak:  # sampled every 2 ms
         try:
@@ -441,6 +444,45 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             out["failed_after_s"] = time.perf_counter() - start
     out["anon_peak"] = peak.peak["RssAnon"] - peak.base["RssAnon"]
     return out
+
+
+def fresh_memory_rate(nbytes: int = MEMORY_SAMPLE, threads: int = 2) -> float:
+    """Bytes per second at which this machine hands the process anonymous memory it has not
+    touched: ``nbytes`` faulted in by ``threads`` at once (``MADV_POPULATE_WRITE``, no disk),
+    then freed. The first forward of a model larger than RAM makes its resident part and its
+    ring out of such memory; on a guest whose freed pages go back to the hypervisor (free page
+    reporting) that costs a trip to the host per page, 0.2-0.5 GiB/s here after the page cache
+    was dropped (bench/studies/fresh_memory.py), so it can take longer than reading the whole
+    checkpoint. 0.0 where the kernel cannot populate (not Linux, before 5.14)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from bigviz.osio.pages import prefault
+
+    buffer = torch.empty(nbytes, dtype=torch.uint8)  # not touched: torch does not fill it
+    base, step = buffer.data_ptr(), nbytes // threads
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        done = list(pool.map(lambda i: prefault(base + i * step, step), range(threads)))
+    seconds = time.perf_counter() - start
+    del buffer
+    return nbytes / seconds if all(done) else 0.0
+
+
+def first_limit(shape: Shape, r: dict[str, Any]) -> dict[str, float] | None:
+    """The first forward's limit at the same minute: it reads the whole checkpoint once and
+    makes the resident part and the ring out of fresh memory, on two resources that can
+    overlap, so it cannot end before the longer of the two (the whole read measured cold just
+    before the dispatch; the memory at the rate measured just before that). None when the run
+    did not measure both."""
+    whole, rate = r.get("first_floor_s"), r.get("memory_rate")
+    if not whole or not rate:
+        return None
+    resident, _, _ = split_bytes(shape, r["map"])
+    made = resident + (r.get("ring") or 0)
+    memory = made / rate
+    return {"whole": whole, "memory": memory, "made": made, "rate": rate, "limit": max(whole, memory)}
 
 
 def steal_seconds() -> float:
@@ -883,8 +925,9 @@ def splits_table(
         "",
         "| split: cpu budget | resident | streamed | compute floor | disk: start / same minute | limit: start / "
         "same minute | predicted (same minute) | measured (later) | / limit (same minute) | / predicted "
-        "| compute waited | disk idle | first + dispatch / whole read: start / same minute | RAM peak |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| compute waited | disk idle | first + dispatch / whole read: start / same minute | fresh memory: "
+        "resident + ring, same minute | first + dispatch / first limit | RAM peak |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         if r.get("engine") == "accelerate" or name.startswith("accelerate") or "next_s" not in r:
@@ -899,6 +942,7 @@ def splits_table(
         line = r.get("timeline", {}).get("summary", {})
         budget = "all disk" if r.get("fraction") == "0" else f"{r.get('fraction', '2/3')} of RAM"
         first = r["first_s"] + r["dispatch_s"]
+        limit = first_limit(shape, r)
         disk = f"{bandwidth / 1e9:.2f} / " + (
             "-" if not streamed else ", ".join(f"{x['bandwidth'] / 1e9:.2f}" for x in rows)
         )
@@ -909,6 +953,7 @@ def splits_table(
             f"{', '.join(fmt_s(x['seconds']) for x in rows)} | **{ratio(worst['seconds'], worst['limit'])}** | "
             f"{ratio(off['seconds'], off['predicted'])} | {fmt_s(line.get('wait'))} | "
             f"{fmt_s(line.get('disk_idle'))} | {ratio(first, best)} / **{ratio(first, r.get('first_floor_s'))}** | "
+            f"{_memory_cell(limit)} | **{ratio(first, limit['limit'] if limit else None)}** | "
             f"{r['anon_peak'] / GiB:.2f} GiB |"
         )
     lines += [
@@ -917,9 +962,19 @@ def splits_table(
         "measurement; first forward with dispatch at most 1.15x the whole-checkpoint read floor. "
         "Where a forward misses its limit, the timeline says why: compute waiting on reads (the schedule), "
         "or the streamed blocks' compute slower than the compute floor (the machine: contention, "
-        "reader threads on the compute cores, cold memory).",
+        "reader threads on the compute cores, cold memory). The first forward also makes the resident "
+        "part and the ring out of memory the process has not touched: *fresh memory* is the time this "
+        "machine took to hand over that much (faulted in by 2 threads, no disk, just before the whole "
+        "read), and the *first limit* the longer of it and the whole read (the two can overlap, neither "
+        "can be skipped).",
     ]
     return lines
+
+
+def _memory_cell(limit: dict[str, float] | None) -> str:
+    if not limit:
+        return "-"
+    return f"{gb(limit['made'])} at {limit['rate'] / 1e9:.2f} GB/s: {fmt_s(limit['memory'])}"
 
 
 def _header(shape: Shape, info: dict[str, Any]) -> str:
@@ -992,6 +1047,8 @@ def _scenario_rows(
     whole = r.get("first_floor_s")
     if whole:
         split += f"; the whole checkpoint read cold just before the dispatch: {whole:.1f} s ({ratio(first, whole)})"
+    if r.get("memory_rate"):
+        split += f"; fresh memory faulted in just before that at {r['memory_rate'] / 1e9:.2f} GB/s"
     rows = [
         f"| {name}: dispatch + first forward | {fmt_s(first)} | {ratio(first, best)} | {anon} | "
         f"dispatch {fmt_s(r['dispatch_s'])}; {split} |"
@@ -1064,9 +1121,16 @@ def _goals(
                 + " (goal 0.87-1.15x)"
             )
         first = r["first_s"] + r["dispatch_s"]
+        limit = first_limit(shape, r)
         parts.append(
             f"dispatch + first forward / whole read: {ratio(first, best)} of the run's floor, "
             f"**{ratio(first, r.get('first_floor_s'))}** of the same minute's (goal <= 1.15x)"
+            + (
+                f", / the first limit (the longer of that read and {fmt_s(limit['memory'])} to make "
+                f"{gb(limit['made'])} of fresh memory): **{ratio(first, limit['limit'])}**"
+                if limit
+                else ""
+            )
         )
         budget = int(shape.ram * Fraction(r.get("fraction", "2/3")))  # the split's cpu budget (0: all-disk)
         room = budget + (r.get("ring") or 0) + GiB

@@ -212,7 +212,7 @@ class DevicePlan:
             >>> tree = SizeTree.build([TensorSpec(f"h.{i}.weight", 250, "float32") for i in range(4)])
             >>> s = make_plan(tree, {"cpu": 2000, "disk": 10**6}).stream_plan()
             >>> s.mode, s.fetcher, s.ring_bytes
-            ('copy', 'ring', 1500)
+            ('copy', 'ring', 2000)
         """
         options = stream if stream is not None else StreamOptions(prefetch=self.prefetch)
         key = ("stream plan", machine, options)

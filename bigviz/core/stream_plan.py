@@ -16,8 +16,9 @@ pinned staging buffers: :data:`FETCHERS` ``"cuda"``):
   available RAM): everything stays memory-mapped; disk units are paged in one unit ahead
   and the page cache keeps them (``"cpu"`` fetcher);
 * it does not: the resident part is copied into process memory and the disk units stream
-  through a ring of ``1 + RING_AHEAD`` times the largest unit, ``O_DIRECT``
-  (``stream="ring"``), or through the page cache, dropped after use (``stream="cache"``);
+  through a ring of ``1 + RING_AHEAD`` times the largest unit (less, down to
+  ``1 + RING_AHEAD_LEAST``, where the RAM beside the resident part has no room for it),
+  ``O_DIRECT`` (``stream="ring"``), or through the page cache, dropped after use (``stream="cache"``);
 * the resident part and the ring do not fit in RAM either (a "cpu" budget larger than the
   machine's memory): copying would take the whole model into process memory, so ``"auto"``
   keeps it mapped (pages read again as needed) and ``resident="copy"`` is refused, naming the
@@ -27,10 +28,15 @@ Example:
     >>> units = [(f"h.{i}", "disk", 100) for i in range(4)]  # (unit, storage, bytes), in fetch order
     >>> plan = make_stream_plan(units, {"h.4": 300}, "cpu", MachineFacts(available_ram=700))
     >>> plan.mode, plan.fetcher, plan.ring_bytes, plan.depth
-    ('copy', 'ring', 150, 2)
+    ('copy', 'ring', 200, 2)
     >>> print(plan.summary())
-    300 B copied into RAM once, 4 disk units streamed by the ring fetcher (O_DIRECT into one ring of 150 B, 2 units ahead, 4 readers)
-      why: the model (700 B) does not fit in 90% of the available RAM (630 B): the resident part is copied into process memory, disk units are streamed, never kept; disk units read ahead into a ring of 150 B
+    300 B copied into RAM once, 4 disk units streamed by the ring fetcher (O_DIRECT into one ring of 200 B, 2 units ahead, 4 readers)
+      why: the model (700 B) does not fit in 90% of the available RAM (630 B): the resident part is copied into process memory, disk units are streamed, never kept; disk units read ahead into a ring of 200 B
+
+    Less RAM beside the resident part: the ring shrinks to what fits (1.5 units here):
+
+    >>> make_stream_plan(units, {"h.4": 300}, "cpu", MachineFacts(available_ram=500)).ring_bytes
+    150
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ __all__ = [
     "RAM_SHARE",
     "DEFAULT_DEPTH",
     "RING_AHEAD",
+    "RING_AHEAD_LEAST",
     "RESIDENCY_MODES",
     "STREAMS",
     "FETCHERS",
@@ -64,7 +71,16 @@ RAM_SHARE = 0.9
 """Of the available RAM, what a model may count on (transformers keeps 10% for everything
 else; the page cache cannot be expected to keep more)."""
 DEFAULT_DEPTH = 2  # streamed units read ahead of the running one, by a ring or through the page cache
-RING_AHEAD = 0.5  # the ring holds the largest unit and this share of one more (bigviz.engine.fetchers.ring)
+RING_AHEAD = 1.0
+"""The ring holds the largest unit and this share of one more. A unit's tensors are placed whole
+and in order, so a ring of 1.5 units left the next unit only the fragments beside the running
+one (a third of a GPT block: 604 MB tensors against 0.9 GB split at the ring's end) and its
+reads waited for the compute (issue 26: a 50.2 GB GPT's later forwards, same hour, alternated:
+all-disk 32.0-33.6 s with 1.5 units, 23.9-28.1 s with 2; at 2/3 of the RAM 20.7-22.6 s and
+18.4-19.9 s). With two units the next one is read whole while the one before computes."""
+RING_AHEAD_LEAST = 0.5
+"""Where the RAM beside the resident part holds less than two units, the ring shrinks to what
+fits, down to this share of one more unit (below it the resident part stays mapped)."""
 MAPPED_DEPTH = 1  # the zero-copy and GPU fetchers: the next unit, while the current one computes
 STREAM_MARGIN = 2**30  # RAM kept for everything else when page-cache streaming sizes its read-ahead
 RESIDENCY_MODES = ("auto", "copy", "map")
@@ -181,6 +197,8 @@ class StreamPlan:
         depth: Units read ahead of the running one (0: no prefetch).
         ring_bytes: Bytes of the ring (``"ring"`` only; the engine rounds it up to whole
             blocks of its reads).
+        ring_ahead: The share of one more unit the ring holds beside the largest
+            (:data:`RING_AHEAD`, less where the RAM has no room for it).
         readers: Threads reading.
         resident_bytes: Bytes kept in RAM ("cpu" weights while the CPU executes).
         streamed_bytes: Bytes fetched per forward.
@@ -200,6 +218,7 @@ class StreamPlan:
     available: int
     reason: str
     units: tuple[UnitStream, ...] = ()
+    ring_ahead: float = RING_AHEAD
 
     @property
     def fetch_ahead(self) -> int:
@@ -256,6 +275,7 @@ class StreamPlan:
             "fetcher": self.fetcher,
             "depth": self.depth,
             "ring_bytes": self.ring_bytes,
+            "ring_ahead": self.ring_ahead,
             "readers": self.readers,
             "resident_bytes": self.resident_bytes,
             "streamed_bytes": self.streamed_bytes,
@@ -270,8 +290,8 @@ def ring_bytes(largest_unit: int, ahead: float = RING_AHEAD) -> int:
     of the next (``bigviz.engine.fetchers.ring.ring_capacity`` adds the alignment of its reads).
 
     Example:
-        >>> ring_bytes(2 * 10**9)
-        3000000000
+        >>> ring_bytes(2 * 10**9), ring_bytes(2 * 10**9, 0.5)
+        (4000000000, 3000000000)
     """
     return int(largest_unit * (1 + ahead))
 
@@ -285,7 +305,7 @@ def resident_room(facts: MachineFacts, *, model_bytes: int, largest_unit: int, a
     Example:
         >>> facts = MachineFacts(available_ram=1000)  # room: 900 bytes
         >>> resident_room(facts, model_bytes=800, largest_unit=100), resident_room(facts, model_bytes=1500, largest_unit=100)
-        (900, 750)
+        (900, 700)
     """
     if _fits(model_bytes, facts):
         return facts.room
@@ -346,6 +366,7 @@ def make_stream_plan(
         facts.available_ram if facts is not None else 0,
         how.reason,
         tuple(rows),
+        how.ahead,
     )
 
 
@@ -358,6 +379,17 @@ class _How:
     depth: int
     ring: int
     reason: str
+    ahead: float = RING_AHEAD
+
+
+def _ring_ahead(largest: int, in_ram: int, facts: MachineFacts | None) -> float:
+    """How much of one more unit the ring holds: :data:`RING_AHEAD`, or what the RAM beside the
+    resident part has room for, down to :data:`RING_AHEAD_LEAST` (a ring that does not fit
+    even then is the residency rule's to refuse)."""
+    if facts is None or largest <= 0:
+        return RING_AHEAD
+    fits = (facts.room - in_ram) / largest - 1
+    return max(RING_AHEAD_LEAST, min(RING_AHEAD, fits))
 
 
 def _decide(
@@ -374,13 +406,16 @@ def _decide(
         return _How("map", "cuda" if isinstance(main, int) else "cpu", depth, 0, reason)
     disk = [n for _, storage, n in units if storage == "disk"]
     largest = max(disk, default=0)
-    ring = ring_bytes(largest) if disk and options.stream == "ring" else 0
+    ahead = _ring_ahead(largest, in_ram, facts)
+    ring = ring_bytes(largest, ahead) if disk and options.stream == "ring" else 0
     mode, reason = _residency(options.resident, in_ram, in_ram + sum(disk), ring, facts)
     if mode == "map" or not disk:
         return _How(mode, "cpu", depth, 0, reason)
     if options.stream == "ring":
         depth = DEFAULT_DEPTH if options.prefetch else 0  # the ring bounds what is read ahead
-        return _How("copy", "ring", depth, ring, f"{reason}; disk units read ahead into a ring of {format_size(ring)}")
+        return _How(
+            "copy", "ring", depth, ring, f"{reason}; disk units read ahead into a ring of {format_size(ring)}", ahead
+        )
     if options.prefetch:  # through the page cache: as many units as the RAM left holds
         left = (facts.available_ram - in_ram) if facts is not None else 0
         depth = max(1, min(DEFAULT_DEPTH, (left - STREAM_MARGIN) // max(1, largest) - 1))

@@ -479,7 +479,12 @@ def _attach(inventory: ModelInventory, binding: Binding, state: DispatchState, s
     model = inventory.model
     options = state.options
     fetcher = make_fetcher(
-        stream.fetcher, binding.units, options.main_device, readers=stream.readers, background=options.prefetch
+        stream.fetcher,
+        binding.units,
+        options.main_device,
+        readers=stream.readers,
+        background=options.prefetch,
+        ahead=stream.ring_ahead,
     )
     wrap = options.main_device.type == "cpu"  # page-in hints only; GPU memory is not held between calls
     state.scheduler = Scheduler(

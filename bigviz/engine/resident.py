@@ -16,7 +16,7 @@ without polluting:
   beside the first forward (:mod:`bigviz.engine.resident_copy`);
 - the disk units get a :class:`~bigviz.engine.fetchers.ring.RingFetcher`: read ahead in execution
   order by parallel readers with ``O_DIRECT`` into one ring buffer allocated once and reused,
-  1.5 times the largest unit (no page cache, nothing to drop; fresh memory per unit costs a
+  two times the largest unit (no page cache, nothing to drop; fresh memory per unit costs a
   fault per page on a virtual machine), the next reads starting as soon as a unit is done
   (so reads run on while resident units compute).
 

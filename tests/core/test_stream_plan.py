@@ -14,6 +14,8 @@ from bigviz.core.planner import make_plan
 from bigviz.core.stream_plan import (
     DEFAULT_DEPTH,
     RAM_SHARE,
+    RING_AHEAD,
+    RING_AHEAD_LEAST,
     MachineFacts,
     StreamOptions,
     make_stream_plan,
@@ -49,7 +51,7 @@ def test_a_model_planned_with_the_default_budget_streams_as_planned(n: int, laye
     stream = plan.stream_plan(facts)
     if plan.offloaded_bytes()["disk"] == 0:
         assert stream.mode == "map"
-    elif ring_bytes(layer) > facts.room:
+    elif ring_bytes(layer, RING_AHEAD_LEAST) > facts.room:  # not even the least ring fits
         assert stream.mode == "map" and "do not fit" in stream.reason
     else:
         assert stream.mode == "copy" and stream.fetcher == "ring"
@@ -113,3 +115,26 @@ def test_without_machine_facts_the_budgets_are_the_machine() -> None:
 def test_bad_knobs_are_named(bad: dict) -> None:
     with pytest.raises(PlanError, match=next(iter(bad))):
         make_stream_plan([], {}, "cpu", None, StreamOptions(**bad))
+
+
+@settings(max_examples=200, deadline=None)
+@given(resident=st.integers(0, 2000), largest=st.integers(1, 500), ram=st.integers(1, 4000))
+def test_the_ring_holds_the_next_unit_whole_where_the_ram_has_room(resident: int, largest: int, ram: int) -> None:
+    # two units where the RAM beside the resident part holds them (the next unit is read whole
+    # while one computes), else what fits down to 1.5 units, else the resident part stays mapped
+    facts = MachineFacts(ram)
+    units = [(f"h.{i}", "disk", largest if i == 0 else largest // 2) for i in range(3)]
+    plan = make_stream_plan(units, {"": resident} if resident else {}, "cpu", facts, StreamOptions(resident="auto"))
+    total = resident + largest + 2 * (largest // 2)
+    if total <= facts.room:
+        assert plan.mode == "map" and plan.ring_bytes == 0
+    elif resident + ring_bytes(largest, RING_AHEAD_LEAST) > facts.room:
+        assert plan.mode == "map" and "do not fit" in plan.reason
+    else:
+        assert plan.mode == "copy" and plan.resident_bytes + plan.ring_bytes <= facts.room
+        assert RING_AHEAD_LEAST <= plan.ring_ahead <= RING_AHEAD
+        assert plan.ring_bytes == ring_bytes(largest, plan.ring_ahead)
+        if resident + ring_bytes(largest, RING_AHEAD) <= facts.room:
+            assert plan.ring_ahead == RING_AHEAD  # room for two units: never less
+        else:
+            assert plan.ring_bytes > facts.room - resident - largest // 100 - 2  # all the room there is

@@ -71,8 +71,8 @@ def unmerged(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_next_unit_is_read_into_the_room_the_running_one_leaves(tmp_path: Path, unmerged: None) -> None:
     a, b, c = _units(tmp_path, [3 * ALIGN // 4] * 3)  # 3 blocks a tensor, read from 12 bytes in: 4 blocks of room
     with RingFetcher(readers=2) as fetcher:
-        fetcher.prepare([a, b, c])  # a unit takes 8 blocks: the ring holds 12
-        assert fetcher.capacity == ring_capacity(8 * ALIGN) == 12 * ALIGN
+        fetcher.prepare([a, b, c], 0.5)  # a unit takes 8 blocks: a ring of 1.5 units holds 12
+        assert fetcher.capacity == ring_capacity(8 * ALIGN, 0.5) == 12 * ALIGN
         got_a = fetcher.start(a, background=False).wait()
         hb, hc = fetcher.start(b, background=True), fetcher.start(c, background=True)
         read_b, read_c = fetcher._reads[id(b)], fetcher._reads[id(c)]

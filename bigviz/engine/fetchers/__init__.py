@@ -28,16 +28,24 @@ import torch
 from bigviz.engine.binding import BoundUnit
 from bigviz.engine.fetchers.protocol import Fetcher
 from bigviz.core.errors import UsageError
+from bigviz.core.stream_plan import RING_AHEAD
 
 __all__ = ["make_fetcher"]
 
 
 def make_fetcher(
-    kind: str, units: Sequence[BoundUnit], device: torch.device, *, readers: int, background: bool
+    kind: str,
+    units: Sequence[BoundUnit],
+    device: torch.device,
+    *,
+    readers: int,
+    background: bool,
+    ahead: float = RING_AHEAD,
 ) -> Fetcher:
     """The fetcher a stream plan names (``"cpu"``, ``"cuda"``, ``"ring"``, ``"cache"``), for
-    ``units`` executing on ``device``. A ring is sized for the streamed disk units here (the
-    plan's ring bytes, rounded up to whole blocks of the reads their files need).
+    ``units`` executing on ``device``. A ring is sized for the streamed disk units here: the
+    largest unit and ``ahead`` of one more (the plan's ``ring_ahead``), rounded up to whole
+    blocks of the reads their files need.
 
     Raises:
         ValueError: an unknown kind (a stream plan made elsewhere).
@@ -50,7 +58,7 @@ def make_fetcher(
         from bigviz.engine.fetchers.ring import RingFetcher
 
         ring = RingFetcher(readers=readers)
-        ring.prepare([u for u in units if u.storage == "disk"])
+        ring.prepare([u for u in units if u.storage == "disk"], ahead)
         return ring
     if kind == "cache":
         from bigviz.engine.fetchers.cache import StreamingFetcher

@@ -26,8 +26,11 @@ the hypervisor, as with virtio-balloon free page reporting, pays a fault per pag
 time it touches new memory); ``O_DIRECT`` into memory made once costs the same on every pass.
 
 Why a ring and not whole-unit buffers (``depth + 1`` of them)? Three buffers of the bench's
-1.8 GB blocks held 5.1 GiB beside the resident part; the ring holds 2.5 GiB for the same
-overlap of reads and compute (the compute of a block takes less time than reading half of it).
+1.8 GB blocks held 5.1 GiB beside the resident part; a ring of two blocks holds 3.4 GiB and
+reads the next block whole while one computes. A ring of 1.5 blocks (2.5 GiB, the size until
+issue 26) left the next block only the fragments beside the running one, a third of it where
+its tensors are 604 MB, and its later forwards ran 13-21% slower on a 50.2 GB GPT
+(:data:`~bigviz.core.stream_plan.RING_AHEAD` says what was measured).
 
 A unit waited for while an earlier unit still runs (a unit nested in another, a guess of the
 next unit that did not come true while the ring is full) gets what does not fit in the ring
@@ -91,7 +94,7 @@ def ring_capacity(largest: int, ahead: float = RING_AHEAD) -> int:
     the running unit and ``ahead`` of one more, in whole ``ALIGN`` blocks.
 
     Example:
-        >>> ring_capacity(10 * 2**20) == 15 * 2**20, ring_capacity(1) == 2 * 4096
+        >>> ring_capacity(10 * 2**20) == 20 * 2**20, ring_capacity(10 * 2**20, 0.5) == 15 * 2**20
         (True, True)
     """
     if largest < 0 or ahead < 0:
@@ -223,9 +226,9 @@ class RingFetcher:
 
         Reads are merged into extents of at most half the ring's room beyond the largest
         unit (issue 26): an extent is placed whole, so a unit read as one 64 MiB extent could
-        not start into the half unit a ring of 1.5 units leaves free while the unit before
-        it computes, and every streamed unit's read waited for the previous one's compute
-        (the timeline of a GPT with 12.6 MB blocks showed it). Tensors are still never split.
+        not start into the room a ring leaves free while the unit before it computes, and
+        every streamed unit's read waited for the previous one's compute (the timeline of a
+        GPT with 12.6 MB blocks in a ring of 1.5 blocks showed it). Tensors are still never split.
         """
         maps = FileMaps()  # /proc/self/maps parsed once for all of them
         largest = self._largest(units, maps)
