@@ -299,17 +299,25 @@ def ring_bytes(largest_unit: int, ahead: float = RING_AHEAD) -> int:
 def resident_room(facts: MachineFacts, *, model_bytes: int, largest_unit: int, ahead: float = RING_AHEAD) -> int:
     """The default "cpu" budget (resident bytes) on a machine: all of its room when the whole
     model fits (it stays memory-mapped), else its room less the ring the streamed units pass
-    through (the resident part is copied, the ring sits beside it). The stream plan decides
-    with the same rule, so a model planned with this budget streams as planned.
+    through (the resident part is copied, the ring sits beside it). The ring of ``ahead``
+    (two units) is kept only where it leaves the resident part at least its own size; else the
+    least ring (:data:`RING_AHEAD_LEAST`): a ring taking most of the RAM would leave nothing
+    resident, nor room for the run. The stream plan sizes its ring by the room the budget
+    leaves, so a model planned with this budget streams as planned.
 
     Example:
         >>> facts = MachineFacts(available_ram=1000)  # room: 900 bytes
         >>> resident_room(facts, model_bytes=800, largest_unit=100), resident_room(facts, model_bytes=1500, largest_unit=100)
         (900, 700)
+        >>> resident_room(facts, model_bytes=1500, largest_unit=300)  # two units would take 600 of 900: 1.5 kept
+        450
     """
     if _fits(model_bytes, facts):
         return facts.room
-    return max(0, facts.room - ring_bytes(largest_unit, ahead))
+    ring = ring_bytes(largest_unit, ahead)
+    if facts.room - ring < ring:
+        ring = ring_bytes(largest_unit, min(ahead, RING_AHEAD_LEAST))
+    return max(0, facts.room - ring)
 
 
 def _fits(total: int, facts: MachineFacts) -> bool:
