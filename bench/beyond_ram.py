@@ -77,6 +77,7 @@ TOKENS = 16
 MEMORY_SAMPLE = 4 * 2**30  # fresh memory faulted in before each dispatch, for its rate
 GiB = 2**30
 GUARD_BYTES = 1 * GiB  # a scenario is killed when MemAvailable falls below this
+SKIPPED = "\n\n(nothing measured at this size)"  # ends the text of a size skipped: no run records only skips
 PICTURES: list[Path] = []  # the timelines drawn in this run, in order
 
 
@@ -521,23 +522,23 @@ def _timeline_data(line: Any) -> dict[str, Any]:
 def in_ring_order(blocks: list[tuple[Any, int, int]], *, readers: int) -> float:
     """Seconds to read ``blocks`` (``(path, offset, length)``, ``offset`` a multiple of 4096)
     with ``O_DIRECT`` as the ring reads them: 16 MiB pieces in file order, taken in turn by ``readers``
-    threads, into ``2 * readers`` slots of one buffer made (and touched, by one thread) first.
-    Four readers each on a contiguous quarter (``timed_read``) read up to 1.4x slower than the
+    threads, into ``2 * readers`` slots of one buffer made first (of huge pages, as the ring's,
+    touched by one thread). Four readers each on a contiguous quarter (``timed_read``) read up to 1.4x slower than the
     ring's forwards on this disk, which made that floor no floor.
 
     Raises:
         OSError: ``O_DIRECT`` refused, or a file shorter than asked.
     """
     import ctypes
-    import mmap
     from concurrent.futures import ThreadPoolExecutor
 
     from bigviz.osio.direct import CHUNK, pieces_of, read_piece
+    from bigviz.osio.pages import huge_anonymous
 
     slots = 2 * readers
-    buffer = mmap.mmap(-1, slots * CHUNK)  # page aligned, as O_DIRECT wants
+    buffer, skip = huge_anonymous(slots * CHUNK)  # huge pages, as the ring's memory (osio.pages.hugepages)
     buffer.write(b"\1" * len(buffer))  # touched by one thread, before the clock starts
-    base = ctypes.addressof(ctypes.c_char.from_buffer(buffer))  # the view is gone at once: close() may run
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buffer)) + skip  # the view is gone at once: close() may run
     futures: list[Any] = []
     try:
         with ThreadPoolExecutor(readers) as pool:
@@ -1246,7 +1247,7 @@ def main() -> None:
         print(report(Shape(**raw["shape"]), raw["floor"], raw["results"], raw["compute"], raw["info"]))
         return
     sizes = [None] if args.size else [float(x) for x in args.sizes.split(",")]
-    texts = []
+    texts, measured = [], False
     for i, multiple in enumerate(sizes):
         if multiple is not None:
             args.ram_multiple = multiple
@@ -1254,7 +1255,10 @@ def main() -> None:
         if text:
             print(text)
             texts.append(text)
-    if texts and not (args.small or args.no_results):  # its section replaced, the old one kept in the diary
+            measured |= not text.endswith(SKIPPED)
+    if measured and not (
+        args.small or args.no_results or args.build_only
+    ):  # its section replaced, the old one kept in the diary
         sys.path.insert(0, str(HERE))
         import records
 
@@ -1275,7 +1279,7 @@ def measure_size(args: argparse.Namespace, *, first: bool, more: list[float | No
     shape = choose_shape(args, free + _ours(folder))
     if isinstance(shape, str):
         print(f"bench/beyond_ram.py: {args.ram_multiple:g}x RAM skipped: {shape}")
-        return f"### {args.ram_multiple:g}x the RAM: skipped\n\n{shape}"
+        return f"### {args.ram_multiple:g}x the RAM: skipped\n\n{shape}{SKIPPED}"
     if not first:
         args.skip = [*args.skip, "accelerate"]  # accelerate once, at the first size
     try:

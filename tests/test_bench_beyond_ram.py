@@ -143,3 +143,36 @@ def test_fresh_memory_is_faulted_in_and_timed(bench: ModuleType) -> None:
     rate = bench.fresh_memory_rate(64 * 2**20, threads=2)
     works = pages.available() and pages._LIBC.works[pages.MADV_POPULATE_WRITE]  # False after EINVAL (< 5.14)
     assert rate > 0 if works else rate == 0.0
+
+
+@pytest.mark.parametrize(
+    "argv, recorded",
+    [
+        (["--build-only", "--sizes", "1.25"], False),  # builds, measures nothing
+        (["--sizes", "1.25,2"], False),  # every size skipped (no disk room): nothing measured
+        (["--sizes", "1.25,2", "--no-results"], False),
+        (["--sizes", "1.25,2"], True),  # one size measured: recorded, the skip said beside it
+    ],
+)
+def test_only_a_run_that_measured_replaces_the_recorded_results(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch, argv: list[str], recorded: bool
+) -> None:
+    written: list[str] = []
+    skipped = f"### 2x the RAM: skipped\n\nno room{bench.SKIPPED}"
+
+    def measure_size(args: Any, *, first: bool, more: list[Any]) -> str | None:
+        if args.build_only:
+            return skipped if args.ram_multiple == 2 else None
+        return "### measured" if recorded and first else skipped
+
+    records = ModuleType("records")
+    records.write_section = lambda name, text, note: written.append(text)  # type: ignore[attr-defined]
+    records.assemble = lambda: None  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "records", records)
+    monkeypatch.setattr(bench, "measure_size", measure_size)
+    monkeypatch.setattr(sys, "argv", ["beyond_ram.py", *argv])
+    monkeypatch.setattr(bench, "PICTURES", [])
+    bench.main()
+    assert bool(written) == recorded
+    if recorded:
+        assert "### measured" in written[0] and "skipped" in written[0]

@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bigviz.osio.direct import ALIGN, open_file
-from bigviz.osio.pages import PAGE, available, cached_pages, drop_file_pages
+from bigviz.osio.pages import PAGE, available, cached_pages, drop_file_pages, huge_anonymous
 from bigviz.osio.procfs import mount_of
 from bigviz.core.errors import UsageError
 
@@ -182,8 +182,8 @@ def timed_read(
 
 
 def _read_part(part: Sequence[Range], chunk: int, direct: bool) -> int:
-    buffer = mmap.mmap(-1, chunk)  # anonymous, page aligned: O_DIRECT accepts it
-    view = memoryview(buffer)
+    buffer, skip = huge_anonymous(chunk)  # from a huge page, as the ring reads (osio.pages.hugepages)
+    view = memoryview(buffer)[skip : skip + chunk]
     got = 0
     try:
         for path, offset, length in part:

@@ -187,3 +187,35 @@ def test_a_converted_tensor_is_handed_out_and_the_layout_is_found_once(
             assert got["b"].dtype == torch.float16 and torch.equal(got["b"], unit._store["b"].half())
             fetcher.release(unit)
     assert len(made) == 1, f"/proc/self/maps parsed {len(made)} times for one unit"
+
+
+def _vma_field(address: int, field: str) -> int | None:
+    """A field of the ``/proc/self/smaps`` entry of the mapping that holds ``address``."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                begin, end = (int(x, 16) for x in head.split("-"))
+                inside = begin <= address < end
+            elif inside and head == field + ":":
+                return int(line.split()[1])
+    return None
+
+
+def test_the_ring_starts_on_a_huge_page_and_asks_for_huge_pages(tmp_path: Path) -> None:
+    """Reads into 2 MiB pages reach the disk as larger requests (osio.pages.hugepages): the
+    ring starts on a huge-page boundary, its mapping marked for transparent huge pages (where
+    the kernel offers them), and its bytes are still the file's."""
+    from bigviz.osio.pages import HUGE_PAGE
+
+    (unit,) = _units(tmp_path, [HUGE_PAGE])  # two 8 MiB tensors
+    with RingFetcher(readers=2) as fetcher:
+        fetcher.prepare([unit])
+        assert _exact(fetcher.start(unit, background=False).wait(), unit)
+        address = fetcher._ring.data_ptr()
+        assert address % HUGE_PAGE == 0 and fetcher._ring.numel() == fetcher.capacity
+        offered = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+        if offered.exists() and "[never]" not in offered.read_text():
+            assert _vma_field(address, "THPeligible") == 1
+        fetcher.release(unit)
