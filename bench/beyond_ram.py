@@ -400,10 +400,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
     out: dict[str, Any] = {"phase": "dispatch"}
     idx = torch.randint(0, spec["config"]["vocab_size"], (1, TOKENS), generator=torch.Generator().manual_seed(1))
-    if spec.get("paired"):  # the same minute's floors: fresh memory, then the whole checkpoint read cold
+    if spec.get("paired"):  # the same minute's floor of the first forward's memory (its read: after the forwards)
         sample = min(MEMORY_SAMPLE, spec["budget"] // 4) if spec.get("budget") else MEMORY_SAMPLE
-        out["memory_rate"] = fresh_memory_rate(sample)  # first: its pages are handed back during the read
-        out["first_floor_s"] = _paired_floor(spec, None)
+        out["memory_rate"] = fresh_memory_rate(sample)
     with PeakMemory(("RssAnon",)) as peak:  # sampled every 2 ms
         try:
             start = time.perf_counter()
@@ -439,6 +438,11 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                     copied = bigviz.residency(model).copied  # made while the first forward ran (read after it)
                     if copied is not None:
                         out["copy"] = {"bytes": copied.nbytes, "seconds": copied.seconds, "direct": copied.direct_bytes}
+            if spec.get("paired"):
+                # The whole checkpoint read cold after the forwards, not before the dispatch: read
+                # just before it, 32 GB slowed the first forward's fresh memory by a third
+                # (bench/studies/first_forward.py --variant prelude: 37-41 s against 24-32 s).
+                out["first_floor_s"] = _paired_floor(spec, None)
             out["phase"] = "done"
         except Exception as exc:  # what a peer does wrong is a result, not a crash of the bench
             out["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
@@ -475,7 +479,7 @@ def first_limit(shape: Shape, r: dict[str, Any]) -> dict[str, float] | None:
     """The first forward's limit at the same minute: it reads the whole checkpoint once and
     makes the resident part and the ring out of fresh memory, on two resources that can
     overlap, so it cannot end before the longer of the two (the whole read measured cold just
-    before the dispatch; the memory at the rate measured just before that). None when the run
+    after the forwards; the memory at the rate measured just before the dispatch). None when the run
     did not measure both."""
     whole, rate = r.get("first_floor_s"), r.get("memory_rate")
     if not whole or not rate:
@@ -921,7 +925,7 @@ def splits_table(
         f"{compute['block_s']:.2f} s per block) is {compute_floor(shape, compute):.1f} s per forward; the read "
         f"floor at the run's start {bandwidth / 1e9:.2f} GB/s. Limit = the cost model's forward with reads ahead "
         "without bound; *same minute*: at the speed the disk read the streamed part cold (O_DIRECT, as the ring "
-        "reads) just before each forward, and the whole checkpoint just before the dispatch. Two later "
+        "reads) just before each forward, and the whole checkpoint just after the third forward. Two later "
         "forwards per split: the worse ratio is shown.",
         "",
         "| split: cpu budget | resident | streamed | compute floor | disk: start / same minute | limit: start / "
@@ -1047,9 +1051,9 @@ def _scenario_rows(
         split += f"; resident copy {copy['bytes'] / copy['seconds'] / 1e9:.2f} GB/s ({how})"
     whole = r.get("first_floor_s")
     if whole:
-        split += f"; the whole checkpoint read cold just before the dispatch: {whole:.1f} s ({ratio(first, whole)})"
+        split += f"; the whole checkpoint read cold after the forwards: {whole:.1f} s ({ratio(first, whole)})"
     if r.get("memory_rate"):
-        split += f"; fresh memory faulted in just before that at {r['memory_rate'] / 1e9:.2f} GB/s"
+        split += f"; fresh memory faulted in just before the dispatch at {r['memory_rate'] / 1e9:.2f} GB/s"
     rows = [
         f"| {name}: dispatch + first forward | {fmt_s(first)} | {ratio(first, best)} | {anon} | "
         f"dispatch {fmt_s(r['dispatch_s'])}; {split} |"

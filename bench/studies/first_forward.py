@@ -20,6 +20,10 @@ changes one thing:
 * ``copy-first``: the first forward starts only once the copy is done (no compute, no ring
   reads beside it): the copy's speed on its own in the same process;
 * ``no-prefault``: the copy's pieces are not faulted in before their reads;
+* ``threads=N``: torch computes with N threads;
+* ``prelude``: first what the bench does before its dispatch (fresh memory timed, the whole
+  checkpoint read cold, the page cache dropped);
+* ``peak``: the bench's memory sampler (``/proc/self/status`` every 2 ms) runs throughout;
 * ``ring-4k``: the ring without transparent huge pages (as before 2026-12-03).
 
 Two more forwards follow the first (their times printed). ``--fraction 0``: all on disk.
@@ -100,6 +104,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
         rc.ResidentCopy.__init__ = init  # type: ignore[method-assign]
 
+    if spec["variant"].startswith("threads="):  # torch's compute threads (default: one per core)
+        torch.set_num_threads(int(spec["variant"].split("=")[1]))
     with bigviz.init_empty_weights():
         model = GPT(GPTConfig(**spec["config"]))
     names.update({id(m): n for n, m in model.named_modules()})
@@ -107,6 +113,14 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         0, spec["config"]["vocab_size"], (1, beyond_ram.TOKENS), generator=torch.Generator().manual_seed(1)
     )
     out: dict[str, Any] = {"variant": spec["variant"]}
+    if spec["variant"] == "prelude":  # what the bench does in the same process before its dispatch
+        out["memory_rate"] = beyond_ram.fresh_memory_rate(min(beyond_ram.MEMORY_SAMPLE, spec["budget"] // 4))
+        out["whole_s"] = beyond_ram._paired_floor({**spec, "drop": "global", "readers": 4}, None)
+    sampler = None
+    if spec["variant"] == "peak":  # the bench's anonymous-memory sampler, every 2 ms
+        from bigviz.modeling.process_memory import PeakMemory
+
+        sampler = PeakMemory(("RssAnon",)).start()
     start = time.perf_counter()
     model = bigviz.load_checkpoint_and_dispatch(
         model,
@@ -131,6 +145,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         with torch.no_grad():
             model(idx)
         out[key] = time.perf_counter() - t0
+    if sampler is not None:
+        sampler.stop()
     report = bigviz.residency(model).copied
     out["copy_bytes"] = report.nbytes if report else 0
     out["copy_s"] = report.seconds if report else 0.0
@@ -161,6 +177,7 @@ def summarize(r: dict[str, Any]) -> str:
         f"copy {r['copy_bytes'] / gb:.1f} GB in {r['copy_s']:.1f} s ({r['copy_bytes'] / gb / max(r['copy_s'], 1e-9):.2f} GB/s)"
         + (f", waited for alone {r['copy_alone_s']:.1f} s" if "copy_alone_s" in r else "")
         + f"; next forwards {r['next_s']:.1f} s, {r['third_s']:.1f} s"
+        + (f"; prelude: whole read {r['whole_s']:.1f} s" if "whole_s" in r else "")
     )
     fault = sum(p[2] - p[1] for p in pieces)
     read = sum(p[3] - p[2] for p in pieces)
