@@ -441,7 +441,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             if spec.get("paired"):
                 # The whole checkpoint read cold after the forwards, not before the dispatch: read
                 # just before it, 32 GB slowed the first forward's fresh memory by a third
-                # (bench/studies/first_forward.py --variant prelude: 37-41 s against 24-32 s).
+                # (bench/studies/first_forward.py --variant prelude: 33-41 s against 25-32 s).
                 out["first_floor_s"] = _paired_floor(spec, None)
             out["phase"] = "done"
         except Exception as exc:  # what a peer does wrong is a result, not a crash of the bench
@@ -969,8 +969,8 @@ def splits_table(
         "or the streamed blocks' compute slower than the compute floor (the machine: contention, "
         "reader threads on the compute cores, cold memory). The first forward also makes the resident "
         "part and the ring out of memory the process has not touched: *fresh memory* is the time this "
-        "machine took to hand over that much (faulted in by 2 threads, no disk, just before the whole "
-        "read), and the *first limit* the longer of it and the whole read (the two can overlap, neither "
+        "machine took to hand over that much (faulted in by 2 threads, no disk, just before the "
+        "dispatch), and the *first limit* the longer of it and the whole read (the two can overlap, neither "
         "can be skipped).",
     ]
     return lines

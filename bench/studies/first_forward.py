@@ -22,7 +22,9 @@ changes one thing:
 * ``no-prefault``: the copy's pieces are not faulted in before their reads;
 * ``threads=N``: torch computes with N threads;
 * ``prelude``: first what the bench does before its dispatch (fresh memory timed, the whole
-  checkpoint read cold, the page cache dropped);
+  checkpoint read cold, the page cache dropped); ``prelude-wait=S``: then S seconds idle;
+* ``floors``: each later forward follows a cold read of its streamed part (the bench's
+  same-minute floor);
 * ``peak``: the bench's memory sampler (``/proc/self/status`` every 2 ms) runs throughout;
 * ``ring-4k``: the ring without transparent huge pages (as before 2026-12-03).
 
@@ -113,9 +115,11 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         0, spec["config"]["vocab_size"], (1, beyond_ram.TOKENS), generator=torch.Generator().manual_seed(1)
     )
     out: dict[str, Any] = {"variant": spec["variant"]}
-    if spec["variant"] == "prelude":  # what the bench does in the same process before its dispatch
+    if spec["variant"].startswith("prelude"):  # what the bench did before its dispatch until 2026-12-03
         out["memory_rate"] = beyond_ram.fresh_memory_rate(min(beyond_ram.MEMORY_SAMPLE, spec["budget"] // 4))
         out["whole_s"] = beyond_ram._paired_floor({**spec, "drop": "global", "readers": 4}, None)
+        if "wait=" in spec["variant"]:  # then a pause: does the machine recover?
+            time.sleep(float(spec["variant"].split("wait=")[1]))
     sampler = None
     if spec["variant"] == "peak":  # the bench's anonymous-memory sampler, every 2 ms
         from bigviz.modeling.process_memory import PeakMemory
@@ -140,7 +144,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         model(idx)
     out["first_s"] = time.perf_counter() - forward_start
     out["total_s"] = time.perf_counter() - start
+    placed = {str(k): str(v) for k, v in getattr(model, "hf_device_map", {}).items()}
     for key in ("next_s", "third_s"):
+        if spec["variant"] == "floors":  # the bench's same-minute read of the streamed part, just before
+            out[key[:-2] + "_floor_s"] = beyond_ram._paired_floor({**spec, "drop": "global", "readers": 4}, placed)
         t0 = time.perf_counter()
         with torch.no_grad():
             model(idx)
@@ -228,7 +235,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", type=Path, default=CHECKPOINT)
     parser.add_argument("--fraction", default="1/2", help="the cpu budget, a fraction of the RAM")
-    parser.add_argument("--variant", action="append", help="default, readers=N, copy-first, no-prefault")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        help="default, readers=N, copy-first, no-prefault, ring-4k, threads=N, prelude, prelude-wait=S, floors, peak",
+    )
     parser.add_argument("--resident", default="auto", help="copy: as if larger than RAM (a small checkpoint)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
