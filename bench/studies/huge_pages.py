@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
 from bigviz.osio.direct import CHUNK  # noqa: E402
-from bigviz.osio.pages import HUGE_PAGE, hugepages, prefault  # noqa: E402
+from bigviz.osio.pages import huge_anonymous, prefault  # noqa: E402
 
 CHECKPOINT = HERE.parent / "_work" / "beyond-ram"
 REUSED = 512 * 2**20
@@ -56,12 +56,12 @@ def jobs_of(paths: list[Path]) -> list[tuple[Path, int, int]]:
 
 
 def buffer(nbytes: int, huge: bool) -> tuple[mmap.mmap, int]:
-    block = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
-    start = ctypes.addressof(ctypes.c_char.from_buffer(block))
-    address = -(-start // HUGE_PAGE) * HUGE_PAGE
+    """Private anonymous memory from a huge-page boundary, huge pages asked for or not."""
     if huge:
-        hugepages(address, nbytes)
-    return block, address
+        block, skip = huge_anonymous(nbytes)
+    else:
+        block, skip = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), 0
+    return block, ctypes.addressof(ctypes.c_char.from_buffer(block)) + skip
 
 
 def read(job: tuple[Path, int, int], address: int) -> None:
