@@ -77,6 +77,7 @@ TOKENS = 16
 MEMORY_SAMPLE = 4 * 2**30  # fresh memory faulted in before each dispatch, for its rate
 GiB = 2**30
 GUARD_BYTES = 1 * GiB  # a scenario is killed when MemAvailable falls below this
+DEFAULT_SIZES = "1.25,2"  # the issue's two model sizes, as multiples of the RAM
 SKIPPED = "\n\n(nothing measured at this size)"  # ends the text of a size skipped: no run records only skips
 PICTURES: list[Path] = []  # the timelines drawn in this run, in order
 
@@ -631,7 +632,9 @@ def _dispatch(spec: dict[str, Any], model: Any) -> Any:
 
 
 def compute_child(spec: dict[str, Any]) -> dict[str, Any]:
-    """Seconds of one block's and of the head's forward on ``TOKENS`` tokens, weights in RAM."""
+    """Seconds of one block's and of the head's forward on ``TOKENS`` tokens, weights in RAM;
+    and the compute the block loses per byte read beside it (the checkpoint's shards read with
+    ``O_DIRECT`` by the bench's readers, as the ring reads: ``MachineFacts.read_cost``)."""
     import torch
 
     from bigviz.models import GPTConfig
@@ -643,10 +646,19 @@ def compute_child(spec: dict[str, Any]) -> dict[str, Any]:
         block = Block(config, 0).eval()
         x = torch.randn(1, TOKENS, config.n_embd)
         block_s = _best(lambda: block(x))
+        read_cost = None
+        if spec.get("ckpt"):  # what the ring's reads take from this compute (bigviz.modeling.read_cost)
+            from bigviz.modeling.read_cost import measure_read_cost
+
+            files = [str(f) for f in shard_files(Path(spec["ckpt"]))]
+            read_cost = measure_read_cost(block, x, files=files, readers=spec.get("readers", 4), repeat=5)
         block = None  # its weights freed before the head is made
         head = torch.nn.Linear(config.n_embd, config.vocab_size, bias=False)
         head_s = _best(lambda: head(x))
-    return {"block_s": block_s, "head_s": head_s, "threads": torch.get_num_threads()}
+    out = {"block_s": block_s, "head_s": head_s, "threads": torch.get_num_threads()}
+    if read_cost is not None:
+        out["read_cost"] = read_cost
+    return out
 
 
 def _best(fn: Any, repeat: int = 3) -> float:
@@ -793,13 +805,21 @@ def predict(
     ring: int | None = None,
 ) -> Any:
     """bigviz.core.cost's prediction of a later forward, at the floor's bandwidth, with the
-    engine's read-ahead (its ring's bytes when the CPU streams, else ``depth`` units)."""
+    engine's read-ahead (its ring's bytes when the CPU streams, else ``depth`` units) and the
+    compute the reads take (``compute["read_cost"]``, where measured)."""
     from bigviz.core.cost import UnitCost, predict_forward
 
     resident, _, placed = split_bytes(shape, device_map)
     seconds = {"wte": 0.0, "block": compute["block_s"], "head": compute["head_s"]}
     units = [UnitCost(kind, read_bytes=nbytes, compute_seconds=seconds[kind]) for kind, nbytes, _ in placed]
-    return predict_forward(units, disk_bandwidth=bandwidth, depth=depth, resident_bytes=resident, ring=ring)
+    return predict_forward(
+        units,
+        disk_bandwidth=bandwidth,
+        depth=depth,
+        resident_bytes=resident,
+        ring=ring,
+        read_cost=compute.get("read_cost", 0.0),
+    )
 
 
 def gb(nbytes: float) -> str:
@@ -984,7 +1004,7 @@ def _memory_cell(limit: dict[str, float] | None) -> str:
 
 def _header(shape: Shape, info: dict[str, Any]) -> str:
     return (
-        f"## Larger than RAM (`python bench/beyond_ram.py{info['argv']}`, {datetime.date.today()})\n\n"
+        f"## Larger than RAM (`python bench/beyond_ram.py{info['argv']}`, {info.get('date', datetime.date.today())})\n\n"
         f"bigviz GPT, n_embd {shape.n_embd}, {shape.n_layer} blocks of {gb(shape.block_bytes)} + "
         f"embeddings {gb(shape.embedding_bytes)}: {gb(shape.model_bytes)} fp32, "
         f"{shape.model_bytes / shape.ram:.2f}x the RAM ({shape.ram / GiB:.1f} GiB"
@@ -1150,6 +1170,12 @@ def _goals(
             f"- compute, weights in RAM: one block {compute['block_s'] * 1e3:.0f} ms, the head "
             f"{compute['head_s'] * 1e3:.0f} ms; all blocks + head "
             f"{(shape.n_layer * compute['block_s'] + compute['head_s']):.1f} s per forward"
+            + (
+                f"; beside the ring's reads a block loses {compute['read_cost'] * 1e9:.3f} s of compute per GB "
+                "read (bigviz.modeling.read_cost; the prediction counts it, the limit does not)"
+                if "read_cost" in compute
+                else ""
+            )
         )
     return lines
 
@@ -1192,7 +1218,7 @@ def parse_args() -> argparse.Namespace:
         "--small-n-embd", type=int, default=512, help="width of --small's GPT (blocks of 48 x n_embd^2 bytes)"
     )
     parser.add_argument(
-        "--sizes", default="1.25,2", help="model sizes as multiples of the RAM, measured one after the other"
+        "--sizes", default=DEFAULT_SIZES, help="model sizes as multiples of the RAM, measured one after the other"
     )
     parser.add_argument(
         "--fractions",
@@ -1251,14 +1277,14 @@ def main() -> None:
         print(report(Shape(**raw["shape"]), raw["floor"], raw["results"], raw["compute"], raw["info"]))
         return
     sizes = [None] if args.size else [float(x) for x in args.sizes.split(",")]
-    texts, measured = [], False
+    texts, measured = {}, False
     for i, multiple in enumerate(sizes):
         if multiple is not None:
             args.ram_multiple = multiple
         text = measure_size(args, first=i == 0, more=sizes[i + 1 :])
         if text:
             print(text)
-            texts.append(text)
+            texts[multiple or 0.0] = text
             measured |= not text.endswith(SKIPPED)
     if measured and not (
         args.small or args.no_results or args.build_only
@@ -1266,11 +1292,35 @@ def main() -> None:
         sys.path.insert(0, str(HERE))
         import records
 
-        records.write_section("beyond_ram", "\n\n".join(texts), note="`python bench/beyond_ram.py`")
+        if not args.size:
+            texts.update({m: t for m, t in kept_sizes(args).items() if m not in texts})
+        section = "\n\n".join(texts[m] for m in sorted(texts))
+        records.write_section("beyond_ram", section, note="`python bench/beyond_ram.py`")
         records.assemble()
         shown = [p for p in PICTURES if p.name.endswith("-timeline-2of3.svg")] or PICTURES
         if shown:  # the README's picture: the first size's 2/3 split (tests/test_readme.py checks it)
             shutil.copyfile(shown[0], HERE.parent / "docs" / "larger-than-ram-run.svg")
+
+
+def kept_sizes(args: argparse.Namespace) -> dict[float, str]:
+    """The report of each of the default sizes (``--sizes``' default) from the raw figures of its
+    last run (``bench/_work/beyond-ram*-results.json``), where one was kept: a run of one size
+    records its own table and keeps the other's, marked as from that run."""
+    out = {}
+    for multiple in (float(x) for x in DEFAULT_SIZES.split(",")):
+        folder = folder_for(argparse.Namespace(**{**vars(args), "ram_multiple": multiple}))
+        path = folder.parent / f"{folder.name}-results.json"
+        if not path.is_file():
+            continue
+        raw = json.loads(path.read_text())
+        text = report(Shape(**raw["shape"]), raw["floor"], raw["results"], raw["compute"], raw["info"])
+        out[multiple] = text.replace(
+            "\n\n",
+            f"\n\n(Kept from this size's last run, {raw['info'].get('date', 'date not recorded')}: not "
+            f"measured again in this one; its raw figures in `bench/_work/{path.name}`.)\n\n",
+            1,
+        )
+    return out
 
 
 def measure_size(args: argparse.Namespace, *, first: bool, more: list[float | None]) -> str | None:
@@ -1315,6 +1365,7 @@ def measure(args: argparse.Namespace, shape: Shape, folder: Path) -> str | None:
         "drop": drop_mode(args.drop, args.small),
         "load_start": load_average(),
         "argv": "".join(" " + a for a in sys.argv[1:]),
+        "date": str(datetime.date.today()),
     }
     verb = "reusing" if _complete(folder, shape) else "building"
     print(f"{verb} {folder} ({shape.model_bytes / 1e9:.1f} GB, {shape.n_layer} blocks) ...", file=sys.stderr)

@@ -6,6 +6,7 @@ the prediction and the goals it prints against the cost model computed directly.
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -64,6 +65,25 @@ def test_the_limit_is_the_cost_models_at_the_speed_the_disk_read_the_same_bytes(
     assert first["limit"] == pytest.approx(1.0 + 0.1 + 0.05, rel=0.02)  # the last block and the head after the reads
     table = "\n".join(bench.splits_table(shape, {"bigviz all-disk": result}, compute, 2e6, 1.5))
     assert f"**{1.2 / first['limit']:.2f}x**" in table  # the forward against that limit
+
+
+def test_the_prediction_counts_the_compute_the_reads_take_and_the_limit_does_not(bench: ModuleType) -> None:
+    shape, result = _run(bench, next_s=1.5, next_read=0.2, fraction="1/2")  # a fast disk: compute sets the pace
+    compute = {"block_s": 0.1, "head_s": 0.05, "threads": 2}
+    paid = {**compute, "read_cost": 0.5 / shape.block_bytes}  # half a second per block read
+    (free_row, _) = bench.same_minute(shape, result, compute)
+    (paid_row, _) = bench.same_minute(shape, result, paid)
+    _, streamed, placed = bench.split_bytes(shape, result["map"])
+    seconds = {"wte": 0.0, "block": 0.1, "head": 0.05}
+    units = [UnitCost(kind, read_bytes=n, compute_seconds=seconds[kind]) for kind, n, _ in placed]
+    direct = predict_forward(
+        units, disk_bandwidth=streamed / 0.2, depth=2, ring=result["ring"], read_cost=paid["read_cost"]
+    )
+    assert paid_row["predicted"] == pytest.approx(direct.seconds)
+    assert paid_row["predicted"] == pytest.approx(free_row["predicted"] + streamed * paid["read_cost"], rel=1e-6)
+    assert paid_row["limit"] == pytest.approx(free_row["limit"])
+    lines = bench._goals(shape, {"bigviz auto 1/2": result}, 1.5, 2e6, paid)
+    assert any("s of compute per GB read" in line for line in lines)
 
 
 def test_the_goals_say_which_split_missed_and_why_not(bench: ModuleType) -> None:
@@ -176,3 +196,29 @@ def test_only_a_run_that_measured_replaces_the_recorded_results(
     assert bool(written) == recorded
     if recorded:
         assert "### measured" in written[0] and "skipped" in written[0]
+
+
+def test_a_run_of_one_size_keeps_the_other_size_s_table_from_its_last_run(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    written: list[str] = []
+    raw = {"shape": {}, "floor": {}, "results": {}, "compute": {}, "info": {"date": "2026-12-01"}}
+    (tmp_path / "beyond-ram-2x-results.json").write_text(json.dumps(raw))
+    (tmp_path / "beyond-ram-results.json").write_text(json.dumps(raw))  # the size measured now: not kept
+    records = ModuleType("records")
+    records.write_section = lambda name, text, note: written.append(text)  # type: ignore[attr-defined]
+    records.assemble = lambda: None  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "records", records)
+    monkeypatch.setattr(bench, "measure_size", lambda args, first, more: f"## measured {args.ram_multiple:g}x\n\nnew")
+    monkeypatch.setattr(bench, "Shape", lambda **kw: None)
+    monkeypatch.setattr(bench, "report", lambda shape, floor, results, compute, info: "## last 2x\n\nold figures")
+    monkeypatch.setattr(sys, "argv", ["beyond_ram.py", "--sizes", "1.25", "--work", str(tmp_path)])
+    monkeypatch.setattr(bench, "PICTURES", [])
+    bench.main()
+    (text,) = written
+    assert text.index("## measured 1.25x") < text.index("## last 2x")  # in the order of the sizes
+    assert "Kept from this size's last run, 2026-12-01" in text and "beyond-ram-2x-results.json" in text
+    assert text.count("## last 2x") == 1  # the 1.25x size's old figures are not kept beside its new ones
+    monkeypatch.setattr(sys, "argv", ["beyond_ram.py", "--sizes", "1.25,2", "--work", str(tmp_path)])
+    bench.main()
+    assert "Kept" not in written[-1] and "## measured 2x" in written[-1]

@@ -30,6 +30,15 @@ forward computes through per second (:func:`weights_compute_seconds`; measured w
 ``bigviz.modeling.compute_rate.measure_compute_rate`` on one block in RAM, for the tokens
 and threads of the run, and carried by ``MachineFacts.compute_rate``).
 
+Reads are not always free to the compute beside them: on a virtual machine the host copies
+each byte read into the guest and shares its cores and memory bandwidth with the matrix
+products, so compute runs slower while the disk reads. ``read_cost`` (seconds of compute lost
+per byte read, ``MachineFacts.read_cost``, measured by
+``bigviz.modeling.read_cost.measure_read_cost``) adds ``read_cost x read_bytes`` to each
+streamed unit's compute in the prediction. The limit stays the issue's physical one: the
+compute floor measured with the disk idle, so a machine whose reads cost compute cannot reach
+its limit where compute sets the pace, and the prediction says by how much.
+
 Example:
     >>> units = [UnitCost("h.0", compute_seconds=0.5)] + [
     ...     UnitCost(f"h.{i}", read_bytes=2 * 10**9, compute_seconds=0.5) for i in range(1, 4)]
@@ -123,9 +132,12 @@ class ForwardEstimate:
         limit_seconds: The physical limit of this forward: the same units with reads running
             ahead without bound (every buffer free), that is ``max(disk, link, compute)`` busy
             time plus what cannot overlap (the reads before the first streamed unit can
-            compute, the compute after the last read). ``seconds`` above it is time the
-            read-ahead the plan allows (its depth, its ring) loses; a measured forward is
-            judged against this, not against the disk alone.
+            compute, the compute after the last read), compute at its floor (the disk idle).
+            ``seconds`` above it is time the read-ahead the plan allows (its depth, its ring)
+            loses, and the compute the reads take (``read_cost_seconds``); a measured forward
+            is judged against this, not against the disk alone.
+        read_cost_seconds: Compute lost to the reads beside it (``read_cost x read_bytes``;
+            included in ``compute_seconds`` and ``seconds``, not in ``limit_seconds``).
     """
 
     seconds: float
@@ -140,6 +152,7 @@ class ForwardEstimate:
     disk_bandwidth: float = 0.0
     link_bandwidth: float | None = None
     limit_seconds: float = 0.0
+    read_cost_seconds: float = 0.0
 
     @property
     def streamed(self) -> bool:
@@ -177,6 +190,8 @@ class ForwardEstimate:
         if self.copy_seconds:
             parts.append(f"link {self.copy_seconds:.2f} s")
         parts.append(f"compute {self.compute_seconds:.2f} s")
+        if self.read_cost_seconds:
+            parts[-1] += f" ({self.read_cost_seconds:.2f} s of it taken by the reads)"
         text = f"{self.seconds:.2f} s per forward: {', '.join(parts)}"
         if self.read_seconds or self.copy_seconds:
             text += f", overlapped (the {self.bottleneck} is the bottleneck)"
@@ -195,6 +210,7 @@ def predict_forward(
     depth: int = 2,
     resident_bytes: int = 0,
     ring: int | None = None,
+    read_cost: float = 0.0,
 ) -> ForwardEstimate:
     """Predict one forward pass over ``units`` (in execution order) as a three-stage pipeline.
 
@@ -210,21 +226,39 @@ def predict_forward(
             ring, :func:`~bigviz.core.stream_plan.ring_bytes`). When given, it bounds the read-ahead instead of
             ``depth``: the reads run on while the bytes read and not yet freed (a unit's are
             freed when it has computed) fit in the ring, byte by byte.
+        read_cost: Seconds of compute lost per byte read beside it (``MachineFacts.read_cost``):
+            each streamed unit's compute grows by ``read_cost x read_bytes`` in the prediction,
+            not in the limit.
 
     Raises:
-        ValueError: a bandwidth is missing or not positive, or ``depth`` is negative.
+        ValueError: a bandwidth is missing or not positive, ``depth`` or ``read_cost`` negative.
 
     Example:
         >>> units = [UnitCost(f"h.{i}", read_bytes=10**9, compute_seconds=0.8) for i in range(3)]
         >>> ring = predict_forward(units, disk_bandwidth=1e9, ring=int(1.5e9))  # half a unit read while one computes
         >>> round(ring.seconds, 2), round(ring.stall_seconds, 2), predict_forward(units, disk_bandwidth=1e9).seconds
         (4.4, 2.0, 3.8)
+
+        Compute-bound, on a machine whose reads take 0.1 s of compute per GB: the prediction
+        grows by what the reads take, the limit does not:
+
+        >>> units = [UnitCost(f"h.{i}", read_bytes=10**9 if i % 2 else 0, compute_seconds=1.0) for i in range(4)]
+        >>> e = predict_forward(units, disk_bandwidth=2e9, depth=1, read_cost=0.1e-9)
+        >>> round(e.seconds, 2), e.limit_seconds, round(e.read_cost_seconds, 2)
+        (4.2, 4.0, 0.2)
     """
     _check(units, disk_bandwidth=disk_bandwidth, link_bandwidth=link_bandwidth, depth=depth)
     if ring is not None and ring <= 0:
         raise UsageError(f"ring={ring!r} must be > 0 bytes")
-    compute_end, stall = _simulate(units, disk_bandwidth, link_bandwidth, depth=depth, ring=ring)
+    if not read_cost >= 0:
+        raise UsageError(f"read_cost={read_cost!r} must be >= 0 seconds per byte (measure_read_cost)")
     limit, _ = _simulate(units, disk_bandwidth, link_bandwidth, depth=len(units), ring=None)
+    taken = sum(u.read_bytes for u in units) * read_cost
+    if taken:
+        units = [
+            UnitCost(u.name, u.read_bytes, u.copy_bytes, u.compute_seconds + u.read_bytes * read_cost) for u in units
+        ]
+    compute_end, stall = _simulate(units, disk_bandwidth, link_bandwidth, depth=depth, ring=ring)
     busy = _busy(units, disk_bandwidth, link_bandwidth)
     return ForwardEstimate(
         seconds=compute_end,
@@ -239,6 +273,7 @@ def predict_forward(
         disk_bandwidth=disk_bandwidth,
         link_bandwidth=link_bandwidth,
         limit_seconds=min(limit, compute_end),
+        read_cost_seconds=taken,
     )
 
 
@@ -372,13 +407,15 @@ def plan_forward(
     depth: int = 2,
     ring: int | None = None,
     rereads: bool = True,
+    read_cost: float = 0.0,
 ) -> ForwardEstimate:
     """:func:`predict_forward` for a plan's placements ``(name, device, bytes)`` in execution
     order: disk units are read per forward (``rereads``; else the page cache keeps them: read
     once, before the first forward), "cpu" ones are resident (read once, before the first
     forward) unless a GPU executes (then they cross the link), compute is spread over the units
     in proportion to their bytes. Read-ahead as the stream plan says
-    (:class:`~bigviz.core.stream_plan.StreamPlan`): ``depth`` units, or the bytes of a ``ring``.
+    (:class:`~bigviz.core.stream_plan.StreamPlan`): ``depth`` units, or the bytes of a ``ring``;
+    ``read_cost`` as for :func:`predict_forward`.
 
     Example:
         >>> rows = [("h.0", "cpu", 4 * 10**9), ("h.1", "disk", 2 * 10**9), ("h.2", "disk", 2 * 10**9)]
@@ -405,6 +442,7 @@ def plan_forward(
         depth=depth,
         resident_bytes=resident,
         ring=ring if streams else None,
+        read_cost=read_cost,
     )
 
 

@@ -266,7 +266,9 @@ class DevicePlan:
             link_bandwidth: host-to-GPU bytes/s or a :data:`~bigviz.core.hardware.LINK_BANDWIDTH`
                 name; default: PCIe 4 x16 when a GPU executes, none for the CPU.
             depth: streamed units read ahead (default: the stream plan's).
-            machine, stream: as for :meth:`stream_plan`.
+            machine, stream: as for :meth:`stream_plan`; the machine's ``read_cost`` (compute
+                lost per byte read beside it) adds to the streamed units' compute when the
+                CPU executes.
 
         Example:
             >>> from bigviz.core.tree import SizeTree, TensorSpec
@@ -304,6 +306,7 @@ class DevicePlan:
             depth=plan.depth if depth is None else depth,
             ring=(plan.ring_bytes or None) if depth is None else None,
             rereads=any(u.rereads for u in plan.units if u.storage == "disk"),
+            read_cost=machine.read_cost if machine is not None and self.main_device == "cpu" else 0.0,
         )
 
     def fits(self, *, allow_offload: bool = False) -> bool:

@@ -109,11 +109,17 @@ class MachineFacts:
             forward's seconds: ``bigviz.modeling.compute_rate.measure_compute_rate``):
             ``cost()`` counts the compute of the whole forward with it (the limit of a
             streamed forward is the longer of its reads and this compute).
+        read_cost: Seconds of compute lost per byte the disk reads beside it (a virtual
+            machine's host copies each byte in on the cores that compute:
+            ``bigviz.modeling.read_cost.measure_read_cost``); ``cost()`` adds it to the
+            compute of each streamed unit in its prediction, not to the limit. 0: reads cost
+            compute nothing.
     """
 
     available_ram: int
     disk_bandwidth: float | None = None
     compute_rate: float | None = None
+    read_cost: float = 0.0
 
     @property
     def room(self) -> int:

@@ -52,16 +52,19 @@ def absent_device_problems(device_map: Mapping[str, object], *, main_device: obj
     return missing_device_problems(device_map, available_devices(), main_device=main_device, cuda_count=gpus)
 
 
-def machine_facts(*, disk_bandwidth: float | None = None, compute_rate: float | None = None) -> MachineFacts:
+def machine_facts(
+    *, disk_bandwidth: float | None = None, compute_rate: float | None = None, read_cost: float = 0.0
+) -> MachineFacts:
     """This machine's facts for a stream plan: its available RAM now (and the disk bandwidth,
     when one was measured: ``bigviz.checkpoint.probe.measure_read_bandwidth``; the compute
-    rate, when one was: ``bigviz.modeling.compute_rate.measure_compute_rate``).
+    rate, when one was: ``bigviz.modeling.compute_rate.measure_compute_rate``; the compute the
+    reads take, when measured: ``bigviz.modeling.read_cost.measure_read_cost``).
 
     Example:
         >>> machine_facts().available_ram > 0
         True
     """
-    return MachineFacts(int(psutil.virtual_memory().available), disk_bandwidth, compute_rate)
+    return MachineFacts(int(psutil.virtual_memory().available), disk_bandwidth, compute_rate, read_cost)
 
 
 def get_max_memory(max_memory: Mapping[object, object] | None = None) -> dict[Device, int]:

@@ -95,3 +95,51 @@ def test_the_machine_s_compute_rate_counts_the_compute_of_the_whole_forward() ->
 def test_a_compute_rate_that_is_no_rate() -> None:
     with pytest.raises(ValueError, match="compute_rate"):
         weights_compute_seconds(GB, compute_rate=0)
+
+
+# ---- the compute the reads take (MachineFacts.read_cost) ---------------------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(units_st, st.integers(0, 4), st.floats(0.0, 1e-9, allow_nan=False))
+def test_reads_that_cost_compute_slow_the_prediction_by_at_most_their_cost_and_leave_the_limit(
+    spec, depth, cost
+) -> None:
+    units = _units(spec)
+    free = predict_forward(units, disk_bandwidth=GB, depth=depth)
+    paid = predict_forward(units, disk_bandwidth=GB, depth=depth, read_cost=cost)
+    taken = sum(u.read_bytes for u in units) * cost
+    assert paid.read_cost_seconds == pytest.approx(taken)
+    assert paid.limit_seconds == pytest.approx(free.limit_seconds)  # the limit: compute at its floor
+    assert paid.compute_seconds == pytest.approx(free.compute_seconds + taken)
+    assert free.seconds - 1e-9 <= paid.seconds <= free.seconds + taken + 1e-6
+
+
+def test_where_compute_sets_the_pace_the_reads_cost_shows_in_full() -> None:
+    """The 2/3 split of the bench: compute never waits, yet the forward is the compute floor
+    plus what the reads beside it took (0.125 s per GB on the 2-core VM of issue 26)."""
+    block, per_block = 1_800_000_000, 0.5
+    units = [UnitCost(f"h.{i}", read_bytes=block if i >= 12 else 0, compute_seconds=per_block) for i in range(18)]
+    e = predict_forward(units, disk_bandwidth=2e9, ring=2 * block, read_cost=0.125e-9)
+    assert e.bottleneck == "compute" and e.stall_seconds == pytest.approx(0.0)
+    assert e.limit_seconds == pytest.approx(18 * per_block)
+    assert e.seconds == pytest.approx(18 * per_block + 6 * block * 0.125e-9)
+    assert "taken by the reads" in e.explain()
+
+
+def test_the_machine_s_read_cost_reaches_the_plan_s_cost_when_the_cpu_executes() -> None:
+    plan = _plan()
+    ram = int((3 * GB + 2 * GB) / RAM_SHARE)
+    free = plan.cost(machine=MachineFacts(ram, disk_bandwidth=GB, compute_rate=GB / 2))
+    paid = plan.cost(machine=MachineFacts(ram, disk_bandwidth=GB, compute_rate=GB / 2, read_cost=0.2e-9))
+    assert free.read_cost_seconds == 0.0
+    assert paid.read_cost_seconds == pytest.approx(paid.read_bytes * 0.2e-9) and paid.read_bytes > 0
+    assert paid.seconds == pytest.approx(free.seconds + paid.read_cost_seconds)
+    assert paid.limit_seconds == pytest.approx(free.limit_seconds)
+
+
+def test_a_read_cost_that_is_no_cost() -> None:
+    units = [UnitCost("h.0", read_bytes=GB, compute_seconds=1.0)]
+    for bad in (-1e-9, float("nan")):
+        with pytest.raises(ValueError, match="read_cost"):
+            predict_forward(units, disk_bandwidth=GB, read_cost=bad)
