@@ -119,7 +119,7 @@ def test_where_compute_sets_the_pace_the_reads_cost_shows_in_full() -> None:
     """The 2/3 split of the bench: compute never waits, yet the forward is the compute floor
     plus what the reads beside it took (0.125 s per GB on the 2-core VM of issue 26)."""
     block, per_block = 1_800_000_000, 0.5
-    units = [UnitCost(f"h.{i}", read_bytes=block if i >= 12 else 0, compute_seconds=per_block) for i in range(18)]
+    units = [UnitCost(f"h.{i}", read_bytes=block if i % 3 == 2 else 0, compute_seconds=per_block) for i in range(18)]
     e = predict_forward(units, disk_bandwidth=2e9, ring=2 * block, read_cost=0.125e-9)
     assert e.bottleneck == "compute" and e.stall_seconds == pytest.approx(0.0)
     assert e.limit_seconds == pytest.approx(18 * per_block)
