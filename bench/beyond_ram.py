@@ -427,6 +427,11 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                 out["phase"] = key
                 if key != "first_s" and spec.get("paired"):
                     out[key[:-2] + "_floor_s"] = _paired_floor(spec, out["map"])
+                    block = _resident_block(model, out["map"])
+                    if block is not None:  # the compute floor of the same minute: a resident block, alone
+                        x = torch.randn(1, TOKENS, spec["config"]["n_embd"], generator=torch.Generator().manual_seed(2))
+                        with torch.no_grad():
+                            out[key[:-2] + "_block_s"] = _best(lambda: block(x))
                 timed = key == "next_s" and getattr(state, "scheduler", None) is not None
                 with bigviz.timeline(model) if timed else _nothing() as line, torch.no_grad():
                     stolen, start = steal_seconds(), time.perf_counter()
@@ -598,6 +603,20 @@ def _paired_floor(spec: dict[str, Any], device_map: dict[str, str] | None) -> fl
         seconds = timed_read(blocks, readers=spec["readers"], chunk_bytes=16 * 2**20).seconds
     drop_caches(files, spec["drop"])
     return seconds
+
+
+def _resident_block(model: Any, device_map: dict[str, str]) -> Any:
+    """A block of ``model`` held in RAM ("cpu" in its device map, its weights resident), or None
+    (all on disk): timed alone just before a later forward, it is the compute floor of that
+    minute, on the same memory the forward computes from."""
+    for i, block in enumerate(model.transformer.h):
+        name = f"transformer.h.{i}"
+        where = device_map.get(name) or device_map.get("transformer.h") or device_map.get("transformer")
+        if where is None:
+            where = device_map.get("")
+        if str(where) == "cpu" and all(p.device.type == "cpu" for p in block.parameters()):
+            return block
+    return None
 
 
 def _dispatch(spec: dict[str, Any], model: Any) -> Any:
@@ -903,8 +922,10 @@ def compute_floor(shape: Shape, compute: dict[str, float]) -> float:
 
 def same_minute(shape: Shape, r: dict[str, Any], compute: dict[str, Any]) -> list[dict[str, float]]:
     """Each later forward of a split against its limit and prediction at the disk's speed of the
-    same minute (its streamed part read cold with O_DIRECT just before it): seconds, bandwidth,
-    limit, predicted."""
+    same minute (its streamed part read cold with O_DIRECT just before it) and, where a block
+    stays resident, at the compute speed of the same minute (that block timed alone just before
+    it, best of 3; else the run's compute floor): seconds, bandwidth, compute floor, limit,
+    predicted."""
     _, streamed, _ = split_bytes(shape, r["map"])
     out = []
     for key in ("next_s", "third_s"):
@@ -915,9 +936,16 @@ def same_minute(shape: Shape, r: dict[str, Any], compute: dict[str, Any]) -> lis
             bandwidth = 1e12
         else:
             bandwidth = streamed / paired
-        guess = predict(shape, r["map"], compute, bandwidth, r.get("depth", 2), r.get("ring"))
+        now = {**compute, "block_s": r.get(key[:-2] + "_block_s") or compute["block_s"]}
+        guess = predict(shape, r["map"], now, bandwidth, r.get("depth", 2), r.get("ring"))
         out.append(
-            {"seconds": r[key], "bandwidth": bandwidth, "limit": guess.limit_seconds, "predicted": guess.seconds}
+            {
+                "seconds": r[key],
+                "bandwidth": bandwidth,
+                "compute": compute_floor(shape, now),
+                "limit": guess.limit_seconds,
+                "predicted": guess.seconds,
+            }
         )
     return out
 
@@ -945,10 +973,12 @@ def splits_table(
         f"{compute['block_s']:.2f} s per block) is {compute_floor(shape, compute):.1f} s per forward; the read "
         f"floor at the run's start {bandwidth / 1e9:.2f} GB/s. Limit = the cost model's forward with reads ahead "
         "without bound; *same minute*: at the speed the disk read the streamed part cold (O_DIRECT, as the ring "
-        "reads) just before each forward, and the whole checkpoint just after the third forward. Two later "
-        "forwards per split: the worse ratio is shown.",
+        "reads) just before each forward, and the whole checkpoint just after the third forward, and at the "
+        "compute speed of a resident block timed alone just before each forward (best of 3; all-disk: the run's "
+        "floor). Two later forwards per split: the worse ratio is shown.",
         "",
-        "| split: cpu budget | resident | streamed | compute floor | disk: start / same minute | limit: start / "
+        "| split: cpu budget | resident | streamed | compute floor: start / same minute | disk: start / same minute "
+        "| limit: start / "
         "same minute | predicted (same minute) | measured (later) | / limit (same minute) | / predicted "
         "| compute waited | disk idle | first + dispatch / whole read: start / same minute | fresh memory: "
         "resident + ring, same minute | first + dispatch / first limit | RAM peak |",
@@ -968,11 +998,14 @@ def splits_table(
         budget = "all disk" if r.get("fraction") == "0" else f"{r.get('fraction', '2/3')} of RAM"
         first = r["first_s"] + r["dispatch_s"]
         limit = first_limit(shape, r)
+        floors = fmt_s(compute_floor(shape, compute))
+        if any(r.get(k) for k in ("next_block_s", "third_block_s")):
+            floors += " / " + ", ".join(fmt_s(x["compute"]) for x in rows)
         disk = f"{bandwidth / 1e9:.2f} / " + (
             "-" if not streamed else ", ".join(f"{x['bandwidth'] / 1e9:.2f}" for x in rows)
         )
         lines.append(
-            f"| {budget} | {gb(resident)} | {gb(streamed)} | {fmt_s(compute_floor(shape, compute))} | {disk} GB/s | "
+            f"| {budget} | {gb(resident)} | {gb(streamed)} | {floors} | {disk} GB/s | "
             f"{fmt_s(at_start.limit_seconds)} / {', '.join(fmt_s(x['limit']) for x in rows)} "
             f"({at_start.bottleneck}) | {', '.join(fmt_s(x['predicted']) for x in rows)} | "
             f"{', '.join(fmt_s(x['seconds']) for x in rows)} | **{ratio(worst['seconds'], worst['limit'])}** | "

@@ -13,6 +13,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import torch
 
 from bigviz.core.cost import UnitCost, predict_forward
 
@@ -222,3 +223,32 @@ def test_a_run_of_one_size_keeps_the_other_size_s_table_from_its_last_run(
     monkeypatch.setattr(sys, "argv", ["beyond_ram.py", "--sizes", "1.25,2", "--work", str(tmp_path)])
     bench.main()
     assert "Kept" not in written[-1] and "## measured 2x" in written[-1]
+
+
+def test_the_compute_floor_of_the_same_minute_sets_the_limit_where_a_block_stays_resident(bench: ModuleType) -> None:
+    shape, result = _run(bench, next_s=1.5, next_read=0.01, fraction="1/2")  # a fast disk: compute sets the limit
+    compute = {"block_s": 0.1, "head_s": 0.05, "threads": 2}
+    before = bench.same_minute(shape, result, compute)
+    result["next_block_s"] = 0.3  # the resident block ran 3x slower just before the next forward
+    after = bench.same_minute(shape, result, compute)
+    assert after[0]["compute"] == pytest.approx(4 * 0.3 + 0.05) and before[0]["compute"] == pytest.approx(0.45)
+    assert after[0]["limit"] > before[0]["limit"] + 0.7  # four blocks at 0.3 s instead of 0.1 s
+    assert after[1]["limit"] == pytest.approx(before[1]["limit"])  # the third forward: the run's floor
+    table = "\n".join(bench.splits_table(shape, {"bigviz auto 1/2": result}, compute, 2e6, 1.5))
+    assert "compute floor: start / same minute" in table
+    assert f"| {bench.fmt_s(0.45)} / {bench.fmt_s(1.25)}, {bench.fmt_s(0.45)} |" in table
+
+
+def test_the_same_minute_compute_floor_is_a_block_the_map_keeps_in_ram(bench: ModuleType) -> None:
+    from bigviz.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=16, vocab_size=32, block_size=8))
+    assert (
+        bench._resident_block(model, {"transformer.h.0": "disk", "transformer.h.1": "cpu", "": "disk"})
+        is (model.transformer.h[1])
+    )
+    assert bench._resident_block(model, {"": "cpu"}) is model.transformer.h[0]
+    assert bench._resident_block(model, {"": "disk"}) is None
+    with torch.device("meta"):
+        empty = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=32, block_size=8))
+    assert bench._resident_block(empty, {"": "cpu"}) is None  # weights not in RAM: no floor from it
