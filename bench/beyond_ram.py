@@ -609,11 +609,10 @@ def _resident_block(model: Any, device_map: dict[str, str]) -> Any:
     """A block of ``model`` held in RAM ("cpu" in its device map, its weights resident), or None
     (all on disk): timed alone just before a later forward, it is the compute floor of that
     minute, on the same memory the forward computes from."""
+    from bigviz.core.devicemap import device_of
+
     for i, block in enumerate(model.transformer.h):
-        name = f"transformer.h.{i}"
-        where = device_map.get(name) or device_map.get("transformer.h") or device_map.get("transformer")
-        if where is None:
-            where = device_map.get("")
+        where = device_of(f"transformer.h.{i}", device_map)
         if str(where) == "cpu" and all(p.device.type == "cpu" for p in block.parameters()):
             return block
     return None
