@@ -403,10 +403,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     idx = torch.randint(0, spec["config"]["vocab_size"], (1, TOKENS), generator=torch.Generator().manual_seed(1))
     if spec.get("paired"):  # the same minute's floor of the first forward's memory (its read: after the forwards)
         sample = min(MEMORY_SAMPLE, spec["budget"] // 4) if spec.get("budget") else MEMORY_SAMPLE
-        out["memory_rate"] = fresh_memory_rate(sample)
+        out["memory_rate"], out["memory_cores"] = fresh_memory(sample)
     with PeakMemory(("RssAnon",)) as peak:  # sampled every 2 ms
         try:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             model = _dispatch(spec, model)
             out["dispatch_s"] = time.perf_counter() - start
             out["map"] = {str(k): str(v) for k, v in getattr(model, "hf_device_map", {}).items()}
@@ -423,6 +423,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             if state is not None and getattr(state, "residency", None) is not None:
                 out["residency"] = bigviz.residency(model).reason
             out["threads"] = torch.get_num_threads()
+            out["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
             for key in ("first_s", "next_s", "third_s"):
                 out["phase"] = key
                 if key != "first_s" and spec.get("paired"):
@@ -438,6 +439,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                     model(idx)
                     out[key] = time.perf_counter() - start
                     out[key[:-2] + "_steal_s"] = steal_seconds() - stolen  # CPU the host took from this VM
+                if key == "first_s":  # CPU-seconds of the dispatch + first forward, all threads together
+                    out["first_cpu_s"] = time.process_time() - cpu
                 if line is not None:
                     out["timeline"] = _timeline_data(line)
                 if key == "first_s" and state is not None and getattr(state, "residency", None) is not None:
@@ -459,12 +462,20 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
 def fresh_memory_rate(nbytes: int = MEMORY_SAMPLE, threads: int = 2) -> float:
     """Bytes per second at which this machine hands the process anonymous memory it has not
-    touched: ``nbytes`` faulted in by ``threads`` at once (``MADV_POPULATE_WRITE``, no disk),
-    then freed. The first forward of a model larger than RAM makes its resident part and its
-    ring out of such memory; on a guest whose freed pages go back to the hypervisor (free page
-    reporting) that costs a trip to the host per page, 0.2-0.5 GiB/s here after the page cache
-    was dropped (bench/studies/fresh_memory.py), so it can take longer than reading the whole
-    checkpoint. 0.0 where the kernel cannot populate (not Linux, before 5.14)."""
+    touched (:func:`fresh_memory`'s rate)."""
+    return fresh_memory(nbytes, threads)[0]
+
+
+def fresh_memory(nbytes: int = MEMORY_SAMPLE, threads: int = 2) -> tuple[float, float]:
+    """Bytes per second at which this machine hands the process anonymous memory it has not
+    touched, and how many cores that kept busy: ``nbytes`` faulted in by ``threads`` at once
+    (``MADV_POPULATE_WRITE``, no disk), then freed. The first forward of a model larger than
+    RAM makes its resident part and its ring out of such memory; on a guest whose freed pages
+    go back to the hypervisor (free page reporting) that costs a trip to the host per page,
+    0.2-0.5 GiB/s here after the page cache was dropped (bench/studies/fresh_memory.py), so it
+    can take longer than reading the whole checkpoint. That trip is CPU time of the guest's own
+    cores (10.9 GB faulted in by 4 threads: 16.3 s, 28.8 CPU-seconds on 2 cores), the cores the
+    forward computes on. (0.0, 0.0) where the kernel cannot populate (not Linux, before 5.14)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
@@ -473,27 +484,49 @@ def fresh_memory_rate(nbytes: int = MEMORY_SAMPLE, threads: int = 2) -> float:
 
     buffer = torch.empty(nbytes, dtype=torch.uint8)  # not touched: torch does not fill it
     base, step = buffer.data_ptr(), nbytes // threads
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     with ThreadPoolExecutor(threads) as pool:
         done = list(pool.map(lambda i: prefault(base + i * step, step), range(threads)))
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     del buffer
-    return nbytes / seconds if all(done) else 0.0
+    return (nbytes / seconds, cpu / seconds) if all(done) else (0.0, 0.0)
 
 
-def first_limit(shape: Shape, r: dict[str, Any]) -> dict[str, float] | None:
-    """The first forward's limit at the same minute: it reads the whole checkpoint once and
-    makes the resident part and the ring out of fresh memory, on two resources that can
-    overlap, so it cannot end before the longer of the two (the whole read measured cold just
-    after the forwards; the memory at the rate measured just before the dispatch). None when the run
-    did not measure both."""
+def first_limit(shape: Shape, r: dict[str, Any], compute: dict[str, Any] | None = None) -> dict[str, float] | None:
+    """The first forward's limit at the same minute. It reads the whole checkpoint once (the
+    disk: measured cold just after the forwards), and its process makes the resident part and
+    the ring out of fresh memory and computes the whole forward, both on the machine's cores.
+    The disk and the cores overlap; on the cores the two add up: faulting in fresh memory kept
+    ``memory_cores`` cores busy (measured with it, just before the dispatch) and the forward's
+    compute ``compute["threads"]`` of them, so the cores need
+    ``(memory x memory_cores + compute floor x threads) / cores`` seconds, and the memory no
+    less than it took when measured. The limit is the longer of the read and that (without
+    ``compute`` or ``memory_cores``: the fresh memory alone, which can only make it shorter).
+    None when the run did not measure the read and the memory."""
     whole, rate = r.get("first_floor_s"), r.get("memory_rate")
     if not whole or not rate:
         return None
     resident, _, _ = split_bytes(shape, r["map"])
     made = resident + (r.get("ring") or 0)
     memory = made / rate
-    return {"whole": whole, "memory": memory, "made": made, "rate": rate, "limit": max(whole, memory)}
+    cores = r.get("cores") or os.cpu_count() or 1
+    busy = min(float(r.get("memory_cores") or 0.0), cores)
+    work = 0.0
+    if compute and busy:
+        now = {**compute, "block_s": r.get("next_block_s") or compute["block_s"]}  # the nearest minute's
+        work = compute_floor(shape, now)
+    threads = min(int(compute.get("threads") or cores), cores) if compute else 0
+    cpu = max(memory, (memory * busy + work * threads) / cores)  # no faster than it was measured
+    return {
+        "whole": whole,
+        "memory": memory,
+        "made": made,
+        "rate": rate,
+        "busy": busy,
+        "compute": work,
+        "cpu": cpu,
+        "limit": max(whole, cpu),
+    }
 
 
 def steal_seconds() -> float:
@@ -980,7 +1013,7 @@ def splits_table(
         "| limit: start / "
         "same minute | predicted (same minute) | measured (later) | / limit (same minute) | / predicted "
         "| compute waited | disk idle | first + dispatch / whole read: start / same minute | fresh memory: "
-        "resident + ring, same minute | first + dispatch / first limit | RAM peak |",
+        "resident + ring, same minute; cores: it + compute | first + dispatch / first limit | RAM peak |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
@@ -996,7 +1029,7 @@ def splits_table(
         line = r.get("timeline", {}).get("summary", {})
         budget = "all disk" if r.get("fraction") == "0" else f"{r.get('fraction', '2/3')} of RAM"
         first = r["first_s"] + r["dispatch_s"]
-        limit = first_limit(shape, r)
+        limit = first_limit(shape, r, compute)
         floors = fmt_s(compute_floor(shape, compute))
         if any(r.get(k) for k in ("next_block_s", "third_block_s")):
             floors += " / " + ", ".join(fmt_s(x["compute"]) for x in rows)
@@ -1022,8 +1055,10 @@ def splits_table(
         "reader threads on the compute cores, cold memory). The first forward also makes the resident "
         "part and the ring out of memory the process has not touched: *fresh memory* is the time this "
         "machine took to hand over that much (faulted in by 2 threads, no disk, just before the "
-        "dispatch), and the *first limit* the longer of it and the whole read (the two can overlap, neither "
-        "can be skipped).",
+        "dispatch) and the cores that kept busy. On this VM that is CPU work on the cores the forward "
+        "computes on, so the cores need the fresh memory's work plus the forward's compute (*cores*); the "
+        "*first limit* is the longer of that and the whole read (the disk and the cores overlap, neither can "
+        "be skipped).",
     ]
     return lines
 
@@ -1031,7 +1066,19 @@ def splits_table(
 def _memory_cell(limit: dict[str, float] | None) -> str:
     if not limit:
         return "-"
-    return f"{gb(limit['made'])} at {limit['rate'] / 1e9:.2f} GB/s: {fmt_s(limit['memory'])}"
+    cell = f"{gb(limit['made'])} at {limit['rate'] / 1e9:.2f} GB/s: {fmt_s(limit['memory'])}"
+    if limit.get("busy"):
+        cell += f" on {limit['busy']:.1f} cores; + compute {fmt_s(limit['compute'])}: cores {fmt_s(limit['cpu'])}"
+    return cell
+
+
+def _first_cpu(r: dict[str, Any]) -> str:
+    """How busy the process kept the cores through the dispatch + first forward."""
+    cpu, cores = r.get("first_cpu_s"), r.get("cores")
+    if not cpu or not cores:
+        return ""
+    first = r["first_s"] + r["dispatch_s"]
+    return f"; the process used {cpu / first:.1f} of {cores} cores through it ({cpu:.0f} CPU-seconds)"
 
 
 def _header(shape: Shape, info: dict[str, Any]) -> str:
@@ -1178,16 +1225,24 @@ def _goals(
                 + " (goal 0.87-1.15x)"
             )
         first = r["first_s"] + r["dispatch_s"]
-        limit = first_limit(shape, r)
+        limit = first_limit(shape, r, compute)
         parts.append(
             f"dispatch + first forward / whole read: {ratio(first, best)} of the run's floor, "
             f"**{ratio(first, r.get('first_floor_s'))}** of the same minute's (goal <= 1.15x)"
             + (
-                f", / the first limit (the longer of that read and {fmt_s(limit['memory'])} to make "
-                f"{gb(limit['made'])} of fresh memory): **{ratio(first, limit['limit'])}**"
+                f", / the first limit (the longer of that read and the cores' work: {fmt_s(limit['memory'])} to make "
+                f"{gb(limit['made'])} of fresh memory"
+                + (
+                    f" on {limit['busy']:.1f} cores + {fmt_s(limit['compute'])} of compute, {fmt_s(limit['cpu'])} "
+                    "on the machine's cores"
+                    if limit.get("busy")
+                    else ""
+                )
+                + f"): **{ratio(first, limit['limit'])}**"
                 if limit
                 else ""
             )
+            + _first_cpu(r)
         )
         budget = int(shape.ram * Fraction(r.get("fraction", "2/3")))  # the split's cpu budget (0: all-disk)
         room = budget + (r.get("ring") or 0) + GiB

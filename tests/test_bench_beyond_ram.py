@@ -134,8 +134,9 @@ def test_the_first_forward_is_judged_against_the_longer_of_the_whole_read_and_fr
     bench: ModuleType,
 ) -> None:
     """The first forward reads the whole checkpoint and makes the resident part and the ring
-    out of memory never touched: its limit is the longer of the two, each measured the same
-    minute; the issue's goal against the whole read alone is still printed beside it."""
+    out of memory never touched: without the cores' figures its limit is the longer of the two,
+    each measured the same minute; the issue's goal against the whole read alone is still
+    printed beside it."""
     compute = {"block_s": 0.1, "head_s": 0.05, "threads": 2}
     shape, half = _run(bench, next_s=1.0, next_read=1.0, fraction="1/2")
     resident, _, _ = bench.split_bytes(shape, half["map"])
@@ -156,6 +157,44 @@ def test_the_first_forward_is_judged_against_the_longer_of_the_whole_read_and_fr
     del disk["memory_rate"]  # a run that did not measure the memory: no limit claimed
     assert bench.first_limit(shape, disk) is None
     assert "| - | **-** |" in "\n".join(bench.splits_table(shape, {"bigviz all-disk": disk}, compute, 2e6, 1.5))
+
+
+@pytest.mark.parametrize(
+    "busy, cores, expected", [(2.0, 2, 3.0 + 1.0), (1.0, 2, 3.0), (1.5, 2, 2.25 + 1.0), (2.0, 4, 3.0)]
+)
+def test_fresh_memory_and_compute_add_up_on_the_cores(
+    bench: ModuleType, busy: float, cores: int, expected: float
+) -> None:
+    """Faulting fresh memory in is CPU work on this VM (a trip to the host per page, on the
+    guest's own cores): the cores need that work plus the forward's compute, so where both
+    keep every core busy the first limit is their sum, not the longer of the two; more cores
+    than the two together use leave room to overlap, down to the fresh memory's own time."""
+    compute = {"block_s": 0.1, "head_s": 0.05, "threads": 2}
+    shape, half = _run(bench, next_s=1.0, next_read=1.0, fraction="1/2")
+    made = bench.split_bytes(shape, half["map"])[0] + half["ring"]
+    work = bench.compute_floor(shape, compute)  # the forward's compute, every weight in RAM
+    half.update(memory_rate=made / 3.0, memory_cores=busy, cores=cores, first_cpu_s=3.5)
+    scaled = {**compute, "head_s": 0.05 + (1.0 - work)}  # a compute floor of exactly 1.0 s
+    limit = bench.first_limit(shape, half, scaled)
+    work_s = bench.compute_floor(shape, scaled)
+    assert work_s == pytest.approx(1.0)
+    assert limit["cpu"] == pytest.approx(max(3.0, (3.0 * busy + work_s * min(2, cores)) / cores))
+    assert limit["limit"] == pytest.approx(max(half["first_floor_s"], expected))
+    assert limit["limit"] >= bench.first_limit(shape, {k: v for k, v in half.items() if k != "memory_cores"})["limit"]
+    (line,) = [x for x in bench._goals(shape, {"bigviz auto 1/2": half}, 1.5, 2e6, scaled) if "auto 1/2" in x]
+    first = half["first_s"] + half["dispatch_s"]
+    assert f"the process used {3.5 / first:.1f} of {cores} cores" in line
+    assert f"**{first / limit['limit']:.2f}x**" in line
+    table = "\n".join(bench.splits_table(shape, {"bigviz auto 1/2": half}, scaled, 2e6, 1.5))
+    assert f"on {busy:.1f} cores; + compute 1.0 s: cores {limit['cpu']:.1f} s" in table
+
+
+def test_fresh_memory_reports_the_cores_it_kept_busy(bench: ModuleType) -> None:
+    rate, busy = bench.fresh_memory(64 * 2**20, threads=2)
+    if rate:
+        assert 0.0 < busy <= 2.5  # two threads (a little over: the pool's own start)
+    else:
+        assert busy == 0.0
 
 
 def test_fresh_memory_is_faulted_in_and_timed(bench: ModuleType) -> None:
