@@ -36,6 +36,13 @@ shards, cold, on a loaded 2-core machine (``/proc/self/status`` deltas):
   (8 MiB for a normal user: root or a configured limit), a second mapping of every file
   beside torch's, and locked pages leave the kernel no way out when memory runs short.
 
+Nor does leaving the weights in the page cache, populated by the kernel, save the copy's cost
+on a virtual machine whose freed memory goes back to the host: the host fills page-cache pages
+fast, but the guest's first touch of each one then costs more CPU than faulting in anonymous
+memory (``bench/studies/fresh_memory.py --file``, 2026-12-03: a 1.8 GB shard read in at
+1.03 GiB/s, then read by the guest at 0.25 GiB/s with 6.6 CPU-seconds per GiB, and again at
+1.13 GiB/s; anonymous memory faulted in cold at 0.36-0.51 GiB/s, 1.9-2.8 CPU-seconds per GiB).
+
 So: an anonymous copy. It needs no privilege, works on whatever maps the weights, counts as the
 process's own memory (what ``max_memory={"cpu": ...}`` budgets), and is reclaimed only by
 swapping, which the kernel does after dropping clean file pages (the streamed units, which the
