@@ -474,8 +474,9 @@ def fresh_memory(nbytes: int = MEMORY_SAMPLE, threads: int = 2) -> tuple[float, 
     go back to the hypervisor (free page reporting) that costs a trip to the host per page,
     0.2-0.5 GiB/s here after the page cache was dropped (bench/studies/fresh_memory.py), so it
     can take longer than reading the whole checkpoint. That trip is CPU time of the guest's own
-    cores (10.9 GB faulted in by 4 threads: 16.3 s, 28.8 CPU-seconds on 2 cores), the cores the
-    forward computes on. (0.0, 0.0) where the kernel cannot populate (not Linux, before 5.14)."""
+    cores, the cores the forward computes on: 1.9-2.8 CPU-seconds per GiB, one core's worth
+    whether 1 or 2 threads fault (``bench/studies/fresh_memory.py``, 2026-12-03). (0.0, 0.0)
+    where the kernel cannot populate (not Linux, before 5.14)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch

@@ -178,7 +178,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         from bigviz.modeling.process_memory import PeakMemory
 
         sampler = PeakMemory(("RssAnon",)).start()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     model = bigviz.load_checkpoint_and_dispatch(
         model,
         spec["ckpt"],
@@ -196,6 +196,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     with bigviz.timeline(model) as line, torch.no_grad():
         model(idx)
     out["first_s"] = time.perf_counter() - forward_start
+    out["cpu_s"] = time.process_time() - cpu  # all threads, dispatch + first forward
     out["total_s"] = time.perf_counter() - start
     placed = {str(k): str(v) for k, v in getattr(model, "hf_device_map", {}).items()}
     for key in ("next_s", "third_s"):
@@ -236,6 +237,7 @@ def summarize(r: dict[str, Any]) -> str:
         f"dispatch {r['dispatch_s']:.1f} s, first forward {r['first_s']:.1f} s, total {r['total_s']:.1f} s; "
         f"copy {r['copy_bytes'] / gb:.1f} GB in {r['copy_s']:.1f} s ({r['copy_bytes'] / gb / max(r['copy_s'], 1e-9):.2f} GB/s)"
         + (f", waited for alone {r['copy_alone_s']:.1f} s" if "copy_alone_s" in r else "")
+        + (f", {r['cpu_s']:.0f} CPU-seconds ({r['cpu_s'] / r['total_s']:.1f} cores)" if "cpu_s" in r else "")
         + f"; next forwards {r['next_s']:.1f} s, {r['third_s']:.1f} s"
         + (f"; prelude: whole read {r['whole_s']:.1f} s" if "whole_s" in r else "")
     )

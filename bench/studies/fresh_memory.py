@@ -20,8 +20,9 @@ in three states and prints GiB/s:
 
 Each line also gives the CPU-seconds per GiB the process spent (all threads): on this VM the
 trip to the host is CPU time of the guest's own cores, the cores a forward computes on.
-(2026-12-03: 10.9 GB faulted in by 4 threads in 16.3 s with 28.8 CPU-seconds on 2 cores; a
-1.8 GB shard populated in 1.8 s, then its first matmul took 5.0 s and the next 0.5-0.6 s.)
+(2026-12-03: 10.9 GB prefaulted and read into with ``O_DIRECT`` by 4 threads in 16.3 s with
+28.8 CPU-seconds on 2 cores; a 1.8 GB shard populated in 1.8 s, then its first matmul took
+5.0 s and the next 0.5-0.6 s.)
 
 Run as root (it drops the page cache)::
 
