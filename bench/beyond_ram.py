@@ -1380,8 +1380,13 @@ def main() -> None:
         sys.path.insert(0, str(HERE))
         import records
 
-        if not args.size:
-            texts.update({m: t for m, t in kept_sizes(args).items() if m not in texts})
+        if not args.size:  # a size not measured now (not asked for, or skipped: no disk room) keeps its last table
+            kept = kept_sizes(args)
+            for m, t in kept.items():
+                if m not in texts:
+                    texts[m] = t
+                elif texts[m].endswith(SKIPPED):
+                    texts[m] = texts[m][: -len(SKIPPED)] + "\n\n" + t
         section = "\n\n".join(texts[m] for m in sorted(texts))
         records.write_section("beyond_ram", section, note="`python bench/beyond_ram.py`")
         records.assemble()

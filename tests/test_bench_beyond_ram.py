@@ -263,6 +263,17 @@ def test_a_run_of_one_size_keeps_the_other_size_s_table_from_its_last_run(
     bench.main()
     assert "Kept" not in written[-1] and "## measured 2x" in written[-1]
 
+    def skip_2x(args: Any, first: bool, more: Any) -> str:  # both asked for, 2x skipped (no disk room)
+        if args.ram_multiple == 2:
+            return f"### 2x the RAM: skipped\n\nno room{bench.SKIPPED}"
+        return "## measured 1.25x\n\nnew"
+
+    monkeypatch.setattr(bench, "measure_size", skip_2x)
+    bench.main()
+    text = written[-1]
+    assert "no room" in text and bench.SKIPPED not in text  # why it was skipped, then its last table
+    assert text.index("no room") < text.index("## last 2x") and "Kept from this size's last run" in text
+
 
 def test_the_compute_floor_of_the_same_minute_sets_the_limit_where_a_block_stays_resident(bench: ModuleType) -> None:
     shape, result = _run(bench, next_s=1.5, next_read=0.01, fraction="1/2")  # a fast disk: compute sets the limit
