@@ -11,7 +11,9 @@ the set of item positions where it can end (sorted intervals, found with bisect 
 sums). With per-stage budgets the stages are balanced by fill fraction (bytes / budget) and
 never exceed a budget; when they cannot fit, the error says which stage does not fit and by
 how much. Among the cuts that reach the smallest bottleneck, each is put nearest to its even
-share of the total.
+share of the total. The search itself, on plain integers, is :mod:`bigviz.core.partition`; this
+module makes its items (blocks with the units they carry, their bytes, FLOPs and run) and its
+caps, and turns the boundaries into a plan.
 
 Example:
     >>> from bigviz.core.tree import SizeTree, TensorSpec
@@ -24,11 +26,9 @@ Example:
 
 from __future__ import annotations
 
-import bisect
 from collections import deque
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import accumulate
 
 from bigviz.core.names import ancestors, leaf, owner, parent
 from bigviz.core.pipeline import (
@@ -41,6 +41,7 @@ from bigviz.core.pipeline import (
     StageCut,
 )
 from bigviz.core.nosplit import is_no_split as _is_no_split
+from bigviz.core.partition import Chain, choose, reachable, smallest
 from bigviz.core.tree import SizeTree
 from bigviz.core.sizes import UNLIMITED, format_size, parse_size
 
@@ -240,110 +241,6 @@ def _items(
     )
 
 
-class _Chain:
-    """Prefix sums of the balanced metric and of bytes, and per-stage caps on both."""
-
-    def __init__(self, metric: Sequence[int], nbytes: Sequence[int]) -> None:
-        self.n = len(metric)
-        self.wm, self.wb = list(metric), list(nbytes)
-        self.pm = list(accumulate(metric, initial=0))
-        self.pb = list(accumulate(nbytes, initial=0))
-        self._by_m = sorted(range(self.n), key=self.wm.__getitem__)
-        self._by_b = sorted(range(self.n), key=self.wb.__getitem__)
-        self._sorted_m = [self.wm[i] for i in self._by_m]
-        self._sorted_b = [self.wb[i] for i in self._by_b]
-
-    def far(self, p: int, cap: tuple[int, int]) -> int:
-        """The last end q such that items p..q-1 fit ``cap`` (p itself when item p does not)."""
-        return (
-            min(bisect.bisect_right(self.pm, self.pm[p] + cap[0]), bisect.bisect_right(self.pb, self.pb[p] + cap[1]))
-            - 1
-        )
-
-    def near(self, q: int, cap: tuple[int, int]) -> int:
-        """The first start p such that items p..q-1 fit ``cap``."""
-        return max(bisect.bisect_left(self.pm, self.pm[q] - cap[0]), bisect.bisect_left(self.pb, self.pb[q] - cap[1]))
-
-    def too_big(self, cap: tuple[int, int]) -> list[int]:
-        """Positions of the items that alone exceed ``cap`` (usually none, or the head)."""
-        if not self.n or (self._sorted_m[-1] <= cap[0] and self._sorted_b[-1] <= cap[1]):
-            return []
-        big_m = self._by_m[bisect.bisect_right(self._sorted_m, cap[0]) :]
-        big_b = self._by_b[bisect.bisect_right(self._sorted_b, cap[1]) :]
-        return sorted(set(big_m) | set(big_b))
-
-
-Intervals = list[tuple[int, int]]
-
-
-def _ends(chain: _Chain, starts: Intervals, cap: tuple[int, int], limit: int) -> Intervals:
-    """Every position where a stage can end, given where it can start (sorted intervals).
-
-    From starts a..b a stage ends at p+1 for every p in a..b whose item fits, and at every
-    position up to far(b) when item b fits: the gaps are exactly the items too big for it.
-    """
-    big = chain.too_big(cap)
-    found: Intervals = []
-    for a, b in starts:
-        b = min(b, chain.n - 1)  # a stage starting at the end would be empty
-        lo = a + 1
-        for hole in big[bisect.bisect_left(big, a) : bisect.bisect_right(big, b)]:
-            if lo <= hole:
-                found.append((lo, hole))
-            lo = hole + 2
-        if lo <= b + 1:
-            found.append((lo, b + 1))
-        far = chain.far(b, cap)
-        if far >= b + 2:  # implies item b fits
-            found.append((b + 2, far))
-    return _merge([(a, min(b, limit)) for a, b in found if a <= limit])
-
-
-def _merge(intervals: Intervals) -> Intervals:
-    out: Intervals = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1] + 1:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
-
-def _reachable(chain: _Chain, caps: Sequence[tuple[int, int]]) -> list[Intervals] | None:
-    """Where each stage can start (``[0]`` for stage 0), or None when the caps cannot hold
-    the chain in ``len(caps)`` non-empty stages."""
-    k = len(caps)
-    starts: list[Intervals] = [[(0, 0)]]
-    for i, cap in enumerate(caps):
-        ends = _ends(chain, starts[-1], cap, chain.n - (k - 1 - i))
-        if not ends:
-            return None
-        starts.append(ends)
-    return starts if starts[-1][-1][1] == chain.n else None
-
-
-def _choose(
-    chain: _Chain, starts: list[Intervals], caps: Sequence[tuple[int, int]], shares: Sequence[int]
-) -> list[int]:
-    """Stage boundaries (0, b1, ..., n): from the last stage back, each start is the feasible
-    one nearest to its even share of the metric."""
-    k, total = len(caps), chain.pm[-1]
-    bounds = [chain.n]
-    for i in range(k - 1, 0, -1):
-        end = bounds[-1]
-        lo_fit = chain.near(end, caps[i])
-        target = total * sum(shares[:i]) / sum(shares)
-        candidates = []
-        for a, b in starts[i]:
-            a, b = max(a, lo_fit), min(b, end - 1)
-            if a <= b:
-                mid = min(max(bisect.bisect_left(chain.pm, target, a, b + 1), a), b)
-                candidates += [a, b, mid, max(a, mid - 1)]
-        even = chain.n * i / k
-        bounds.append(min(candidates, key=lambda p: (abs(chain.pm[p] - target), abs(p - even))))
-    return [0] + bounds[::-1]
-
-
 @dataclass(frozen=True)
 class _Request:
     k: int
@@ -412,27 +309,18 @@ class _Caps:
         return cls(shares, caps, reserves, request.balance == "bytes")
 
 
-def _smallest(chain: _Chain, caps: _Caps, upper: int) -> int:
-    """The smallest bottleneck T in [0, upper] whose caps hold the chain (binary search)."""
-    lo, hi = 0, upper
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if _reachable(chain, caps(mid)) is not None else (mid + 1, hi)
-    return lo
-
-
-def _balance(chain: _Chain, request: _Request, reserves: tuple[int, ...] = ()) -> tuple[list[int], int] | None:
+def _balance(chain: Chain, request: _Request, reserves: tuple[int, ...] = ()) -> tuple[list[int], int] | None:
     """The boundaries with the smallest bottleneck, and that bottleneck; ``None`` when even
     the budgets themselves cannot hold the chain (the caller says which stage, by how much)."""
     caps = _Caps.of(request, reserves)
     proportional = caps.shares != (1,) * request.k
     upper = max(caps.shares) if proportional else max(chain.pm[-1] + max(reserves, default=0), 1)
-    if _reachable(chain, caps(upper)) is None:
+    if reachable(chain, caps(upper)) is None:
         return None
-    best = _smallest(chain, caps, upper)
-    reach = _reachable(chain, caps(best))
+    best = smallest(chain, caps, upper)
+    reach = reachable(chain, caps(best))
     assert reach is not None  # feasible at `upper`, and feasibility grows with T
-    return _choose(chain, reach, caps(best), caps.shares), best
+    return choose(chain, reach, caps(best), caps.shares), best
 
 
 def make_pipeline_plan(
@@ -482,7 +370,7 @@ def make_pipeline_plan(
     items = _items(tree, units, _run_map(kv_cache, activations), activations, held)
     request = _parse_request(stages, balance, len(items.names), units)
     metric = items.flops if balance == "compute" else items.held
-    chain = _Chain(metric, items.held)
+    chain = Chain(metric, items.held)
     reserves = _reserves(items, request.k)
     balanced = _balance(chain, request, reserves)
     if balanced is None:
@@ -751,15 +639,15 @@ def _even_fill(items: _Items, budgets: Sequence[int]) -> list[tuple[int, tuple[s
     if min(budgets) == 0:
         return []
     held = items.held
-    chain = _Chain(held, [0] * len(held))
+    chain = Chain(held, [0] * len(held))
     reserves = _reserves(items, len(budgets))
     caps = _Caps(tuple(budgets), (UNLIMITED,) * len(budgets), reserves)
     top = (chain.pm[-1] + max(reserves)) * max(budgets) // min(budgets) + 1
-    best = _smallest(chain, caps, top)
-    reach = _reachable(chain, caps(best))
+    best = smallest(chain, caps, top)
+    reach = reachable(chain, caps(best))
     if reach is None:
         return []
-    bounds = _choose(chain, reach, caps(best), caps.shares)
+    bounds = choose(chain, reach, caps(best), caps.shares)
     out = []
     for s, budget in enumerate(budgets):
         span_items = range(bounds[s], bounds[s + 1])

@@ -171,8 +171,10 @@ def test_among_optimal_cuts_the_stages_are_even():
 def test_work_grows_with_log_of_size_not_with_blocks(monkeypatch):
     """Count feasibility checks and per-stage steps: a binary search over the bottleneck with
     bisect inside, so 80x more blocks cost a few more checks, not 80x the work."""
+    from bigviz.core import partition
+
     counts = {"checks": 0, "far": 0}
-    reachable, far = stages_module._reachable, stages_module._Chain.far
+    reachable, far = partition.reachable, partition.Chain.far
 
     def counted_reachable(*args):
         counts["checks"] += 1
@@ -182,8 +184,9 @@ def test_work_grows_with_log_of_size_not_with_blocks(monkeypatch):
         counts["far"] += 1
         return far(self, *args)
 
-    monkeypatch.setattr(stages_module, "_reachable", counted_reachable)
-    monkeypatch.setattr(stages_module._Chain, "far", counted_far)
+    monkeypatch.setattr(partition, "reachable", counted_reachable)  # the search's own calls
+    monkeypatch.setattr(stages_module, "reachable", counted_reachable)  # and the cut's
+    monkeypatch.setattr(partition.Chain, "far", counted_far)
     work = {}
     for n in (100, 8000):
         counts.update(checks=0, far=0)
