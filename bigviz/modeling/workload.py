@@ -21,6 +21,7 @@ stream, masks, rotary tables). It depends on the kernels that run: on a GPU bigv
 fused kernels (SDPA's flash or memory-efficient attention, mamba-ssm's scan); on the CPU,
 PyTorch's reference paths (a (T x T) score matrix when SDPA falls back to its math kernel,
 Mamba's (B x I x T x N) scan tensors). Eager attention materialises the scores anywhere.
+The phases' terms are :mod:`bigviz.modeling.activation_phases`.
 
 Example:
     >>> import torch
@@ -35,25 +36,32 @@ Example:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from bigviz.core.dtypes import FLOATING_DTYPES, canonical_dtype, itemsize
+from bigviz.core.dtypes import FLOATING_DTYPES, canonical_dtype
 from bigviz.core.workload import CacheSpec, RunSpec, StepSpec, Term, Workload
+from bigviz.modeling.activation_phases import (
+    ATTENTION_TYPES,
+    INT64,
+    Dims,
+    decoder_steps,
+    mamba_steps,
+    score_bytes,
+    score_terms,
+)
 from bigviz.modeling.configs import model_from_config
 from bigviz.modeling.cache_probe import LayerCache, probe_cache, source_layers
 from bigviz.models.gpt import GPT
 from bigviz.models.llama import Llama
 from bigviz.core.errors import UsageError
 
-__all__ = ["run_spec", "kv_cache_bytes", "compute_dtype", "latent_cached", "score_bytes"]
+__all__ = ["run_spec", "kv_cache_bytes", "compute_dtype", "latent_cached"]
 
 ModelOrConfig = Any  # nn.Module, transformers PretrainedConfig, GPTConfig/LlamaConfig, config path
-_INT64 = 8.0
 
 
 # ---- public entry points ---------------------------------------------------------------------
@@ -226,7 +234,7 @@ def _reference_spec(model: nn.Module, dtype: str, *, gpt: bool) -> RunSpec:
     cache = (CacheSpec("full_attention", heads=kv_heads, k_dim=head_dim, v_dim=head_dim),)
     if gpt:  # c_attn's 3C output stays alive (q, k, v are views of it); tanh GELU is one op
         phases = ((Term(hidden), Term(3 * hidden), Term(2 * q)), (Term(2 * hidden), Term(2 * ffn)))
-        carried = (Term(2 * hidden), Term(hidden, batched=False), Term(1, _INT64, batched=False))
+        carried = (Term(2 * hidden), Term(hidden, batched=False), Term(1, INT64, batched=False))
     else:  # q, k, v projected, then rotated (x * cos + rotate_half(x) * sin); repeat_kv for the call
         rep = 2 * q if kv_heads != heads else 0
         phases = (
@@ -235,7 +243,7 @@ def _reference_spec(model: nn.Module, dtype: str, *, gpt: bool) -> RunSpec:
             (Term(hidden), Term(3 * q)),
             (Term(2 * hidden), Term(3 * ffn)),
         )
-        carried = (Term(hidden), Term(2 * head_dim, batched=False), Term(1, _INT64, batched=False))
+        carried = (Term(hidden), Term(2 * head_dim, batched=False), Term(1, INT64, batched=False))
     layer = StepSpec(phases)
     steps: dict[str, StepSpec] = {name: layer for name in names}
     vocab = model.lm_head.out_features
@@ -250,39 +258,6 @@ def _reference_spec(model: nn.Module, dtype: str, *, gpt: bool) -> RunSpec:
 
 
 # ---- transformers models -----------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Dims:
-    """The shapes of a transformers decoder, read from its (text) config."""
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn: int
-    vocab: int
-    attn: str  # "eager", "sdpa", "flash_attention_2", ...
-
-    @classmethod
-    def of(cls, config: Any) -> _Dims:
-        heads = int(getattr(config, "num_attention_heads", 0) or 0)
-        hidden = int(config.hidden_size)
-        head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else 0)
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        ffn = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
-        attn = getattr(config, "_attn_implementation", None) or "eager"
-        return cls(
-            int(config.num_hidden_layers),
-            hidden,
-            heads,
-            int(kv_heads),
-            int(head_dim),
-            int(ffn),
-            int(getattr(config, "vocab_size", 0) or 0),
-            str(attn),
-        )
-
-
 def _layer_types(config: Any, n_layers: int) -> tuple[list[str], list[dict[str, Any]]]:
     """transformers' own rule for each layer's cache type (and its sliding window)."""
     try:
@@ -299,12 +274,11 @@ def _layer_types(config: Any, n_layers: int) -> tuple[list[str], list[dict[str, 
     return types, [{"sliding_window": window} if "sliding" in t else {} for t in types]
 
 
-_ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "hybrid", "hybrid_sliding")
 _PLAIN_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "dummy")  # the config says it all
 
 
 def _hf_caches(
-    model: nn.Module, config: Any, dims: _Dims, names: Sequence[str]
+    model: nn.Module, config: Any, dims: Dims, names: Sequence[str]
 ) -> tuple[dict[str, tuple[CacheSpec, ...]], int | None]:
     """Each layer's caches, and the tokens its cross-attention layers attend to by default.
 
@@ -337,7 +311,7 @@ def _hf_caches(
             out[name] = (CacheSpec("cross_attention", heads=base.heads, k_dim=base.k_dim, v_dim=base.v_dim),)
             continue
         specs: list[CacheSpec] = []
-        if kind in _ATTENTION_TYPES or layer.per_token:
+        if kind in ATTENTION_TYPES or layer.per_token:
             window = extra.get("sliding_window") if "sliding" in kind or kind == "chunked_attention" else None
             specs.append(_attention_cache(config, dims, window, layer.per_token))
         if layer.states and kind not in _PLAIN_TYPES:  # plain attention keeps no state (a window under
@@ -346,7 +320,7 @@ def _hf_caches(
     return out, (max(sources.values()) if sources else None)
 
 
-def _attention_cache(config: Any, dims: _Dims, window: int | None, measured: Sequence[int] = ()) -> CacheSpec:
+def _attention_cache(config: Any, dims: Dims, window: int | None, measured: Sequence[int] = ()) -> CacheSpec:
     """One layer's keys and values: ``kv_heads x (head_dim + head_dim)`` per token from the
     config, or the widths the model's own cache allocated (``measured``: elements per token
     of its keys and of its values); MLA's latent where the installed transformers caches it."""
@@ -388,16 +362,16 @@ def latent_cached(version: str | None = None) -> bool:
 
 
 def _hf_spec(model: nn.Module, config: Any, dtype: str, cpu: bool) -> RunSpec:
-    dims = _Dims.of(config)
+    dims = Dims.of(config)
     names = _layer_names(model, dims.layers)
     caches, source_tokens = _hf_caches(model, config, dims, names)
     types, kwargs = _layer_types(config, dims.layers)
     held: dict[str, tuple[Term, ...]] = {}
     if getattr(config, "model_type", "") in ("mamba", "mamba2"):
-        carried, layer_steps, notes = _mamba_steps(config, dims, cpu)
+        carried, layer_steps, notes = mamba_steps(config, dims, cpu)
     else:
         states = [tuple(st for spec in caches[name] for st in spec.state) for name in names]
-        carried, layer_steps, notes = _decoder_steps(config, dims, types, kwargs, cpu, dtype, states)
+        carried, layer_steps, notes = decoder_steps(config, dims, types, kwargs, cpu, dtype, states)
         embeddings = _embedding_name(model)
         if embeddings is not None:  # the input embeddings stay alive where they are computed
             held[embeddings] = (Term(dims.hidden),)
@@ -429,7 +403,7 @@ def _encdec_spec(model: nn.Module, config: Any, dtype: str, cpu: bool) -> RunSpe
             f"activations={{module: bytes}}"
         )
     caches = {
-        name: (_attention_cache(config, _Dims.of(config), None, layer.per_token), _cross_cache(layer))
+        name: (_attention_cache(config, Dims.of(config), None, layer.per_token), _cross_cache(layer))
         for name, layer in zip(decoder_names, probe.layers)
     }
     hidden, inner = int(config.hidden_size), probe.layers[0].per_token[0]
@@ -440,7 +414,7 @@ def _encdec_spec(model: nn.Module, config: Any, dtype: str, cpu: bool) -> RunSpe
 
     def attention(q_per: str, kv_per: str, pair: str, self_kv: bool) -> tuple[Term, ...]:
         kv = (Term(2 * inner, per=kv_per),) if self_kv else ()
-        return (Term(hidden, per=q_per), Term(2 * inner, per=q_per), *kv, *_scores(heads, scores, pair))
+        return (Term(hidden, per=q_per), Term(2 * inner, per=q_per), *kv, *score_terms(heads, scores, pair))
 
     mlp = (Term(2 * hidden + 2 * ffn, per="source"),)
     encoder_step = StepSpec((attention("source", "source", "source_pair", True), mlp))
@@ -453,7 +427,7 @@ def _encdec_spec(model: nn.Module, config: Any, dtype: str, cpu: bool) -> RunSpe
     if head is not None:
         steps[head] = StepSpec(((Term(hidden), Term(int(getattr(config, "vocab_size", 0) or 0), per="fixed")),))
     masks = (Term(1, per="source_pair"), Term(1, per="pair"), Term(1, per="cross")) if attn == "eager" else ()
-    carried = (Term(hidden, per="source"), Term(hidden), *masks, Term(1, _INT64), Term(1, _INT64, per="source"))
+    carried = (Term(hidden, per="source"), Term(hidden), *masks, Term(1, INT64), Term(1, INT64, per="source"))
     notes = (
         f"attention: {attn}; the encoder reads encoder_length tokens (default: context_length), "
         "the decoder caches them in every layer's cross-attention",
@@ -464,167 +438,3 @@ def _encdec_spec(model: nn.Module, config: Any, dtype: str, cpu: bool) -> RunSpe
 def _cross_cache(layer: LayerCache) -> CacheSpec:
     keys, *values = layer.per_source_token
     return CacheSpec("cross_attention", heads=1, k_dim=int(keys), v_dim=int(sum(values)))
-
-
-def _scores(heads: int, size: float, per: str) -> tuple[Term, ...]:
-    """Eager attention's scores at the softmax peak (none for fused kernels: ``size`` 0)."""
-    return (Term(heads, size, per=per),) if size else ()
-
-
-def _decoder_steps(
-    config: Any,
-    dims: _Dims,
-    types: Sequence[str],
-    kwargs: Sequence[Mapping[str, Any]],
-    cpu: bool,
-    dtype: str,
-    states: Sequence[tuple[tuple[int, str | None], ...]] = (),
-) -> tuple[tuple[Term, ...], list[StepSpec], list[str]]:
-    """Attention decoders (GPT-2, Llama, Mistral, Gemma 2, Qwen2, Mixtral, DeepSeek, ...).
-    The input embeddings' output is not carried here: it is held on its own device."""
-    gpt2 = getattr(config, "model_type", "") == "gpt2"
-    masks = _mask_terms(dims, types, kwargs)
-    rope = () if gpt2 else (Term(2 * _rope_dim(config, dims), batched=False),)
-    positions = (Term(dims.hidden, batched=False),) if gpt2 else ()  # GPT-2's wpe output
-    carried = (*positions, Term(dims.hidden), *rope, *masks, Term(1, _INT64), Term(1, _INT64, batched=False))
-    notes = [f"attention: {dims.attn}" + (" (reference kernels on CPU)" if cpu else " (fused kernels)")]
-    attention = _attention_phases(config, dims, bool(masks), cpu, dtype)
-    steps = []
-    for index in range(dims.layers):
-        mlp = _mlp_phase(config, dims, index, gpt2)
-        if dims.attn == "eager":  # the layer keeps the returned attention weights (``h, _ = attn(...)``)
-            mlp = (*mlp, Term(dims.heads, per="pair"))
-        mixer = _state_phase(dims, states[index], cpu) if states and states[index] else ()
-        kinds = types[index] if index < len(types) else "full_attention"
-        own = attention if kinds in _ATTENTION_TYPES or not mixer else ()
-        steps.append(StepSpec((*own, *((mixer,) if mixer else ()), mlp)))
-    return carried, steps, notes
-
-
-def _state_phase(dims: _Dims, states: Sequence[tuple[int, str | None]], cpu: bool) -> tuple[Term, ...]:
-    """A recurrent or convolutional mixer's peak, sized by the states its cache holds (read
-    from the model): its projections and conv output, about as wide as the conv state
-    (channels x kernel); on the CPU, the reference scan's float32 tensors, three times the
-    recurrent state per token (Mamba's selective scan; Mamba-2's and DeltaNet's chunked forms
-    keep fewer). An estimate: the README's accuracy table says how close it is."""
-    conv = sum(n for n, dtype in states if dtype is None)
-    recurrent = sum(n for n, dtype in states if dtype is not None)
-    phase = (Term(dims.hidden), Term(conv))
-    return (*phase, Term(3 * recurrent, 4.0)) if cpu and recurrent else phase
-
-
-def _rope_dim(config: Any, dims: _Dims) -> int:
-    return int(getattr(config, "qk_rope_head_dim", None) or dims.head_dim)
-
-
-def _mask_terms(dims: _Dims, types: Sequence[str], kwargs: Sequence[Mapping[str, Any]]) -> tuple[Term, ...]:
-    """The (B, 1, T, T) masks the model builds once per layer type and keeps all forward:
-    eager attention adds a float mask to its scores; SDPA needs a boolean one only for a
-    sliding window (a plain causal mask becomes ``is_causal``); flash attention none."""
-    kinds = {t for t in types if t in ("full_attention", "sliding_attention", "chunked_attention")}
-    if dims.attn == "eager":
-        return tuple(Term(1, batched=True, per="pair") for _ in kinds)
-    if dims.attn == "sdpa":
-        return tuple(Term(1, 1.0, per="pair") for t in kinds if t != "full_attention")
-    return ()
-
-
-def score_bytes(dtype: str) -> float:
-    """Bytes per attention score at eager attention's softmax peak: the scores (plus mask) in
-    the compute dtype, a float32 copy of them when the dtype is narrower (``softmax(...,
-    dtype=torch.float32)`` casts its input first), and the float32 probabilities: 8 bytes in
-    float32, 10 in bfloat16 or float16.
-
-    Example:
-        >>> score_bytes("float32"), score_bytes("bfloat16")
-        (8.0, 10.0)
-    """
-    size = itemsize(dtype)
-    return float(size + 4 + (4 if size < 4 else 0))
-
-
-def _attention_phases(
-    config: Any, dims: _Dims, masked: bool, cpu: bool, dtype: str = "float32"
-) -> tuple[tuple[Term, ...], ...]:
-    """What is alive at each peak of the attention, besides the carried tensors."""
-    if getattr(config, "kv_lora_rank", None):
-        return (_mla_phase(config, dims, cpu),)
-    gpt2 = getattr(config, "model_type", "") == "gpt2"
-    q, kv = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
-    repeat = 2 * q if dims.kv_heads != dims.heads and (masked or dims.attn == "eager") else 0
-    normed = Term(dims.hidden)
-    if dims.attn == "eager":  # scores (+ mask) next to their float32 softmax (see score_bytes)
-        return ((normed, Term((3 * q if gpt2 else q) + repeat), Term(dims.heads, score_bytes(dtype), per="pair")),)
-    # SDPA turns a boolean mask into a float one for the call
-    mask_copy = (Term(1, per="pair"),) if masked else ()
-    if gpt2:  # the fused c_attn output (q, k, v are views of it), SDPA's output and its copy
-        return ((normed, Term(3 * q + 2 * q)), (normed, Term(3 * q + q), *mask_copy))
-    return (
-        (normed, Term(4 * q + 2 * kv)),  # rotary on q: q, q * cos, rotate_half(q) * sin, their sum; k, v
-        (normed, Term(2 * q + repeat), *mask_copy),  # the call: rotated q, (repeated k, v), output
-        (normed, Term(3 * q + repeat)),  # the output made contiguous
-    )
-
-
-def _mla_phase(config: Any, dims: _Dims, cpu: bool) -> tuple[Term, ...]:
-    """DeepSeek's multi-head latent attention: the latent is expanded into every head's key
-    and value for the attention (transformers caches the latent, not the expansion)."""
-    heads = dims.heads
-    qk = int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim)
-    v, rope = int(config.v_head_dim), int(config.qk_rope_head_dim)
-    latent = int(config.kv_lora_rank) + rope
-    per_token = Term(heads * (3 * qk + rope + (int(config.qk_nope_head_dim) + v)) + latent)
-    if cpu and qk != v:  # SDPA's math kernel: scaled q, scores and their softmax (float32)
-        return (
-            Term(dims.hidden),
-            per_token,
-            Term(heads * qk),
-            Term(heads, 8.0, per="pair"),
-            Term(1, 4.0, batched=False, per="pair"),
-        )
-    return (Term(dims.hidden), per_token, Term(2 * heads * v))
-
-
-def _mlp_phase(config: Any, dims: _Dims, index: int, gpt2: bool) -> tuple[Term, ...]:
-    """The feed-forward's peak: gated MLPs keep act(gate), up and their product (3 x F);
-    GPT-2's tanh GELU keeps four 4H tensors; experts run on ``top_k`` copies of each token."""
-    if gpt2:  # attn_output, residual and ln_2 out stay alive in GPT2Block
-        return (Term(3 * dims.hidden), Term(4 * dims.ffn))
-    experts = _experts(config, index)
-    if experts is None:
-        return (Term(2 * dims.hidden), Term(3 * dims.ffn))
-    n, top_k, ffn, shared = experts
-    routed = Term(top_k * (dims.hidden + 4 * ffn))  # gathered tokens, gate_up, act(gate), product
-    router = (Term(n, 4.0), Term(n), Term(top_k * 4, _INT64))  # logits, probabilities, choices
-    return (Term(2 * dims.hidden), routed, *router)
-
-
-def _experts(config: Any, index: int) -> tuple[int, int, int, int] | None:
-    """``(experts, top_k, expert width, shared width)`` of layer ``index``, or ``None`` for a
-    dense layer (DeepSeek's first ``first_k_dense_replace`` layers are dense)."""
-    n = (
-        getattr(config, "num_local_experts", None)
-        or getattr(config, "n_routed_experts", None)
-        or getattr(config, "num_experts", None)
-    )
-    top_k = getattr(config, "num_experts_per_tok", None)
-    if not n or not top_k or index < int(getattr(config, "first_k_dense_replace", 0) or 0):
-        return None
-    ffn = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-    shared = int(getattr(config, "n_shared_experts", 0) or 0) * int(ffn)
-    return int(n), int(top_k), int(ffn), shared
-
-
-def _mamba_steps(config: Any, dims: _Dims, cpu: bool) -> tuple[tuple[Term, ...], list[StepSpec], list[str]]:
-    """Mamba's mixer: in_proj (2 x inner), the conv, dt, and the selective scan. PyTorch's
-    reference scan keeps three (B, inner, T, state) float32 tensors; mamba-ssm's kernel none."""
-    inner = int(getattr(config, "intermediate_size", None) or getattr(config, "expand", 2) * dims.hidden)
-    state = int(config.state_size)
-    phase: tuple[Term, ...] = (Term(3 * dims.hidden), Term(2 * inner), Term(6 * inner))
-    if cpu:
-        phase = (*phase, Term(3 * inner * state, 4.0))
-    carried = (Term(3 * dims.hidden), Term(1, _INT64), Term(1, _INT64, batched=False))
-    note = "selective scan: " + ("PyTorch reference (CPU)" if cpu else "fused kernel (mamba-ssm)")
-    if getattr(config, "model_type", "") != "mamba":  # Mamba-2's chunked scan: the cache is exact, this is not
-        note += "; activations: Mamba's formula, not checked against this model type"
-    return carried, [StepSpec((phase,))] * dims.layers, [note]
