@@ -404,6 +404,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("paired"):  # the same minute's floor of the first forward's memory (its read: after the forwards)
         sample = min(MEMORY_SAMPLE, spec["budget"] // 4) if spec.get("budget") else MEMORY_SAMPLE
         out["memory_rate"], out["memory_cores"] = fresh_memory(sample)
+        out["memory_sample"] = sample
     with PeakMemory(("RssAnon",)) as peak:  # sampled every 2 ms
         try:
             start, cpu = time.perf_counter(), time.process_time()
@@ -431,8 +432,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                     block = _resident_block(model, out["map"])
                     if block is not None:  # the compute floor of the same minute: a resident block, alone
                         x = torch.randn(1, TOKENS, spec["config"]["n_embd"], generator=torch.Generator().manual_seed(2))
-                        with torch.no_grad():
-                            out[key[:-2] + "_block_s"] = _best(lambda: block(x))
+                        with torch.no_grad():  # a forward's worth of it: as many runs as the model has blocks
+                            mean, best = _sustained(lambda: block(x), spec["config"]["n_layer"])
+                        out[key[:-2] + "_block_s"], out[key[:-2] + "_block_best_s"] = mean, best
                 timed = key == "next_s" and getattr(state, "scheduler", None) is not None
                 with bigviz.timeline(model) if timed else _nothing() as line, torch.no_grad():
                     stolen, start = steal_seconds(), time.perf_counter()
@@ -447,6 +449,15 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                     copied = bigviz.residency(model).copied  # made while the first forward ran (read after it)
                     if copied is not None:
                         out["copy"] = {"bytes": copied.nbytes, "seconds": copied.seconds, "direct": copied.direct_bytes}
+                if key == "first_s" and spec.get("paired"):
+                    # Fresh memory again, now that the dispatch has taken what the machine had
+                    # warm: the pages it hands out next are cold, as most of the dispatch's were
+                    # (the sample before it came partly from pages freed too recently to have gone
+                    # back to the host: 1.4-2.6 GB/s against 0.5-0.7 GB/s cold, 2026-12-03).
+                    room = _mem_available() // 2
+                    if room >= 2**28:
+                        after = fresh_memory(min(MEMORY_SAMPLE, room))
+                        out["memory_rate_after"], out["memory_cores_after"] = after
             if spec.get("paired"):
                 # The whole checkpoint read cold after the forwards, not before the dispatch: read
                 # just before it, 32 GB slowed the first forward's fresh memory by a third
@@ -498,20 +509,30 @@ def first_limit(shape: Shape, r: dict[str, Any], compute: dict[str, Any] | None 
     disk: measured cold just after the forwards), and its process makes the resident part and
     the ring out of fresh memory and computes the whole forward, both on the machine's cores.
     The disk and the cores overlap; on the cores the two add up: faulting in fresh memory kept
-    ``memory_cores`` cores busy (measured with it, just before the dispatch) and the forward's
-    compute ``compute["threads"]`` of them, so the cores need
+    ``memory_cores`` cores busy (measured with it) and the forward's compute
+    ``compute["threads"]`` of them, so the cores need
     ``(memory x memory_cores + compute floor x threads) / cores`` seconds, and the memory no
     less than it took when measured. The limit is the longer of the read and that (without
     ``compute`` or ``memory_cores``: the fresh memory alone, which can only make it shorter).
+
+    The fresh memory is measured twice: just before the dispatch (``memory_rate``, a sample of
+    ``memory_sample`` bytes) and just after the first forward (``memory_rate_after``). The pages
+    the first sample frees are the first the dispatch gets, as fast again; the rest come as the
+    second sample's did, once the dispatch has taken what the machine had warm (pages freed too
+    recently to have gone back to the host). So ``memory`` is the sample's bytes at the first
+    rate and the rest at the second (all at the first rate where the second was not measured).
     None when the run did not measure the read and the memory."""
     whole, rate = r.get("first_floor_s"), r.get("memory_rate")
     if not whole or not rate:
         return None
     resident, _, _ = split_bytes(shape, r["map"])
     made = resident + (r.get("ring") or 0)
-    memory = made / rate
+    after = r.get("memory_rate_after")
+    warm = min(made, int(r.get("memory_sample") or 0)) if after else made
+    memory = warm / rate + (made - warm) / after if after else made / rate
+    rate = made / memory if memory else rate
     cores = r.get("cores") or os.cpu_count() or 1
-    busy = min(float(r.get("memory_cores") or 0.0), cores)
+    busy = min(float(r.get("memory_cores_after") or r.get("memory_cores") or 0.0), cores)
     work = 0.0
     if compute and busy:
         now = {**compute, "block_s": r.get("next_block_s") or compute["block_s"]}  # the nearest minute's
@@ -697,7 +718,7 @@ def compute_child(spec: dict[str, Any]) -> dict[str, Any]:
     with torch.no_grad():
         block = Block(config, 0).eval()
         x = torch.randn(1, TOKENS, config.n_embd)
-        block_s = _best(lambda: block(x))
+        block_s, block_best_s = _sustained(lambda: block(x), config.n_layer)  # a forward's worth
         read_cost = None
         if spec.get("ckpt"):  # what the ring's reads take from this compute (bigviz.modeling.read_cost)
             from bigviz.modeling.read_cost import measure_read_cost
@@ -707,10 +728,25 @@ def compute_child(spec: dict[str, Any]) -> dict[str, Any]:
         block = None  # its weights freed before the head is made
         head = torch.nn.Linear(config.n_embd, config.vocab_size, bias=False)
         head_s = _best(lambda: head(x))
-    out = {"block_s": block_s, "head_s": head_s, "threads": torch.get_num_threads()}
+    out = {"block_s": block_s, "block_best_s": block_best_s, "head_s": head_s, "threads": torch.get_num_threads()}
     if read_cost is not None:
         out["read_cost"] = read_cost
     return out
+
+
+def _sustained(fn: Any, runs: int) -> tuple[float, float]:
+    """Seconds per call of ``fn`` run ``runs`` times back to back after a warm-up: the mean (what
+    a forward of that many blocks gets from the machine in that minute) and the best run. The
+    compute floor takes the mean: the best of 3 runs of one block, scaled to a forward, caught
+    the machine's fastest half second and set the floor of the same minute up to a third apart
+    from one forward to the next (7.4 s and 9.9 s at 2/3 of the RAM, 32.1 GB, 2026-12-03)."""
+    fn()
+    times = []
+    for _ in range(max(1, runs)):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sum(times) / len(times), min(times)
 
 
 def _best(fn: Any, repeat: int = 3) -> float:
@@ -956,9 +992,9 @@ def compute_floor(shape: Shape, compute: dict[str, float]) -> float:
 def same_minute(shape: Shape, r: dict[str, Any], compute: dict[str, Any]) -> list[dict[str, float]]:
     """Each later forward of a split against its limit and prediction at the disk's speed of the
     same minute (its streamed part read cold with O_DIRECT just before it) and, where a block
-    stays resident, at the compute speed of the same minute (that block timed alone just before
-    it, best of 3; else the run's compute floor): seconds, bandwidth, compute floor, limit,
-    predicted."""
+    stays resident, at the compute speed of the same minute (that block run alone just before
+    it, as many times as the model has blocks; else the run's compute floor): seconds,
+    bandwidth, compute floor, limit, predicted."""
     _, streamed, _ = split_bytes(shape, r["map"])
     out = []
     for key in ("next_s", "third_s"):
@@ -1002,13 +1038,14 @@ def splits_table(
         f"### Splits, {gb(shape.model_bytes)}, {shape.model_bytes / shape.ram:.2f}x the RAM",
         "",
         "The compute floor "
-        f"(one block in RAM, {TOKENS} tokens, {compute.get('threads', '?')} threads, best of 3: "
-        f"{compute['block_s']:.2f} s per block) is {compute_floor(shape, compute):.1f} s per forward; the read "
+        f"(one block in RAM, {TOKENS} tokens, {compute.get('threads', '?')} threads, run {shape.n_layer} times back "
+        f"to back, a forward's worth: {compute['block_s']:.2f} s per block{_best_note(compute)}) is "
+        f"{compute_floor(shape, compute):.1f} s per forward; the read "
         f"floor at the run's start {bandwidth / 1e9:.2f} GB/s. Limit = the cost model's forward with reads ahead "
         "without bound; *same minute*: at the speed the disk read the streamed part cold (O_DIRECT, as the ring "
         "reads) just before each forward, and the whole checkpoint just after the third forward, and at the "
-        "compute speed of a resident block timed alone just before each forward (best of 3; all-disk: the run's "
-        "floor). Two later forwards per split: the worse ratio is shown.",
+        "compute speed of a resident block run alone just before each forward (as many times as the model has "
+        "blocks; all-disk: the run's floor). Two later forwards per split: the worse ratio is shown.",
         "",
         "| split: cpu budget | resident | streamed | compute floor: start / same minute | disk: start / same minute "
         "| limit: start / "
@@ -1055,13 +1092,21 @@ def splits_table(
         "or the streamed blocks' compute slower than the compute floor (the machine: contention, "
         "reader threads on the compute cores, cold memory). The first forward also makes the resident "
         "part and the ring out of memory the process has not touched: *fresh memory* is the time this "
-        "machine took to hand over that much (faulted in by 2 threads, no disk, just before the "
-        "dispatch) and the cores that kept busy. On this VM that is CPU work on the cores the forward "
+        "machine took to hand over that much (faulted in by 2 threads, no disk: the sample taken just before "
+        "the dispatch at its rate, the rest at the rate of a sample taken just after the first forward, once "
+        "the dispatch had taken the pages the machine still had warm) and the cores that kept busy. On this "
+        "VM that is CPU work on the cores the forward "
         "computes on, so the cores need the fresh memory's work plus the forward's compute (*cores*); the "
         "*first limit* is the longer of that and the whole read (the disk and the cores overlap, neither can "
         "be skipped).",
     ]
     return lines
+
+
+def _best_note(compute: dict[str, Any]) -> str:
+    """The best single run beside the mean, where it was recorded."""
+    best = compute.get("block_best_s")
+    return f"; the best run {best:.2f} s" if best else ""
 
 
 def _memory_cell(limit: dict[str, float] | None) -> str:
@@ -1154,6 +1199,8 @@ def _scenario_rows(
         split += f"; the whole checkpoint read cold after the forwards: {whole:.1f} s ({ratio(first, whole)})"
     if r.get("memory_rate"):
         split += f"; fresh memory faulted in just before the dispatch at {r['memory_rate'] / 1e9:.2f} GB/s"
+    if r.get("memory_rate_after"):
+        split += f", just after the first forward at {r['memory_rate_after'] / 1e9:.2f} GB/s"
     rows = [
         f"| {name}: dispatch + first forward | {fmt_s(first)} | {ratio(first, best)} | {anon} | "
         f"dispatch {fmt_s(r['dispatch_s'])}; {split} |"

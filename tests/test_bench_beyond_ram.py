@@ -5,6 +5,8 @@ the prediction and the goals it prints against the cost model computed directly.
 
 from __future__ import annotations
 
+import time
+
 import importlib.util
 import json
 import sys
@@ -187,6 +189,48 @@ def test_fresh_memory_and_compute_add_up_on_the_cores(
     assert f"**{first / limit['limit']:.2f}x**" in line
     table = "\n".join(bench.splits_table(shape, {"bigviz auto 1/2": half}, scaled, 2e6, 1.5))
     assert f"on {busy:.1f} cores; + compute 1.0 s: cores {limit['cpu']:.1f} s" in table
+
+
+def test_the_first_limit_takes_the_sample_warm_and_the_rest_at_the_rate_after_the_first_forward(
+    bench: ModuleType,
+) -> None:
+    """The pages the sample before the dispatch frees are the first the dispatch gets, as fast
+    again; the rest come at the rate of the sample after the first forward (cold, once the
+    dispatch took what the machine had warm). Without that second sample, all at the first."""
+    shape, half = _run(bench, next_s=1.0, next_read=1.0, fraction="1/2")
+    made = bench.split_bytes(shape, half["map"])[0] + half["ring"]
+    sample = made // 4
+    half.update(memory_rate=4.0 * made, memory_cores=1.0, memory_sample=sample, first_floor_s=0.01)
+    alone = bench.first_limit(shape, half)
+    assert alone["memory"] == pytest.approx(0.25)
+    half.update(memory_rate_after=made / 2.0, memory_cores_after=1.0)
+    both = bench.first_limit(shape, half)
+    expected = sample / (4.0 * made) + (made - sample) / (made / 2.0)
+    assert both["memory"] == pytest.approx(expected)
+    assert both["rate"] == pytest.approx(made / expected)
+    assert both["limit"] == pytest.approx(max(0.01, expected))
+    half["memory_sample"] = 10 * made  # a sample larger than what is made: all of it warm
+    assert bench.first_limit(shape, half)["memory"] == pytest.approx(0.25)
+    compute = {"block_s": 0.1, "head_s": 0.05, "threads": 2}
+    rows = "\n".join(bench._scenario_rows("bigviz auto 1/2", half, shape, 1.5, 2e6, compute, None))
+    assert f"just before the dispatch at {4.0 * made / 1e9:.2f} GB/s" in rows
+    assert f"just after the first forward at {made / 2.0 / 1e9:.2f} GB/s" in rows
+
+
+def test_the_compute_floor_is_a_forwards_worth_of_runs(bench: ModuleType) -> None:
+    """Mean and best of ``runs`` calls back to back, after a warm-up that is not counted."""
+    calls: list[float] = []
+    sleeps = iter([0.05, 0.001, 0.002, 0.003, 0.004])
+
+    def run() -> None:
+        calls.append(time.perf_counter())
+        time.sleep(next(sleeps))
+
+    mean, best = bench._sustained(run, 4)
+    assert len(calls) == 5
+    assert 0.001 <= best < 0.002 + 0.02  # the warm-up's 50 ms is not a run
+    assert best <= mean < 0.05
+    assert mean == pytest.approx((0.001 + 0.002 + 0.003 + 0.004) / 4, abs=0.02)
 
 
 def test_fresh_memory_reports_the_cores_it_kept_busy(bench: ModuleType) -> None:
