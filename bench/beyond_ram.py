@@ -449,15 +449,6 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                     copied = bigviz.residency(model).copied  # made while the first forward ran (read after it)
                     if copied is not None:
                         out["copy"] = {"bytes": copied.nbytes, "seconds": copied.seconds, "direct": copied.direct_bytes}
-                if key == "first_s" and spec.get("paired"):
-                    # Fresh memory again, now that the dispatch has taken what the machine had
-                    # warm: the pages it hands out next are cold, as most of the dispatch's were
-                    # (the sample before it came partly from pages freed too recently to have gone
-                    # back to the host: 1.4-2.6 GB/s against 0.5-0.7 GB/s cold, 2026-12-03).
-                    room = _mem_available() // 2
-                    if room >= 2**28:
-                        after = fresh_memory(min(MEMORY_SAMPLE, room))
-                        out["memory_rate_after"], out["memory_cores_after"] = after
             if spec.get("paired"):
                 # The whole checkpoint read cold after the forwards, not before the dispatch: read
                 # just before it, 32 GB slowed the first forward's fresh memory by a third
@@ -468,6 +459,14 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             out["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             out["failed_after_s"] = time.perf_counter() - start
     out["anon_peak"] = peak.peak["RssAnon"] - peak.base["RssAnon"]
+    if spec.get("paired") and "first_s" in out:
+        # Fresh memory again, the model still held (outside the RAM peak): the dispatch has
+        # taken the pages the machine had warm, so those it hands out now are cold, as most of
+        # the dispatch's were (the sample before it came partly from pages freed too recently
+        # to have gone back to the host: 1.4-2.6 GB/s, against 0.5-0.7 GB/s cold, 2026-12-03).
+        room = _mem_available() // 2
+        if room >= 2**28:
+            out["memory_rate_after"], out["memory_cores_after"] = fresh_memory(min(MEMORY_SAMPLE, room))
     return out
 
 
@@ -516,9 +515,9 @@ def first_limit(shape: Shape, r: dict[str, Any], compute: dict[str, Any] | None 
     ``compute`` or ``memory_cores``: the fresh memory alone, which can only make it shorter).
 
     The fresh memory is measured twice: just before the dispatch (``memory_rate``, a sample of
-    ``memory_sample`` bytes) and just after the first forward (``memory_rate_after``). The pages
+    ``memory_sample`` bytes) and after the forwards, the model still held (``memory_rate_after``). The pages
     the first sample frees are the first the dispatch gets, as fast again; the rest come as the
-    second sample's did, once the dispatch has taken what the machine had warm (pages freed too
+    second sample's did, once the dispatch had taken what the machine had warm (pages freed too
     recently to have gone back to the host). So ``memory`` is the sample's bytes at the first
     rate and the rest at the second (all at the first rate where the second was not measured).
     None when the run did not measure the read and the memory."""
@@ -1093,8 +1092,8 @@ def splits_table(
         "reader threads on the compute cores, cold memory). The first forward also makes the resident "
         "part and the ring out of memory the process has not touched: *fresh memory* is the time this "
         "machine took to hand over that much (faulted in by 2 threads, no disk: the sample taken just before "
-        "the dispatch at its rate, the rest at the rate of a sample taken just after the first forward, once "
-        "the dispatch had taken the pages the machine still had warm) and the cores that kept busy. On this "
+        "the dispatch at its rate, the rest at the rate of a sample taken after the forwards, the model held, "
+        "once the dispatch had taken the pages the machine still had warm) and the cores that kept busy. On this "
         "VM that is CPU work on the cores the forward "
         "computes on, so the cores need the fresh memory's work plus the forward's compute (*cores*); the "
         "*first limit* is the longer of that and the whole read (the disk and the cores overlap, neither can "
@@ -1200,7 +1199,7 @@ def _scenario_rows(
     if r.get("memory_rate"):
         split += f"; fresh memory faulted in just before the dispatch at {r['memory_rate'] / 1e9:.2f} GB/s"
     if r.get("memory_rate_after"):
-        split += f", just after the first forward at {r['memory_rate_after'] / 1e9:.2f} GB/s"
+        split += f", after the forwards (the model held) at {r['memory_rate_after'] / 1e9:.2f} GB/s"
     rows = [
         f"| {name}: dispatch + first forward | {fmt_s(first)} | {ratio(first, best)} | {anon} | "
         f"dispatch {fmt_s(r['dispatch_s'])}; {split} |"

@@ -28,6 +28,7 @@ Run as root (it drops the page cache)::
 
     python bench/studies/fresh_memory.py --gib 4 --rounds 2     # about 3 minutes
     python bench/studies/fresh_memory.py --rounds 1 --file bench/_work/beyond-ram/model-00002-of-00019.safetensors
+    python bench/studies/fresh_memory.py --since-drop 0,4,12,24,40,60 --fill bench/_work/beyond-ram
 """
 
 from __future__ import annotations
@@ -117,16 +118,92 @@ def touch_file(path: str) -> tuple[float, float, float, float, int]:
     return populated, times[0][0], times[1][0], times[0][1], size
 
 
+def curve(size: int, piece: int) -> list[tuple[float, float]]:
+    """``size`` bytes faulted in by 2 threads, ``piece`` bytes at a time, every piece kept until
+    the end: (seconds, CPU-seconds) of each, in order. Where the machine hands out the pages it
+    still has warm first, the first pieces come fast and the rest at the cold rate."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    base = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+    if base in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "mmap failed")
+    out = []
+    try:
+        for at in range(0, size - piece + 1, piece):
+            half = piece // 2
+            failed: list[int] = []
+
+            def part(i: int, at: int = at, half: int = half) -> None:
+                if libc.madvise(base + at + i * half, half, MADV_POPULATE_WRITE) != 0:
+                    failed.append(ctypes.get_errno())
+
+            workers = [threading.Thread(target=part, args=(i,)) for i in range(2)]
+            began, cpu = time.perf_counter(), time.process_time()
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            if failed:
+                raise OSError(failed[0], "MADV_POPULATE_WRITE failed (Linux 5.14+)")
+            out.append((time.perf_counter() - began, time.process_time() - cpu))
+    finally:
+        libc.munmap(base, size)
+    return out
+
+
+def fill_page_cache(folder: str, most: int = 16 * GiB) -> int:
+    """Read the files of ``folder`` through the page cache, up to ``most`` bytes (so that the
+    next drop frees about as much as a bench scenario's does); returns the bytes read."""
+    total = 0
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path) and total < most:
+            with open(path, "rb") as f:
+                while chunk := f.read(64 * 2**20):
+                    total += len(chunk)
+    return total
+
+
+def since_drop(waits: list[float], size: int, fill: str | None) -> None:
+    """After each drop of the page cache (refilled from ``fill`` first), wait, then fault
+    ``size`` bytes in, a piece of 512 MiB at a time, kept: how the rate falls as the freed
+    pages are reported to the host, and how much still comes warm."""
+    piece = 512 * 2**20
+    print("| seconds after the drop | GiB/s, all | first 512 MiB | the rest | CPU-s per GiB |\n|---|---|---|---|---|")
+    for wait in waits:
+        if fill:
+            fill_page_cache(fill)
+        drop_page_cache()
+        time.sleep(wait)
+        parts = curve(size // piece * piece, piece)
+        seconds, cpu = sum(p[0] for p in parts), sum(p[1] for p in parts)
+        n = len(parts) * piece / GiB
+        rest = sum(p[0] for p in parts[1:])
+        print(
+            f"| {wait:g} | {n / seconds:.2f} | {piece / GiB / parts[0][0]:.2f} | "
+            f"{(n - piece / GiB) / rest:.2f} | {cpu / n:.2f} |",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gib", type=float, default=4.0, help="memory faulted in per measurement")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--wait", type=float, default=8.0, help="seconds after the drop (free page reporting)")
     parser.add_argument("--file", help="also: this file's pages read in by the host, then touched by the guest")
+    parser.add_argument(
+        "--since-drop",
+        help="instead: comma-separated seconds to wait after a drop of the page cache, then the rate "
+        "(first 512 MiB and the rest apart)",
+    )
+    parser.add_argument("--fill", help="with --since-drop: a folder read through the page cache before each drop")
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("fresh_memory.py drops the page cache: run it as root")
     size = int(args.gib * GiB) // HUGE * HUGE
+    if args.since_drop:
+        since_drop([float(x) for x in args.since_drop.split(",")], size, args.fill)
+        return
     print("| state | threads | huge pages | GiB/s | CPU-s per GiB |\n|---|---|---|---|---|")
     for _ in range(args.rounds):
         for huge in (False, True):
