@@ -401,8 +401,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
     out: dict[str, Any] = {"phase": "dispatch"}
     idx = torch.randint(0, spec["config"]["vocab_size"], (1, TOKENS), generator=torch.Generator().manual_seed(1))
+    sample = min(MEMORY_SAMPLE, spec["budget"] // 4) if spec.get("budget") else MEMORY_SAMPLE
     if spec.get("paired"):  # the same minute's floor of the first forward's memory (its read: after the forwards)
-        sample = min(MEMORY_SAMPLE, spec["budget"] // 4) if spec.get("budget") else MEMORY_SAMPLE
         out["memory_rate"], out["memory_cores"] = fresh_memory(sample)
         out["memory_sample"] = sample
     with PeakMemory(("RssAnon",)) as peak:  # sampled every 2 ms
@@ -464,9 +464,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         # taken the pages the machine had warm, so those it hands out now are cold, as most of
         # the dispatch's were (the sample before it came partly from pages freed too recently
         # to have gone back to the host: 1.4-2.6 GB/s, against 0.5-0.7 GB/s cold, 2026-12-03).
-        room = _mem_available() // 2
-        if room >= 2**28:
-            out["memory_rate_after"], out["memory_cores_after"] = fresh_memory(min(MEMORY_SAMPLE, room))
+        after = min(sample, _mem_available() // 2)  # as much as before, where the RAM left allows
+        if after >= sample // 2:
+            out["memory_rate_after"], out["memory_cores_after"] = fresh_memory(after)
     return out
 
 

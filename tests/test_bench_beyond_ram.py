@@ -346,3 +346,44 @@ def test_the_same_minute_compute_floor_is_a_block_the_map_keeps_in_ram(bench: Mo
     with torch.device("meta"):
         empty = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=32, block_size=8))
     assert bench._resident_block(empty, {"": "cpu"}) is None  # weights not in RAM: no floor from it
+
+
+def test_a_split_runs_end_to_end_on_a_small_checkpoint(bench: ModuleType, tmp_path: Path) -> None:
+    """The scenario the bench runs at each split, on a real (tiny) sharded checkpoint, in this
+    process: fresh memory sampled before the dispatch and after the forwards, the dispatch
+    with a resident copy and a ring, three forwards, the same minute's floors (a cold read of
+    the streamed part, a resident block run a forward's worth of times), and the rows and the
+    first limit made from what it recorded."""
+    shape = bench.Shape(n_embd=64, n_head=4, n_layer=4, vocab_size=256, block_size=32, ram=0)
+    shape = bench.Shape(**{**shape.__dict__, "ram": int(shape.model_bytes / 1.25)})
+    folder = tmp_path / "ckpt"
+    bench.build_checkpoint(shape, folder)
+    config = shape.config().to_dict()
+    config.pop("model_type", None)
+    spec = {
+        "config": config,
+        "ckpt": str(folder),
+        "offload": str(tmp_path / "offload"),
+        "resident": "copy",
+        "drop": "files",
+        "readers": 2,
+    }
+    out = bench.child({**spec, **bench.split_scenarios("1/2", shape)["bigviz auto 1/2"]})
+    assert "error" not in out, out.get("error")
+    assert out["phase"] == "done"
+    resident, streamed, _ = bench.split_bytes(shape, out["map"])
+    assert resident > 0 and streamed > 0, out["map"]  # a split: part resident, part streamed
+    assert 0 < out["next_block_best_s"] <= out["next_block_s"]
+    assert 0 < out["third_block_best_s"] <= out["third_block_s"]
+    assert out["next_floor_s"] > 0 and out["first_floor_s"] > 0
+    assert out["anon_peak"] >= 0
+    from bigviz.osio import pages
+
+    if pages.available() and pages._LIBC.works[pages.MADV_POPULATE_WRITE]:
+        assert out["memory_rate"] > 0 and out["memory_rate_after"] > 0
+        assert out["memory_sample"] == int(shape.ram * 0.5) // 4
+        compute = {"block_s": out["next_block_s"], "head_s": 0.001, "threads": out["threads"]}
+        limit = bench.first_limit(shape, out, compute)
+        assert limit is not None and limit["limit"] >= out["first_floor_s"]
+        rows = "\n".join(bench._scenario_rows("bigviz auto 1/2", out, shape, 1.0, 1e9, compute, None))
+        assert "after the forwards (the model held) at" in rows
