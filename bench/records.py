@@ -37,11 +37,45 @@ def write_section(name: str, text: str, *, note: str = "", today: datetime.date 
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.md"
     if path.exists():
-        _to_history(path.read_text(encoding="utf-8"), name)
+        replaced = _replaced(path.read_text(encoding="utf-8"), text)
+        if replaced:
+            _to_history(replaced, name)
     date = (today or datetime.date.today()).isoformat()
     stamp = f"<!-- bench: {name}, {date}{', ' + note if note else ''} -->\n"
     path.write_text(stamp + text.strip() + "\n", encoding="utf-8")
     return path
+
+
+KEPT = re.compile(r"^\(Kept from this \w+'s last run[^\n]*\)\n\n?", re.M)
+
+
+def _chunks(text: str) -> list[str]:
+    """The ``## `` sections of a record (what comes before the first one as a chunk of its own)."""
+    parts = re.split(r"(?m)^(?=## )", text)
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _replaced(old: str, new: str) -> str:
+    r"""What of the ``old`` record the ``new`` one replaces: its ``## `` sections that the new
+    record does not carry on. A bench that measures one of several sizes carries the others
+    on, marked "(Kept from this size's last run, ...)"; those are not replaced, so they do
+    not go to the diary (they go when a run measures them again). The stamp line stays.
+
+    Example:
+        >>> old = "<!-- bench: x, 2026-12-01 -->\n## A\n\n1 s\n\n## B\n\n2 s\n"
+        >>> new = "## A\n\n0.9 s\n\n## B\n\n(Kept from this size's last run, 2026-12-01.)\n\n2 s\n"
+        >>> print(_replaced(old, new))
+        <!-- bench: x, 2026-12-01 -->
+        ## A
+        <BLANKLINE>
+        1 s
+    """
+    stamp = STAMP.search(old)
+    carried = {KEPT.sub("", c) for c in _chunks(STAMP.sub("", new))}
+    gone = [c for c in _chunks(STAMP.sub("", old)) if KEPT.sub("", c) not in carried]
+    if not gone:
+        return ""
+    return (stamp.group(0) if stamp else "") + "\n\n".join(gone)
 
 
 def _to_history(old: str, name: str) -> None:

@@ -49,3 +49,24 @@ def test_the_repository_records_are_assembled_whole() -> None:
     text = (BENCH / "RESULTS.md").read_text()
     assert "Assembled by `python bench/run.py`" in text and "## Larger than RAM" in text
     assert (BENCH / "studies" / "README.md").exists() and list((BENCH / "history").glob("*.md"))
+
+
+def test_only_what_a_run_replaced_goes_to_the_diary(records: ModuleType, tmp_path: Path) -> None:
+    """A run of one size of the larger-than-RAM bench carries the other size on, marked as
+    kept: that size was not replaced, so it does not go to the diary (it goes, once, when a
+    run measures it again). Before, every run sent the whole record, both sizes, and the
+    diary held the same figures two and three times, some of them still current."""
+    day = datetime.date(2026, 12, 3)
+    kept = "(Kept from this size's last run, 2026-12-03: not measured again in this one.)\n\n"
+    records.write_section("beyond_ram", "## 32 GB\n\nrun 1: 1.10x\n\n## 50 GB\n\nrun 1: 1.20x", today=day)
+    records.write_section("beyond_ram", f"## 32 GB\n\nrun 2: 1.05x\n\n## 50 GB\n\n{kept}run 1: 1.20x", today=day)
+    diary = tmp_path / "history" / "2026-12-03.md"
+    assert "run 1: 1.10x" in diary.read_text() and "1.20x" not in diary.read_text()
+    records.write_section("beyond_ram", f"## 32 GB\n\n{kept}run 2: 1.05x\n\n## 50 GB\n\nrun 2: 1.15x", today=day)
+    text = diary.read_text()
+    assert text.count("run 1: 1.20x") == 1 and text.count("run 1: 1.10x") == 1
+    assert "run 2" not in text  # both current: in bench/results, not in the diary
+    current = (tmp_path / "results" / "beyond_ram.md").read_text()
+    assert "run 2: 1.05x" in current and "run 2: 1.15x" in current
+    records.write_section("beyond_ram", f"## 32 GB\n\n{kept}run 2: 1.05x\n\n## 50 GB\n\n{kept}run 2: 1.15x", today=day)
+    assert diary.read_text() == text  # nothing replaced, nothing archived
