@@ -463,7 +463,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         # Fresh memory again, the model still held (outside the RAM peak): the dispatch has
         # taken the pages the machine had warm, so those it hands out now are cold, as most of
         # the dispatch's were (the sample before it came partly from pages freed too recently
-        # to have gone back to the host: 1.4-2.6 GB/s, against 0.5-0.7 GB/s cold, 2026-12-03).
+        # to have gone back to the host: 1.2-3.2 GB/s at the resident splits, this one
+        # 0.32-0.38 GB/s, 2026-12-03).
         after = min(sample, _mem_available() // 2)  # as much as before, where the RAM left allows
         if after >= sample // 2:
             out["memory_rate_after"], out["memory_cores_after"] = fresh_memory(after)
@@ -515,10 +516,10 @@ def first_limit(shape: Shape, r: dict[str, Any], compute: dict[str, Any] | None 
     ``compute`` or ``memory_cores``: the fresh memory alone, which can only make it shorter).
 
     The fresh memory is measured twice: just before the dispatch (``memory_rate``, a sample of
-    ``memory_sample`` bytes) and after the forwards, the model still held (``memory_rate_after``). The pages
-    the first sample frees are the first the dispatch gets, as fast again; the rest come as the
-    second sample's did, once the dispatch had taken what the machine had warm (pages freed too
-    recently to have gone back to the host). So ``memory`` is the sample's bytes at the first
+    ``memory_sample`` bytes) and after the forwards, the model still held
+    (``memory_rate_after``). The pages the first sample frees are the first the dispatch gets,
+    as fast again; the rest come as the second sample's did, once the dispatch had taken what
+    the machine had warm (pages freed too recently to have gone back to the host). So ``memory`` is the sample's bytes at the first
     rate and the rest at the second (all at the first rate where the second was not measured).
     None when the run did not measure the read and the memory."""
     whole, rate = r.get("first_floor_s"), r.get("memory_rate")
@@ -749,13 +750,8 @@ def _sustained(fn: Any, runs: int) -> tuple[float, float]:
 
 
 def _best(fn: Any, repeat: int = 3) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+    """Seconds of the best of ``repeat`` runs of ``fn`` after a warm-up."""
+    return _sustained(fn, repeat)[1]
 
 
 def run_child(spec: dict[str, Any], *, timeout: float) -> dict[str, Any]:

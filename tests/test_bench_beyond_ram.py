@@ -5,13 +5,11 @@ the prediction and the goals it prints against the cost model computed directly.
 
 from __future__ import annotations
 
-import time
-
 import importlib.util
 import json
 import sys
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -217,20 +215,22 @@ def test_the_first_limit_takes_the_sample_warm_and_the_rest_at_the_rate_after_th
     assert f"after the forwards (the model held) at {made / 2.0 / 1e9:.2f} GB/s" in rows
 
 
-def test_the_compute_floor_is_a_forwards_worth_of_runs(bench: ModuleType) -> None:
-    """Mean and best of ``runs`` calls back to back, after a warm-up that is not counted."""
+def test_the_compute_floor_is_a_forwards_worth_of_runs(bench: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mean and best of ``runs`` calls back to back, after a warm-up that is not counted (on a
+    clock of our own: each call takes the seconds listed, the warm-up 50)."""
+    now = [0.0]
+    took = iter([50.0, 1.0, 2.0, 3.0, 6.0])
     calls: list[float] = []
-    sleeps = iter([0.05, 0.001, 0.002, 0.003, 0.004])
 
     def run() -> None:
-        calls.append(time.perf_counter())
-        time.sleep(next(sleeps))
+        calls.append(now[0])
+        now[0] += next(took)
 
-    mean, best = bench._sustained(run, 4)
+    monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    assert bench._sustained(run, 4) == (3.0, 1.0)
     assert len(calls) == 5
-    assert 0.001 <= best < 0.002 + 0.02  # the warm-up's 50 ms is not a run
-    assert best <= mean < 0.05
-    assert mean == pytest.approx((0.001 + 0.002 + 0.003 + 0.004) / 4, abs=0.02)
+    took = iter([50.0, 4.0, 2.0, 3.0])
+    assert bench._best(run) == 2.0
 
 
 def test_fresh_memory_reports_the_cores_it_kept_busy(bench: ModuleType) -> None:
