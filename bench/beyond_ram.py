@@ -5,6 +5,7 @@
     python bench/beyond_ram.py --small          # ~300 MB, the same code path, under a minute
     python bench/beyond_ram.py --report bench/_work/beyond-ram-results.json   # a saved run's table
     python bench/beyond_ram.py --quantize int8  # also int8 weights (in bfloat16), all-disk and 2/3 (issue 25)
+    python bench/beyond_ram.py --memory in-use  # on a machine in use: the page cache full (bench/in_use.py)
 
 The checkpoint: a bigviz GPT (``n_embd`` 6144: blocks of 1.81 GB) about ``--ram-multiple``
 times this machine's RAM, written block by block (one block's tensors in RAM at a time),
@@ -1129,9 +1130,24 @@ def _header(shape: Shape, info: dict[str, Any]) -> str:
         f"embeddings {gb(shape.embedding_bytes)}: {gb(shape.model_bytes)} fp32, "
         f"{shape.model_bytes / shape.ram:.2f}x the RAM ({shape.ram / GiB:.1f} GiB"
         f'{", pretend: --small" if info["small"] else ""}); cpu budget for "auto": '
-        f"{shape.cpu_budget / GiB:.1f} GiB (2/3 of RAM). {TOKENS}-token forwards. Page cache dropped "
-        f"({info['drop']}) before each line. Checkpoint {'written in ' + format(info['build_s'], '.0f') + ' s' if info['build_s'] else 'reused'}. "
+        f"{shape.cpu_budget / GiB:.1f} GiB (2/3 of RAM). {TOKENS}-token forwards. {_cache_note(info)} Checkpoint {'written in ' + format(info['build_s'], '.0f') + ' s' if info['build_s'] else 'reused'}. "
         f"Load average (1/5/15 min) at the start: {info['load_start']}, at the end: {info['load_end']}."
+    )
+
+
+def _cache_note(info: dict[str, Any]) -> str:
+    """How the page cache was before each line: dropped, or (``--memory in-use``) the
+    checkpoint's pages evicted and the rest of the RAM holding a filler."""
+    if info.get("memory") != "in-use":
+        return f"Page cache dropped ({info['drop']}) before each line."
+    refills = info.get("refills") or [{"nbytes": 0, "seconds": 0.0}]
+    most = max(r["nbytes"] for r in refills)
+    took = ", ".join(f"{r['seconds']:.0f}" for r in refills)
+    return (
+        "A machine in use (`--memory in-use`, bench/in_use.py): before each line the checkpoint's own pages "
+        f"evicted, then a {gb(info.get('filler_bytes', most))} filler file the scenarios never read read through "
+        f"the page cache ({took} s), so the memory a scenario gets is reclaimed page cache, not pages this VM "
+        "had handed back to its host."
     )
 
 
@@ -1357,6 +1373,13 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--readers", type=int, default=4, help="parallel readers for the floor")
     parser.add_argument("--drop", choices=["auto", "global", "files"], default="auto")
+    parser.add_argument(
+        "--memory",
+        choices=["dropped", "in-use"],
+        default="dropped",
+        help="in-use: evict only the checkpoint's pages and refill the page cache with a filler file "
+        "before each scenario (a machine in use, bench/in_use.py); recorded apart (default: dropped)",
+    )
     parser.add_argument("--work", type=Path, default=WORK, help="where the checkpoint goes")
     parser.add_argument("--keep", action="store_true", help="(the default now) keep the checkpoint")
     parser.add_argument("--delete", action="store_true", help="delete the checkpoint at the end")
@@ -1430,10 +1453,15 @@ def main() -> None:
                 elif texts[m].endswith(SKIPPED):
                     texts[m] = texts[m][: -len(SKIPPED)] + "\n\n" + t
         section = "\n\n".join(texts[m] for m in sorted(texts))
-        records.write_section("beyond_ram", section, note="`python bench/beyond_ram.py`")
+        name = "beyond_ram" + _tag(args).replace("-", "_")  # in-use runs: a record of their own
+        records.write_section(
+            name, section, note=f"`python bench/beyond_ram.py{' --memory in-use' if _tag(args) else ''}`"
+        )
         records.assemble()
         shown = [p for p in PICTURES if p.name.endswith("-timeline-2of3.svg")] or PICTURES
-        if shown:  # the README's picture: the first size's 2/3 split (tests/test_readme.py checks it)
+        if shown and not _tag(
+            args
+        ):  # the README's picture: the first size's 2/3 split (tests/test_readme.py checks it)
             shutil.copyfile(shown[0], HERE.parent / "docs" / "larger-than-ram-run.svg")
 
 
@@ -1444,7 +1472,7 @@ def kept_sizes(args: argparse.Namespace) -> dict[float, str]:
     out = {}
     for multiple in (float(x) for x in DEFAULT_SIZES.split(",")):
         folder = folder_for(argparse.Namespace(**{**vars(args), "ram_multiple": multiple}))
-        path = folder.parent / f"{folder.name}-results.json"
+        path = folder.parent / f"{folder.name}{_tag(args)}-results.json"
         if not path.is_file():
             continue
         raw = json.loads(path.read_text())
@@ -1493,11 +1521,37 @@ def _ours(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("*") if p.is_file()) if folder.is_dir() else 0
 
 
+def _tag(args: argparse.Namespace) -> str:
+    """What the file names of a run carry after the checkpoint's folder name."""
+    return "-in-use" if getattr(args, "memory", "dropped") == "in-use" else ""
+
+
+def _filler(args: argparse.Namespace, info: dict[str, Any]) -> Path | None:
+    """With ``--memory in-use``: the page-cache filler, written once (bench/in_use.py)."""
+    if _tag(args) == "":
+        return None
+    if args.small:
+        raise SystemExit("bench/beyond_ram.py: --memory in-use fills this machine's real RAM: not with --small")
+    from in_use import FILLER_NAME, ensure_filler, filler_bytes
+
+    path, nbytes = args.work / FILLER_NAME, filler_bytes(machine_ram())
+    have = path.stat().st_size if path.is_file() else 0
+    free = shutil.disk_usage(args.work).free
+    if nbytes - have > free - 2 * GiB:
+        raise SystemExit(
+            f"bench/beyond_ram.py --memory in-use: the filler needs {gb(nbytes)} in {args.work} and the disk "
+            f"has {gb(free + have)} for it: free some room, or run without --memory in-use"
+        )
+    info["filler_bytes"], info["filler_write_s"] = nbytes, ensure_filler(path, nbytes)
+    return path
+
+
 def measure(args: argparse.Namespace, shape: Shape, folder: Path) -> str | None:
     info = {
         "small": args.small,
         "readers": args.readers,
-        "drop": drop_mode(args.drop, args.small),
+        "memory": args.memory,
+        "drop": "files" if _tag(args) else drop_mode(args.drop, args.small),
         "load_start": load_average(),
         "argv": "".join(" " + a for a in sys.argv[1:]),
         "date": str(datetime.date.today()),
@@ -1511,6 +1565,7 @@ def measure(args: argparse.Namespace, shape: Shape, folder: Path) -> str | None:
     if offload.exists():  # each scenario's offload folder is removed after it: it must be new
         raise SystemExit(f"bench/beyond_ram.py: {offload} already exists: move it away (nothing was deleted)")
     files = shard_files(folder)
+    filler = _filler(args, info)
     floor = {} if "floor" in args.skip else read_floor(files, args.readers, info["drop"], full=args.full_floor)
     spec = {
         "config": shape.config().to_dict(),
@@ -1550,6 +1605,11 @@ def measure(args: argparse.Namespace, shape: Shape, folder: Path) -> str | None:
             }
             continue
         drop_caches(files, info["drop"])
+        if filler is not None:  # the rest of the RAM: page cache again (what the last scenario freed)
+            from in_use import refill
+
+            filled = refill(filler)
+            info.setdefault("refills", []).append({"nbytes": filled.nbytes, "seconds": filled.seconds})
         print(f"  {name} (load {load_average()}) ...", file=sys.stderr, flush=True)
         results[name] = {**run_child({**spec, **extra}, timeout=args.timeout), "fraction": extra["fraction"]}
         shutil.rmtree(spec["offload"], ignore_errors=True)  # made by this scenario (refused if there before)
@@ -1561,10 +1621,10 @@ def measure(args: argparse.Namespace, shape: Shape, folder: Path) -> str | None:
         if "timeline" in r:
             title = f"{gb(shape.model_bytes)}, {name}: next forward {r['next_s']:.1f} s (green: streamed units compute)"
             label = r["fraction"].replace("/", "of") + (f"-{name.rsplit(' ', 1)[1]}" if "streamed_bytes" in r else "")
-            svg = folder.parent / f"{folder.name}-timeline-{label}.svg"
+            svg = folder.parent / f"{folder.name}{_tag(args)}-timeline-{label}.svg"
             svg.write_text(timeline_svg(r["timeline"], title) + "\n")
             PICTURES.append(svg)
-    (folder.parent / f"{folder.name}-results.json").write_text(json.dumps(raw, indent=1) + "\n")
+    (folder.parent / f"{folder.name}{_tag(args)}-results.json").write_text(json.dumps(raw, indent=1) + "\n")
     return report(shape, floor, results, compute, info)
 
 

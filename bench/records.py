@@ -20,7 +20,18 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 HISTORY = HERE / "history"
-ORDER = ["planning", "load", "dispatch", "slider", "workload", "gpu", "pipeline", "quant", "beyond_ram"]
+ORDER = [
+    "planning",
+    "load",
+    "dispatch",
+    "slider",
+    "workload",
+    "gpu",
+    "pipeline",
+    "quant",
+    "beyond_ram",
+    "beyond_ram_in_use",
+]
 STAMP = re.compile(r"^<!-- bench: (?P<name>\w+), (?P<date>\d{4}-\d\d-\d\d)(?P<rest>[^>]*)-->\n", re.M)
 
 
