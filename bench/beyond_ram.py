@@ -41,7 +41,7 @@ issue's goals are taken against cold ``O_DIRECT`` reads of the same bytes made i
 beside them). Prints a
 markdown table and records it as bench/results/beyond_ram.md, the section of bench/RESULTS.md it
 reassembles (bench/records.py; the section it replaces goes to the diary, bench/history/; not with
---small or --no-results), and copies the timeline of the first size's 2/3 split to
+--small or --no-results; with ``--memory in-use``, as bench/results/beyond_ram_in_use.md), and copies the timeline of the first size's 2/3 split to
 ``docs/larger-than-ram-run.svg`` (the README's picture); the raw figures go to
 ``bench/_work/beyond-ram-results.json``.
 

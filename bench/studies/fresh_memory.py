@@ -32,6 +32,7 @@ Run as root (it drops the page cache)::
     python bench/studies/fresh_memory.py --gib 4 --rounds 2     # about 3 minutes
     python bench/studies/fresh_memory.py --rounds 1 --file bench/_work/beyond-ram/model-00002-of-00019.safetensors
     python bench/studies/fresh_memory.py --since-drop 0,4,12,24,40,60 --fill bench/_work/beyond-ram
+    python bench/studies/fresh_memory.py --in-use --wait 40 --gib 12   # a machine in use
 """
 
 from __future__ import annotations
@@ -188,6 +189,36 @@ def since_drop(waits: list[float], size: int, fill: str | None) -> None:
         )
 
 
+def in_use(size: int, wait: float) -> None:
+    """The page cache dropped, ``wait`` seconds, then the bench's filler read through the page
+    cache (``bench/in_use.py``: the RAM less 2 GiB), then ``size`` bytes faulted in, 512 MiB at a
+    time: the rate of memory the kernel reclaims from the page cache (a machine in use), the
+    pages still free first."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from pathlib import Path
+
+    import in_use as filler_file
+
+    with open("/proc/meminfo") as f:
+        ram = int(f.readline().split()[1]) * 1024
+    path = Path(__file__).resolve().parents[1] / "_work" / filler_file.FILLER_NAME
+    filler_file.ensure_filler(path, filler_file.filler_bytes(ram))
+    drop_page_cache()
+    time.sleep(wait)
+    done = filler_file.refill(path)
+    piece = 512 * 2**20
+    parts = curve(size // piece * piece, piece)
+    seconds, cpu = sum(p[0] for p in parts), sum(p[1] for p in parts)
+    n = len(parts) * piece / GiB
+    print(
+        f"| filler read in | GiB/s, all | slowest 512 MiB | CPU-s per GiB |\n|---|---|---|---|\n"
+        f"| {done.nbytes / GiB:.1f} GiB in {done.seconds:.1f} s | {n / seconds:.2f} | "
+        f"{piece / GiB / max(p[0] for p in parts):.2f} | {cpu / n:.2f} |\n"
+        f"each 512 MiB, GiB/s: {' '.join(f'{piece / GiB / p[0]:.2f}' for p in parts)}",
+        flush=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gib", type=float, default=4.0, help="memory faulted in per measurement")
@@ -200,10 +231,19 @@ def main() -> None:
         "(first 512 MiB and the rest apart)",
     )
     parser.add_argument("--fill", help="with --since-drop: a folder read through the page cache before each drop")
+    parser.add_argument(
+        "--in-use",
+        action="store_true",
+        help="instead: after a drop and --wait seconds, the bench's filler read through the page cache, then "
+        "--gib faulted in (memory reclaimed from the page cache, bench/in_use.py)",
+    )
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("fresh_memory.py drops the page cache: run it as root")
     size = int(args.gib * GiB) // HUGE * HUGE
+    if args.in_use:
+        in_use(size, args.wait)
+        return
     if args.since_drop:
         since_drop([float(x) for x in args.since_drop.split(",")], size, args.fill)
         return
