@@ -41,8 +41,8 @@ issue's goals are taken against cold ``O_DIRECT`` reads of the same bytes made i
 beside them). Prints a
 markdown table and records it as bench/results/beyond_ram.md, the section of bench/RESULTS.md it
 reassembles (bench/records.py; the section it replaces goes to the diary, bench/history/; not with
---small or --no-results; with ``--memory in-use``, as bench/results/beyond_ram_in_use.md), and copies the timeline of the first size's 2/3 split to
-``docs/larger-than-ram-run.svg`` (the README's picture); the raw figures go to
+--small or --no-results; with ``--memory in-use``, as bench/results/beyond_ram_in_use.md), and
+copies the timeline of the first size's 2/3 split to ``docs/larger-than-ram-run.svg`` (the README's picture); the raw figures go to
 ``bench/_work/beyond-ram-results.json``.
 
 The page cache is dropped with ``sync; echo 3 > /proc/sys/vm/drop_caches`` when run as root
@@ -1453,10 +1453,8 @@ def main() -> None:
                 elif texts[m].endswith(SKIPPED):
                     texts[m] = texts[m][: -len(SKIPPED)] + "\n\n" + t
         section = "\n\n".join(texts[m] for m in sorted(texts))
-        name = "beyond_ram" + _tag(args).replace("-", "_")  # in-use runs: a record of their own
-        records.write_section(
-            name, section, note=f"`python bench/beyond_ram.py{' --memory in-use' if _tag(args) else ''}`"
-        )
+        name, note = _record(args)
+        records.write_section(name, section, note=note)
         records.assemble()
         shown = [p for p in PICTURES if p.name.endswith("-timeline-2of3.svg")] or PICTURES
         if shown and not _tag(
@@ -1524,6 +1522,14 @@ def _ours(folder: Path) -> int:
 def _tag(args: argparse.Namespace) -> str:
     """What the file names of a run carry after the checkpoint's folder name."""
     return "-in-use" if getattr(args, "memory", "dropped") == "in-use" else ""
+
+
+def _record(args: argparse.Namespace) -> tuple[str, str]:
+    """The record a run writes (``bench/results/<name>.md``) and the note in its stamp: in-use runs
+    keep a record of their own (and leave the README's picture alone)."""
+    if _tag(args):
+        return "beyond_ram_in_use", "`python bench/beyond_ram.py --memory in-use`"
+    return "beyond_ram", "`python bench/beyond_ram.py`"
 
 
 def _filler(args: argparse.Namespace, info: dict[str, Any]) -> Path | None:

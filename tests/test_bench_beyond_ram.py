@@ -475,6 +475,11 @@ def test_in_use_runs_are_named_and_recorded_apart(bench: ModuleType, tmp_path: P
     assert bench._tag(_args(bench, tmp_path)) == "-in-use"
     assert bench._tag(_args(bench, tmp_path, memory="dropped")) == ""
     assert bench._filler(_args(bench, tmp_path, memory="dropped"), {}) is None
+    assert bench._record(_args(bench, tmp_path)) == (
+        "beyond_ram_in_use",
+        "`python bench/beyond_ram.py --memory in-use`",
+    )
+    assert bench._record(_args(bench, tmp_path, memory="dropped")) == ("beyond_ram", "`python bench/beyond_ram.py`")
     records = _load("records")
     assert records.ORDER.index("beyond_ram_in_use") == records.ORDER.index("beyond_ram") + 1
 
