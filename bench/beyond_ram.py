@@ -1538,17 +1538,18 @@ def _filler(args: argparse.Namespace, info: dict[str, Any]) -> Path | None:
         return None
     if args.small:
         raise SystemExit("bench/beyond_ram.py: --memory in-use fills this machine's real RAM: not with --small")
-    from in_use import FILLER_NAME, ensure_filler, filler_bytes
-
-    path, nbytes = args.work / FILLER_NAME, filler_bytes(machine_ram())
-    have = path.stat().st_size if path.is_file() else 0
-    free = shutil.disk_usage(args.work).free
-    if nbytes - have > free - 2 * GiB:
+    if getattr(args, "drop", "auto") == "global":
         raise SystemExit(
-            f"bench/beyond_ram.py --memory in-use: the filler needs {gb(nbytes)} in {args.work} and the disk "
-            f"has {gb(free + have)} for it: free some room, or run without --memory in-use"
+            "bench/beyond_ram.py: --memory in-use evicts only the checkpoint's pages (a global drop would "
+            "empty the page cache it fills): leave out --drop global"
         )
-    info["filler_bytes"], info["filler_write_s"] = nbytes, ensure_filler(path, nbytes)
+    from in_use import prepare
+
+    try:
+        path, info["filler_write_s"] = prepare(args.work, machine_ram())
+    except OSError as err:
+        raise SystemExit(f"bench/beyond_ram.py --memory in-use: {err.strerror or err}") from err
+    info["filler_bytes"] = path.stat().st_size
     return path
 
 

@@ -33,7 +33,9 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -68,6 +70,15 @@ def is_ours(path: Path) -> bool:
         return False
 
 
+def _refuse_foreign(path: Path) -> None:
+    """Raise ``FileExistsError`` when ``path`` exists and is not a filler of this module's."""
+    if path.exists() and not is_ours(path):
+        raise FileExistsError(
+            f"{path} exists and is not the bench's page-cache filler: move it away, or run with "
+            "another --work folder (nothing was changed)"
+        )
+
+
 def ensure_filler(path: Path, nbytes: int) -> float:
     """Write the filler of ``nbytes`` at ``path`` unless one of that size is there; seconds spent
     writing (0.0 when reused). Written to a temporary name first and renamed, so a write that
@@ -77,14 +88,11 @@ def ensure_filler(path: Path, nbytes: int) -> float:
         FileExistsError: ``path`` exists and is not a filler of this module's.
         OSError: the disk refused the write (no room): nothing is left behind.
     """
-    if path.exists() and not is_ours(path):
-        raise FileExistsError(
-            f"{path} exists and is not the bench's page-cache filler: move it away, or run with "
-            "another --work folder (nothing was changed)"
-        )
+    _refuse_foreign(path)
     if path.exists() and path.stat().st_size == nbytes:
         return 0.0
     partial = path.with_name(path.name + ".partial")
+    _refuse_foreign(partial)  # a partial of ours (a write killed midway) is written over, no other file
     block = (HEADER + b"\0" * CHUNK)[:CHUNK]
     zeros = bytes(CHUNK)
     start = time.perf_counter()
@@ -99,6 +107,30 @@ def ensure_filler(path: Path, nbytes: int) -> float:
         partial.unlink(missing_ok=True)
         raise
     return time.perf_counter() - start
+
+
+def prepare(work: Path, ram: int) -> tuple[Path, float]:
+    """The filler for a machine of ``ram`` bytes, in the folder ``work``: written there unless
+    one of the right size is (:func:`ensure_filler`). Returns its path and the seconds spent
+    writing it. The one place the bench and its studies get their filler from.
+
+    Raises:
+        OSError: ``ENOSPC`` when the disk lacks the room (checked first: nothing is written);
+            what :func:`ensure_filler` raises.
+        FileExistsError: a file of the filler's name there is not the bench's.
+    """
+    path, nbytes = work / FILLER_NAME, filler_bytes(ram)
+    _refuse_foreign(path)  # named before the disk's room: that file is the thing to fix
+    have = path.stat().st_size if path.is_file() else 0
+    free = shutil.disk_usage(work).free
+    if nbytes - have > free - LEFT_FREE:
+        raise OSError(
+            errno.ENOSPC,
+            f"the page-cache filler needs {nbytes / 1e9:.1f} GB in {work} and the disk has "
+            f"{(free + have) / 1e9:.1f} GB for it (keeping {LEFT_FREE // 2**30} GiB free): free some room, "
+            "or measure without the filler",
+        )
+    return path, ensure_filler(path, nbytes)
 
 
 def refill(path: Path, readers: int = 4) -> Refill:

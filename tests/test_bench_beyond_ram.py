@@ -431,6 +431,12 @@ def test_a_file_that_is_not_the_filler_is_never_overwritten(in_use: ModuleType, 
     with pytest.raises(FileExistsError, match="not the bench's page-cache filler"):
         in_use.ensure_filler(path, in_use.CHUNK)
     assert path.read_bytes() == b"someone's data"
+    path.unlink()
+    partial = tmp_path / (in_use.FILLER_NAME + ".partial")  # where the filler is written first
+    partial.write_bytes(b"someone else's data")
+    with pytest.raises(FileExistsError, match="not the bench's page-cache filler"):
+        in_use.ensure_filler(path, in_use.CHUNK)
+    assert partial.read_bytes() == b"someone else's data" and not path.exists()
 
 
 def test_a_write_that_fails_leaves_no_half_filler(
@@ -491,9 +497,22 @@ def test_in_use_refuses_small_runs_and_a_disk_without_room(
         bench._filler(_args(bench, tmp_path, small=True), {})
     monkeypatch.setattr(bench, "machine_ram", lambda: 8 * 2**30)
     monkeypatch.setattr(bench.shutil, "disk_usage", lambda _: argparse.Namespace(free=4 * 2**30))
-    with pytest.raises(SystemExit, match="the filler needs"):
+    with pytest.raises(SystemExit, match="the page-cache filler needs .* free some room"):
         bench._filler(_args(bench, tmp_path), {})
     assert list(tmp_path.iterdir()) == []  # nothing written
+    with pytest.raises(SystemExit, match="leave out --drop global"):
+        bench._filler(_args(bench, tmp_path, drop="global"), {})
+
+
+def test_in_use_never_writes_over_a_file_that_is_not_the_filler(
+    bench: ModuleType, in_use: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bench, "machine_ram", lambda: 2**50)  # no disk has the room: the file is named first
+    theirs = tmp_path / in_use.FILLER_NAME
+    theirs.write_bytes(b"someone's data")
+    with pytest.raises(SystemExit, match="not the bench's page-cache filler"):
+        bench._filler(_args(bench, tmp_path), {})
+    assert theirs.read_bytes() == b"someone's data"
 
 
 def test_the_filler_is_made_for_this_machines_ram(

@@ -327,8 +327,7 @@ def main() -> None:
     if args.memory == "in-use":
         import in_use
 
-        filler = HERE.parent / "_work" / in_use.FILLER_NAME
-        in_use.ensure_filler(filler, in_use.filler_bytes(ram))
+        filler, _ = in_use.prepare(HERE.parent / "_work", ram)
     for variant in args.variant or ["default"]:
         beyond_ram.drop_caches(files, "files" if filler else "global")
         if filler is not None:

@@ -198,11 +198,9 @@ def in_use(size: int, wait: float) -> None:
     from pathlib import Path
 
     import in_use as filler_file
+    from beyond_ram import machine_ram
 
-    with open("/proc/meminfo") as f:
-        ram = int(f.readline().split()[1]) * 1024
-    path = Path(__file__).resolve().parents[1] / "_work" / filler_file.FILLER_NAME
-    filler_file.ensure_filler(path, filler_file.filler_bytes(ram))
+    path, _ = filler_file.prepare(Path(__file__).resolve().parents[1] / "_work", machine_ram())
     drop_page_cache()
     time.sleep(wait)
     done = filler_file.refill(path)
