@@ -172,8 +172,10 @@ class ResidentCopy:
             self._known = True
             self._streamed = streamed
             self._bar.total = self._total + streamed
-            self._bar.set_description("resident copy + streamed")
-            self._bar.refresh()
+            # no refresh: a forced display would show a bar the delay has not yet let tqdm show,
+            # and tqdm's close skips the last display of a bar it never showed: it would stay
+            # at the copy's share. The next update shows the new total and name.
+            self._bar.set_description("resident copy + streamed", refresh=False)
             self._detach = lambda: fetcher.watch(None)
         self._streamed_read(fetcher.watch(self._streamed_read))  # what it read before the bar knew
 

@@ -247,6 +247,30 @@ def test_one_bar_shows_the_copy_and_the_first_forwards_streamed_reads(checkpoint
     bigviz.remove_hooks(model)
 
 
+@pytest.mark.parametrize("show_after", [0.0, 3600.0])
+def test_the_bar_the_user_sees_ends_at_the_whole_pass_or_is_never_shown(
+    checkpoint: tuple[Path, GPT], capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, show_after: float
+) -> None:
+    """What is printed, not the bar's counters: a bar shown (the work took longer than its
+    delay, here none) ends at 100% of the pass; a load and forward quicker than the delay shows
+    no bar at all, not one left at the copy's share of the pass (it once forced a display when the
+    streamed bytes joined the bar, and tqdm does not redraw at close a bar it never showed)."""
+    import bigviz.checkpoint.progress as progress
+
+    monkeypatch.setattr(progress, "SHOW_AFTER_S", show_after)
+    folder, reference = checkpoint
+    model, _ = _larger_than_ram(folder)
+    with torch.no_grad():
+        assert torch.equal(model(torch.arange(7).view(1, 7))[0], reference(torch.arange(7).view(1, 7))[0])
+    assert bigviz.residency(model).copied is not None  # waits for the copy
+    bigviz.remove_hooks(model)
+    shown = [line for line in capfd.readouterr().err.replace("\r", "\n").splitlines() if "resident copy" in line]
+    if show_after:
+        assert shown == []
+    else:
+        assert shown and "resident copy + streamed: 100%" in shown[-1], shown[-3:]
+
+
 def test_the_resident_copy_runs_beside_the_first_forward_and_says_when_it_failed(tmp_path: Path) -> None:
     """ResidentCopy on its own: modules wait for their own bytes only; a read that fails (the
     file truncated after it was mapped) is raised at the next wait, not lost in its thread."""
