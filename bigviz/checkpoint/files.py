@@ -112,14 +112,16 @@ def _candidates_torch(folder: Path, names: list[str]) -> list[Path]:
 
 
 def _candidates(folder: Path, names: list[str], main: str, is_weights, suffix: str) -> list[Path]:
-    """The files of one format that could be the checkpoint, best rule first."""
+    """The files of one format that could be the checkpoint, best rule first: the single file
+    before its index, as transformers' ``from_pretrained`` looks (a folder holding both is read
+    as transformers reads it; bigviz's own saves rank them the same way, ``commit._preference``)."""
+    if main in names:
+        return [folder / main]
     if f"{main}.index.json" in names:
         return [folder / f"{main}.index.json"]
     variants = [n for n in names if f"{suffix}.index" in n and n.endswith(".json")]
     if variants:
         return [folder / n for n in variants]
-    if main in names:
-        return [folder / main]
     if "index.json" in names and _index_format(folder / "index.json") == _format_name(suffix):
         return [folder / "index.json"]
     return [folder / n for n in names if is_weights(n)]

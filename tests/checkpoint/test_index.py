@@ -82,6 +82,27 @@ def test_variant_index_only_when_unambiguous(tmp_path: Path) -> None:
         CheckpointIndex.open(folder)
 
 
+@pytest.mark.parametrize("safe", [True, False])
+def test_the_single_file_before_its_index_as_transformers_reads(tmp_path: Path, safe: bool) -> None:
+    """A folder holding both a single weights file and a sharded index of the same format is
+    read as ``from_pretrained`` reads it: the single file (a save interrupted between the two
+    can leave both; the loader and the save's own ranking must agree on which is live)."""
+    from bigviz.checkpoint.commit import _preference
+
+    folder = _sharded(tmp_path / "c", safe)
+    single = "model.safetensors" if safe else "pytorch_model.bin"
+    other = {k: v + 1 for k, v in STATE.items()}
+    save_sharded(other, tmp_path / "one", safe_serialization=safe, progress=False)
+    (tmp_path / "one" / single).rename(folder / single)
+    index = CheckpointIndex.open(folder)
+    assert index.path.name == single and len(index.files) == 1
+    with LazyWeights(index) as weights:
+        assert torch.equal(weights["linear1.weight"], other["linear1.weight"])
+    assert _preference(single) < _preference(f"{single}.index.json")
+    (folder / single).unlink()
+    assert CheckpointIndex.open(folder).path.name == f"{single}.index.json"
+
+
 def test_prefers_safetensors_when_both_formats(tmp_path: Path) -> None:
     folder = _sharded(tmp_path / "c")
     for p in _sharded(tmp_path / "b", safe=False).iterdir():
