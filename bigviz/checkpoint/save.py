@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,7 @@ def save_sharded(
     """
     folder = Path(folder)
     state = _state_dict(model_or_state_dict)
+    _check_names(state, metadata, safe_serialization)  # before anything is written or replaced
     tensors, _dropped = unique_tensors(state)
     limit = parse_size(max_shard_size)
     if folder.is_dir():
@@ -207,13 +209,16 @@ def _config_text(folder: Path, config: Any, *, overwrite: bool) -> str | None:
     """
     if config is None:
         return None
-    text = json.dumps(_config_data(config), indent=2, sort_keys=True) + "\n"
+    data = _config_data(config)
+    text = json.dumps(data, indent=2, sort_keys=True) + "\n"
     existing = folder / CONFIG
-    try:
-        current = existing.read_bytes() if existing.is_file() else None
-    except OSError:
-        current = None
-    if current == text.encode():
+    if os.path.lexists(existing) and not stat.S_ISREG(os.lstat(existing).st_mode):
+        kind = "a symbolic link" if existing.is_symlink() else "a folder" if existing.is_dir() else "not a file"
+        raise FileExistsError(
+            f"{existing} is {kind}, not a config file bigviz could have written; it is never replaced, "
+            "overwrite=True or not: move it away, or leave config= out to keep it"
+        )
+    if existing.is_file() and _same_config(existing, config, data):
         return None
     if not overwrite and os.path.lexists(existing):
         raise FileExistsError(
@@ -221,6 +226,29 @@ def _config_text(folder: Path, config: Any, *, overwrite: bool) -> str | None:
             "overwrite=True to replace it, or leave config= out to keep it"
         )
     return text
+
+
+def _same_config(path: Path, config: Any, data: dict[str, Any]) -> bool:
+    """Whether the ``config.json`` at ``path`` says what ``config`` says: the same JSON data,
+    or, for a transformers config (``save_pretrained`` writes only what differs from the
+    class's defaults, and the version that wrote it), the same config once read by its class."""
+    try:
+        current = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return False
+    if current == data:
+        return True
+    from_dict = getattr(type(config), "from_dict", None)
+    if not isinstance(current, dict) or from_dict is None or isinstance(config, Mapping):
+        return False
+    try:
+        read = from_dict(current).to_dict()
+    except Exception:  # a config its class cannot read is not the same config
+        return False
+    unversioned = {"transformers_version", "_name_or_path"}
+    return {k: v for k, v in read.items() if k not in unversioned} == {
+        k: v for k, v in data.items() if k not in unversioned
+    }
 
 
 def _config_data(config: Any) -> dict[str, Any]:
@@ -278,6 +306,41 @@ def _state_dict(obj: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, 
             "or materialise it with model.to_empty(device='cpu') and initialise it"
         )
     return state
+
+
+def _check_names(state: Mapping[Any, torch.Tensor], metadata: Any, safe: bool) -> None:
+    """Refuse what would write a checkpoint no loader reads: names that are not strings (a
+    safetensors header is a JSON object: ``1`` and ``"1"`` would collide), a tensor named as
+    the header's own ``__metadata__`` entry, metadata that is not string pairs (the format's
+    rule; safetensors refuses the file otherwise), tensors not stored dense (no file format
+    here holds a sparse or other layout)."""
+    names = [k for k in state if not isinstance(k, str) or not k]
+    if names:
+        raise ArgumentTypeError(
+            f"tensor names must be non-empty strings; got {[repr(k) for k in names[:5]]}: rename them "
+            "(a checkpoint's names are the strings load_state_dict matches)"
+        )
+    if safe and "__metadata__" in state:
+        raise UsageError(
+            "a tensor is named '__metadata__', the name safetensors keeps for its header's metadata; "
+            "rename it, or save with safe_serialization=False"
+        )
+    if metadata is not None:
+        if not isinstance(metadata, Mapping):
+            raise ArgumentTypeError(f"metadata must be a dict of strings, not {type(metadata).__name__}")
+        bad = {k: v for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)}
+        if bad:
+            shown = ", ".join(f"{k!r}: {type(v).__name__}" for k, v in list(bad.items())[:5])
+            raise ArgumentTypeError(
+                f"metadata must map strings to strings (safetensors' header rule); not: {shown}. "
+                "Convert the values with str() (or json.dumps) first"
+            )
+    layouts = [k for k, v in state.items() if v.layout != torch.strided]
+    if layouts:
+        raise ArgumentTypeError(
+            f"{len(layouts)} tensors are not dense ({state[layouts[0]].layout}; first: {layouts[:5]}): a "
+            "checkpoint holds dense tensors; save tensor.to_dense() under that name instead"
+        )
 
 
 def _tidy(folder: Path) -> None:

@@ -238,6 +238,79 @@ def test_the_same_config_again_changes_nothing_and_a_different_one_is_refused(tm
     assert snapshot(folder) == files
 
 
+@pytest.mark.parametrize("kind", ["folder", "link"])
+def test_a_config_json_that_is_not_a_file_is_never_replaced(tmp_path: Path, kind: str):
+    """A ``config.json`` that is the user's folder (or a link to their config elsewhere) is not a
+    file bigviz could have written: refused even with overwrite=True, before anything is written
+    (it was moved into the save's stage and removed with it, contents and all)."""
+    folder = bigviz.save_sharded(_state(1), tmp_path / "c", progress=False)
+    if kind == "folder":
+        (folder / "config.json").mkdir()
+        (folder / "config.json" / "notes.txt").write_text("mine")
+    else:
+        (tmp_path / "elsewhere.json").write_text('{"n": 1}')
+        (folder / "config.json").symlink_to(tmp_path / "elsewhere.json")
+    files = snapshot(tmp_path)
+    with pytest.raises(FileExistsError, match=f"config.json is a {'folder' if kind == 'folder' else 'symbolic link'}"):
+        bigviz.save_sharded(_state(2), folder, config={"n": 2}, overwrite=True, progress=False)
+    assert snapshot(tmp_path) == files and (folder / "config.json").is_symlink() == (kind == "link")
+    bigviz.save_sharded(_state(2), folder, overwrite=True, progress=False)  # without config=: kept, saved
+    assert (folder / "config.json").exists() and (folder / "model.safetensors").exists()
+
+
+def test_a_transformers_config_saved_by_save_pretrained_is_the_same_config(tmp_path: Path):
+    """``save_pretrained`` writes a config's difference from its class's defaults and the
+    version: the same config given to save_sharded is recognised, the file left as it is; one
+    that differs is still refused."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=32)
+    folder = tmp_path / "c"
+    config.save_pretrained(folder)
+    written = (folder / "config.json").read_bytes()
+    bigviz.save_sharded(_state(1), folder, config=config, progress=False)
+    assert (folder / "config.json").read_bytes() == written
+    (folder / "model.safetensors").unlink()  # a folder holding the config only
+    with pytest.raises(FileExistsError, match="exists and differs"):
+        bigviz.save_sharded(_state(1), folder, config=transformers.GPT2Config(n_layer=2), progress=False)
+    assert (folder / "config.json").read_bytes() == written
+
+
+@pytest.mark.parametrize(
+    ("case", "safe", "error"),
+    [
+        ("metadata value", True, "metadata must map strings to strings.*'epoch': int"),
+        ("metadata key", True, "metadata must map strings to strings"),
+        ("int key", True, "tensor names must be non-empty strings.*1"),
+        ("int key", False, "tensor names must be non-empty strings"),
+        ("header name", True, "named '__metadata__'"),
+        ("sparse", True, "not dense.*sparse_coo.*to_dense"),
+    ],
+)
+def test_what_no_loader_could_read_is_refused_before_a_good_checkpoint_is_replaced(
+    tmp_path: Path, case: str, safe: bool, error: str
+):
+    """Inputs that made a checkpoint neither bigviz nor safetensors reads back (and, with
+    overwrite=True, replaced a readable one with it) are refused first, naming what is wrong."""
+    folder = bigviz.save_sharded(_state(1), tmp_path / "c", progress=False, safe_serialization=safe)
+    files = snapshot(folder)
+    state: dict = dict(_state(2))
+    metadata: dict | None = None
+    if case == "metadata value":
+        metadata = {"epoch": 3}
+    elif case == "metadata key":
+        metadata = {1: "one"}
+    elif case == "int key":
+        state[1] = torch.zeros(2)
+    elif case == "header name":
+        state["__metadata__"] = torch.zeros(2)
+    else:
+        state["s"] = torch.eye(3).to_sparse()
+    with pytest.raises((TypeError, ValueError), match=error):
+        bigviz.save_sharded(state, folder, overwrite=True, metadata=metadata, progress=False, safe_serialization=safe)
+    assert snapshot(folder) == files
+    assert CheckpointIndex.open(folder).keys() == _state(1).keys()
+
+
 def test_a_lone_shard_in_a_folder_is_refused_not_read_as_a_checkpoint(tmp_path: Path):
     folder = bigviz.save_sharded(_state(1), tmp_path / "c", max_shard_size=2500, progress=False)
     (folder / "model.safetensors.index.json").unlink()
