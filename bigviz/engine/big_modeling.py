@@ -119,6 +119,84 @@ def load_checkpoint_and_dispatch(
     dtype = torch_load_dtype(dtype)  # floating only, before planning with it
     config = as_quant_config(quantization)
     index = CheckpointIndex.open(checkpoint)  # headers read once for this call
+    before = ModelState(model)
+    try:
+        return _load_and_dispatch(
+            model,
+            index,
+            device_map,
+            max_memory=max_memory,
+            no_split_module_classes=no_split_module_classes,
+            offload_folder=offload_folder,
+            dtype=dtype,
+            offload_buffers=offload_buffers,
+            prefetch=prefetch,
+            skip_keys=skip_keys,
+            preload_module_classes=preload_module_classes,
+            force_hooks=force_hooks,
+            strict=strict,
+            resident=resident,
+            stream=stream,
+            machine=machine,
+            config=config,
+        )
+    except BaseException:
+        before.restore()  # a load that failed (here or in the dispatch) leaves the model as it was
+        raise
+
+
+class ModelState:
+    """A model's module tree as it is now (the objects, not their values): each module's
+    children, parameters, buffers and class, to put back when a load that replaced them fails
+    part way. ``load_checkpoint_and_dispatch`` makes quantized layers, fills the tensors, then
+    dispatches: a failure in the dispatch (after the load) must not leave a model half loaded
+    and half on meta. The tensors it loaded are dropped with the objects that held them."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        self._saved = [
+            (m, type(m), dict(m._modules), dict(m._parameters), dict(m._buffers), m.__dict__.get("hf_device_map"))
+            for m in model.modules()
+        ]
+
+    def restore(self) -> None:
+        from bigviz.engine.hooks import remove_hooks
+
+        remove_hooks(self._model)  # hooks a failed dispatch attached, and the files they hold
+        for module, cls, children, params, buffers, device_map in self._saved:
+            if type(module) is not cls:
+                module.__class__ = cls
+            for store, saved in ((module._modules, children), (module._parameters, params), (module._buffers, buffers)):
+                store.clear()
+                store.update(saved)
+            if device_map is None:
+                module.__dict__.pop("hf_device_map", None)
+            else:
+                module.__dict__["hf_device_map"] = device_map
+
+
+def _load_and_dispatch(
+    model: nn.Module,
+    index: CheckpointIndex,
+    device_map: Any,
+    *,
+    max_memory: Any,
+    no_split_module_classes: Sequence[str] | None,
+    offload_folder: str | Path | None,
+    dtype: torch.dtype | None,
+    offload_buffers: bool,
+    prefetch: bool,
+    skip_keys: str | Sequence[str] | None,
+    preload_module_classes: Sequence[str] | None,
+    force_hooks: bool,
+    strict: bool,
+    resident: str,
+    stream: str,
+    machine: MachineFacts | None,
+    config: Any,
+) -> nn.Module:
+    """:func:`load_checkpoint_and_dispatch` once its arguments are read: quantized layers made,
+    the plans, the load, the dispatch."""
     prepare_for_checkpoint(model, index, config, dtype=dtype)  # quantized layers, on meta
     inventory = inventory_of(model)  # ties made, then the model's one walk for this call
     _, loads, plan = plan_chain(
@@ -143,17 +221,24 @@ def load_checkpoint_and_dispatch(
     if plan is None:  # no map: loaded on the CPU, nothing to dispatch
         return model.eval()
     stores = [result.disk] if result.disk is not None else []
-    execute_dispatch(
-        inventory.refreshed(),  # same structure, the tensors the load put in
-        plan,
-        stores,
-        skip_keys=skip_keys,
-        force_hooks=force_hooks,
-        offload_folder=offload_folder,
-        owned=stores,
-        stamps=index.stamps.values(),
-        progress=True,
-    )
+    try:
+        execute_dispatch(
+            inventory.refreshed(),  # same structure, the tensors the load put in
+            plan,
+            stores,
+            skip_keys=skip_keys,
+            force_hooks=force_hooks,
+            offload_folder=offload_folder,
+            owned=stores,
+            stamps=index.stamps.values(),
+            progress=True,
+        )
+    except BaseException:
+        for store in stores:  # the load's disk weights: their files are closed, as remove_hooks would
+            close = getattr(store, "close", None)
+            if close is not None:
+                close()
+        raise
     return model.eval()
 
 

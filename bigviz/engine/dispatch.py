@@ -369,7 +369,7 @@ def execute_dispatch(
         no_split_module_classes=tuple(sorted(plan.rule.blocks)),
     )
     stream = plan.stream if plan.stream is not None else _zero_copy(plan)
-    binding = _checked_binding(inventory, plan, options, stores)
+    binding = _checked_binding(inventory, plan, options, stores, loaded=bool(owned))
     state = DispatchState(dict(plan.device_map), options, plan, owned=list(owned))
     _materialise(binding, options, state)
     copied, copying = start_resident_copy(model, plan, stream, progress)
@@ -414,20 +414,36 @@ def _skip_keys(model: nn.Module, skip_keys: str | Sequence[str] | None) -> tuple
 
 
 def _checked_binding(
-    inventory: ModelInventory, plan: DispatchPlan, options: DispatchOptions, stores: Sequence[Mapping[str, Tensor]]
+    inventory: ModelInventory,
+    plan: DispatchPlan,
+    options: DispatchOptions,
+    stores: Sequence[Mapping[str, Tensor]],
+    *,
+    loaded: bool = False,
 ) -> Binding:
+    """The plan bound to the model's tensors, every problem raised at once before anything
+    moves. ``loaded``: the model was just loaded from a checkpoint (load_checkpoint_and_dispatch),
+    which the messages name."""
     binding = bind(plan, inventory, stores)
     problems = list(binding.problems)
     if binding.to_write and options.offload_folder is not None:
         problems += offload_problems(options.offload_folder)  # files bigviz did not write: refused
     if binding.to_write and options.offload_folder is None:
         units = sorted({u.name for u in binding.units if u.storage == "disk" and u.materialised})
-        problems.append(
-            f"modules mapped to 'disk' hold weights in memory ({', '.join(units[:5])}"
-            f"{', ...' if len(units) > 5 else ''}): pass offload_folder= to write them there once "
-            "as safetensors (or load them from a checkpoint with load_checkpoint_and_dispatch)"
-        )
-    DeviceMapError.check(problems, "dispatch_model: cannot dispatch with this device map")
+        shown = f"{', '.join(units[:5])}{', ...' if len(units) > 5 else ''}"
+        if loaded:  # from a checkpoint: what is in memory is what no checkpoint file holds
+            problems.append(
+                f"modules mapped to 'disk' hold tensors the checkpoint does not have ({shown}: buffers "
+                "the model makes itself, such as rotary inv_freq, are not saved): pass offload_folder= "
+                "to write them there once as safetensors, or offload_buffers=False to keep buffers in memory"
+            )
+        else:
+            problems.append(
+                f"modules mapped to 'disk' hold weights in memory ({shown}): pass offload_folder= to write "
+                "them there once as safetensors (or load them from a checkpoint with load_checkpoint_and_dispatch)"
+            )
+    caller = "load_checkpoint_and_dispatch" if loaded else "dispatch_model"
+    DeviceMapError.check(problems, f"{caller}: cannot dispatch with this device map")
     return binding
 
 

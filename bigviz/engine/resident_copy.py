@@ -91,13 +91,16 @@ class ResidentCopy:
         maps = FileMaps()
         entries = [(m, a, k, t, p, file_span(t, maps, deleted=True)) for m, a, k, t, p in _plain_tensors(model)]
         self._entries = [e for e in entries if e[5] is not None]
-        owners = {id(m): i for i, name in enumerate(modules) for m in model.get_submodule(name).modules()}
+        tops = {name: _module_or_none(model, name) for name in modules}
+        owners = {id(m): i for i, name in enumerate(modules) if tops[name] is not None for m in tops[name].modules()}
+        slots = {_slot(model, name): i for i, name in enumerate(modules) if tops[name] is None}  # a tensor's own key
         rank: dict[Key, int] = {}
         self._needs: dict[int, set[Key]] = {}
-        for module, *_, span in self._entries:
+        for module, attr, *_, span in self._entries:
             key = (span.address, span.length)
-            where = owners.get(id(module), len(modules))
+            where = min(owners.get(id(module), len(modules)), slots.get((id(module), attr), len(modules)))
             rank[key] = min(rank.get(key, where), where)
+        modules = [name for name in modules if tops[name] is not None]  # a tensor is read in its turn, not waited on
         for name in modules:
             top = model.get_submodule(name)
             mine = {id(m) for m in top.modules()}
@@ -298,6 +301,21 @@ class ResidentCopy:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+
+def _module_or_none(model: nn.Module, name: str) -> nn.Module | None:
+    """The submodule ``name`` names, or None where it names a parameter or buffer (a device map
+    may place a tensor on its own: ``"final_logits_bias": "cpu"``, ``"model.norm.weight": "cpu"``)."""
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def _slot(model: nn.Module, name: str) -> tuple[int, str]:
+    """``(id(the module holding it), attribute)`` of the tensor ``name`` names."""
+    parent, _, attr = name.rpartition(".")
+    return id(model.get_submodule(parent)), attr
 
 
 def start_resident_copy(

@@ -206,6 +206,31 @@ def _larger_than_ram(folder: Path) -> tuple[GPT, Any]:
     return bigviz.load_checkpoint_and_dispatch(model, folder, _split_map(4), machine=small), plan
 
 
+def test_a_map_naming_tensors_on_cpu_is_copied_too(checkpoint: tuple[Path, GPT]) -> None:
+    """A device map may place a parameter or buffer on its own (transformers' "auto" maps do:
+    BART's ``final_logits_bias``): the resident copy reads it in its turn (no module to wait on),
+    where it once asked for a submodule of that name and failed after the load."""
+    folder, reference = checkpoint
+    device_map = _split_map(4)
+    del device_map["transformer.ln_f"]
+    device_map |= {"transformer.ln_f.weight": "cpu", "transformer.ln_f.bias": "cpu"}
+    with bigviz.init_empty_weights():
+        model = GPT(CONFIG)
+    plan = bigviz.dispatch_plan(model, folder, device_map, machine=MachineFacts(10**12)).stream
+    block = max(u.nbytes for u in plan.units if u.residency == "streamed")
+    small = MachineFacts(int((plan.resident_bytes + ring_bytes(block, RING_AHEAD_LEAST) + block // 8) / 0.9))
+    model = bigviz.load_checkpoint_and_dispatch(model, folder, device_map, machine=small)
+    assert bigviz.residency(model).mode == "copy"
+    idx = torch.arange(7).view(1, 7)
+    with torch.no_grad():
+        assert torch.equal(model(idx)[0], reference(idx)[0])
+    report = bigviz.residency(model).copied
+    assert report is not None and report.nbytes == plan.resident_bytes and mapped_bytes(model) == 0
+    with torch.no_grad():
+        assert torch.equal(model(idx)[0], reference(idx)[0])
+    bigviz.remove_hooks(model)
+
+
 def test_auto_copies_when_the_model_does_not_fit(checkpoint: tuple[Path, GPT]) -> None:
     folder, reference = checkpoint
     model, plan = _larger_than_ram(folder)

@@ -95,3 +95,82 @@ def test_interrupted_load_into_a_meta_model_leaves_it_on_meta(tmp_path: Path, mo
     with pytest.raises(KeyboardInterrupt):
         bigviz.load_checkpoint_in_model(model, folder, progress=False)
     assert all(p.is_meta for p in model.parameters())
+
+
+def _llama_checkpoint(tmp_path: Path) -> tuple[Path, nn.Module, object]:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config).eval()
+    reference.save_pretrained(tmp_path / "ckpt")
+    return tmp_path / "ckpt", reference, config
+
+
+def test_a_dispatch_that_fails_after_the_load_leaves_the_model_as_it_was(tmp_path: Path, monkeypatch):
+    """load_checkpoint_and_dispatch loads, then dispatches: a refusal found in the dispatch (a
+    non-persistent buffer on disk with offload_buffers=True and no folder to write it) or any
+    failure there (injected) puts back the model it was given: every tensor the same object on
+    meta, no hooks, no device map. Then the same model loads."""
+    transformers = pytest.importorskip("transformers")
+    from bigviz.engine import big_modeling
+
+    folder, reference, config = _llama_checkpoint(tmp_path)
+    with bigviz.init_empty_weights():
+        model = transformers.LlamaForCausalLM(config).eval()
+    objects = {name: t for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    device_map = {"": "disk", "model.embed_tokens": "cpu"}
+    with pytest.raises(ValueError, match="(?s)load_checkpoint_and_dispatch.*model.rotary_emb.*offload_buffers=False"):
+        bigviz.load_checkpoint_and_dispatch(model, folder, device_map, offload_buffers=True)
+
+    def check_untouched() -> None:
+        now = dict([*model.named_parameters(), *model.named_buffers()])
+        assert now.keys() == objects.keys() and all(now[k] is objects[k] for k in now)
+        assert not any(hasattr(m, "_hf_hook") for m in model.modules()) and not hasattr(model, "hf_device_map")
+
+    check_untouched()
+    assert model.model.embed_tokens.weight.is_meta
+
+    def failing(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(big_modeling, "execute_dispatch", failing)
+    with pytest.raises(KeyboardInterrupt):
+        bigviz.load_checkpoint_and_dispatch(model, folder, device_map)
+    check_untouched()
+    monkeypatch.undo()
+    model = bigviz.load_checkpoint_and_dispatch(model, folder, device_map)
+    ids = torch.randint(0, 128, (1, 5))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    bigviz.remove_hooks(model)
+
+
+def test_a_quantized_load_that_fails_in_the_dispatch_puts_the_float_layers_back(tmp_path: Path, monkeypatch):
+    """quantization= replaces layers before the load: a failure after it puts the model's own
+    layers back (the same objects), not the quantized ones."""
+    pytest.importorskip("torchao")
+    transformers = pytest.importorskip("transformers")
+    from bigviz.engine import big_modeling
+
+    folder, _, config = _llama_checkpoint(tmp_path)
+    with bigviz.init_empty_weights():
+        model = transformers.LlamaForCausalLM(config).eval()
+    layers = dict(model.named_modules())
+    classes = {name: type(m) for name, m in layers.items()}
+
+    def failing(*args: object, **kwargs: object) -> None:
+        raise OSError("injected")
+
+    monkeypatch.setattr(big_modeling, "execute_dispatch", failing)
+    with pytest.raises(OSError, match="injected"):
+        bigviz.load_checkpoint_and_dispatch(
+            model, folder, {"": "cpu", "model.layers.1": "disk"}, quantization="int8", offload_folder=tmp_path / "off"
+        )
+    after = dict(model.named_modules())
+    assert after.keys() == layers.keys() and all(after[k] is layers[k] for k in after)
+    assert {name: type(m) for name, m in after.items()} == classes
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    assert all(p.is_meta for p in model.parameters())
