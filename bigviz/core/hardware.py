@@ -79,13 +79,18 @@ DISK_BANDWIDTH: dict[str, float] = {
 
 
 def _find(name: str, table: Mapping[str, Any], what: str) -> Any:
-    """Look up a preset by its full name or by a unique start of it ("PCIe 5", "NVMe (")."""
+    """Look up a preset by its full name, its name without the figure in brackets ("NVMe" is
+    "NVMe (~3 GB/s)", not "NVMe Gen4 (~7 GB/s)"), or a unique start of it ("PCIe 5", "SATA")."""
     if name in table:
         return table[name]
+    bare = [k for k in table if k.split(" (")[0].strip().lower() == name.strip().lower()]
+    if len(bare) == 1:
+        return table[bare[0]]
     hits = [k for k in table if k.lower().startswith(name.lower())]
     if len(hits) == 1:
         return table[hits[0]]
-    raise UsageError(f"unknown {what} {name!r}: use one of {', '.join(repr(k) for k in table)}")
+    why = f"it starts {len(hits)} of them" if hits else "no preset is named so"
+    raise UsageError(f"unknown {what} {name!r} ({why}): use one of {', '.join(repr(k) for k in table)}")
 
 
 def find_bandwidth(value: float | str, table: Mapping[str, float], what: str) -> float:
@@ -94,6 +99,8 @@ def find_bandwidth(value: float | str, table: Mapping[str, float], what: str) ->
     Example:
         >>> find_bandwidth("SATA", DISK_BANDWIDTH, "disk"), find_bandwidth(2e9, DISK_BANDWIDTH, "disk")
         (500000000.0, 2000000000.0)
+        >>> find_bandwidth("NVMe", DISK_BANDWIDTH, "disk")  # the name before the figure
+        3000000000.0
     """
     if isinstance(value, str):
         return float(_find(value, table, what))

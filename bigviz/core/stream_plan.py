@@ -181,7 +181,8 @@ class UnitStream:
         fetcher: For a streamed unit, the fetcher kind (:data:`FETCHERS`); else ``""``.
         nbytes: Its bytes.
         rereads: A streamed unit read again from disk in every forward (``False``: the page
-            cache keeps it, or it streams from pinned RAM).
+            cache keeps it, or it streams from pinned RAM). A memory-mapped disk unit of a
+            model larger than the RAM is read again too: the page cache cannot keep it.
     """
 
     name: str
@@ -366,7 +367,14 @@ def make_stream_plan(
     how = _decide(units, in_ram, normalize_device(main_device), facts, options)
     rows = [_resident_row(entry, nbytes, devices.get(entry, "cpu"), how.mode) for entry, nbytes in resident.items()]
     rows += [
-        UnitStream(name, storage, "streamed", how.fetcher, nbytes, how.fetcher in STREAMS or _staged(storage, how))
+        UnitStream(
+            name,
+            storage,
+            "streamed",
+            how.fetcher,
+            nbytes,
+            how.fetcher in STREAMS or _staged(storage, how) or (how.rereads and storage == "disk"),
+        )
         for name, storage, nbytes in units
     ]
     return StreamPlan(
@@ -394,6 +402,7 @@ class _How:
     ring: int
     reason: str
     ahead: float = RING_AHEAD
+    rereads: bool = False  # memory-mapped disk units read again each forward: the page cache cannot keep them
 
 
 def _ring_ahead(largest: int, in_ram: int, facts: MachineFacts | None) -> float:
@@ -423,8 +432,9 @@ def _decide(
     ahead = _ring_ahead(largest, in_ram, facts)
     ring = ring_bytes(largest, ahead) if disk and options.stream == "ring" else 0
     mode, reason = _residency(options.resident, in_ram, in_ram + sum(disk), ring, facts)
-    if mode == "map" or not disk:
-        return _How(mode, "cpu", depth, 0, reason)
+    if mode == "map" or not disk:  # mapped: the page cache keeps the disk units only where the model fits
+        rereads = bool(disk) and facts is not None and not _fits(in_ram + sum(disk), facts)
+        return _How(mode, "cpu", depth, 0, reason, rereads=rereads)
     if options.stream == "ring":
         depth = DEFAULT_DEPTH if options.prefetch else 0  # the ring bounds what is read ahead
         return _How(

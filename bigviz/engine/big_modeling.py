@@ -25,6 +25,7 @@ from bigviz.checkpoint.index import CheckpointIndex
 from bigviz.checkpoint.load import execute_load_plan, inventory_of, torch_load_dtype
 from bigviz.checkpoint.quantized import prepare_for_checkpoint
 from bigviz.core.names import owner, parent
+from bigviz.core.sizes import format_count
 from bigviz.core.stream_plan import MachineFacts
 from bigviz.engine.devices import DeviceLike, torch_device
 from bigviz.engine.dispatch import dispatch_inventory, execute_dispatch, refuse_dispatched
@@ -219,6 +220,7 @@ def _load_and_dispatch(
     assert loads is not None
     result = execute_load_plan(inventory, index, loads, progress=False)
     if plan is None:  # no map: loaded on the CPU, nothing to dispatch
+        _warn_not_loaded(result.missing, result.unexpected, index.path)
         return model.eval()
     stores = [result.disk] if result.disk is not None else []
     try:
@@ -239,7 +241,38 @@ def _load_and_dispatch(
             if close is not None:
                 close()
         raise
+    _warn_not_loaded(result.missing, result.unexpected, index.path)  # once the call has done what it could
     return model.eval()
+
+
+def _warn_not_loaded(missing: Sequence[str], unexpected: Sequence[str], checkpoint: Path) -> None:
+    """With ``strict=False`` the call returns only the model: say what it did not load (as
+    accelerate and transformers log it), so a model left partly untrained is never silent.
+    ``load_checkpoint_in_model`` returns the same in its `LoadResult`."""
+    if not missing and not unexpected:
+        return
+    import warnings
+
+    def shown(names: Sequence[str]) -> str:
+        return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+
+    parts = []
+    if missing:
+        parts.append(
+            f"{format_count(len(missing), 'tensor')} of the model not in the checkpoint, not loaded: they hold what "
+            f"the model initialised, not trained weights ({shown(missing)})"
+        )
+    if unexpected:
+        parts.append(
+            f"{format_count(len(unexpected), 'checkpoint key')} matching no tensor of the model, not used "
+            f"({shown(unexpected)})"
+        )
+    warnings.warn(
+        f"load_checkpoint_and_dispatch(strict=False) from {checkpoint}: "
+        + "; ".join(parts)
+        + ". Pass strict=True to refuse such a checkpoint before anything is read.",
+        stacklevel=4,  # the caller of load_checkpoint_and_dispatch
+    )
 
 
 def _offload_map(

@@ -194,6 +194,7 @@ def plan_chain(
         preload_module_classes,
         offload_buffers,
         quantization=config,
+        machine=machine,
     )
     index = CheckpointIndex.open(checkpoint) if checkpoint is not None else None  # headers read once
     if index is not None and mapping is not None:
@@ -239,6 +240,7 @@ def _device_plan(
     offload_buffers: bool,
     *,
     quantization: QuantConfig | None = None,
+    machine: MachineFacts | None = None,
 ) -> tuple[DevicePlan | None, dict[str, Any] | None]:
     """``(plan, map)`` from what a user passes as ``device_map``: a strategy name (planned
     now, with the weights sized as ``quantization`` packs them), a `DevicePlan`, a dict, or None."""
@@ -260,6 +262,7 @@ def _device_plan(
             preload_module_classes=preload,
             offload_buffers=offload_buffers,
             quantization=quantization,
+            machine=machine,  # the default "cpu" budget for the machine the stream plan is made for
         )
         return made, dict(made.device_map)
     if isinstance(device_map, DevicePlan):

@@ -23,6 +23,7 @@ from bigviz.core.counts import check_count
 from bigviz.core.devicemap import validate_device_map
 from bigviz.core.devices import Device
 from bigviz.core.plan import DevicePlan
+from bigviz.core.stream_plan import MachineFacts
 from bigviz.core.workload import Workload
 from bigviz.planning.inputs import place, planner_inputs
 from bigviz.planning.models import ModelLike, as_tree
@@ -51,6 +52,7 @@ def plan(
     preload_module_classes: Collection[str] | None = None,
     offload_buffers: bool = False,
     quantization: object = None,
+    machine: MachineFacts | None = None,
 ) -> DevicePlan:
     """Plan where every module goes, with bytes and a reason for each placement.
 
@@ -95,8 +97,10 @@ def plan(
             modules it keeps in high precision as they are), exactly what
             ``load_checkpoint_and_dispatch(..., quantization=...)`` puts in memory. A checkpoint
             stored quantized is sized as stored without it.
+        machine: a `~bigviz.core.stream_plan.MachineFacts` to plan for another machine's RAM
+            (without ``max_memory``; the default: this machine's available RAM now).
 
-    Without ``max_memory``, this machine's free memory: a model larger than the RAM gets a
+    Without ``max_memory``, this machine's free memory (or ``machine``'s RAM): a model larger than the RAM gets a
     "cpu" budget that leaves room for the ring its streamed units pass through (the stream
     plan's rule, :func:`bigviz.core.stream_plan.resident_room`). The inputs are prepared by
     :func:`bigviz.planning.inputs.planner_inputs`, as for the Planner widget.
@@ -127,6 +131,7 @@ def plan(
         preload_module_classes=preload_module_classes,
         offload_buffers=offload_buffers,
         quantization=quantization,
+        machine=machine,
     )
     return place(inputs)
 

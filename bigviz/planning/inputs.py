@@ -36,7 +36,7 @@ from bigviz.core.offload_units import UnitRule, largest_unit
 from bigviz.core.plan import DevicePlan, PlanOptions
 from bigviz.core.planner import make_plan
 from bigviz.core.quant import QuantConfig, default_targets, quantized_tree
-from bigviz.core.stream_plan import resident_room
+from bigviz.core.stream_plan import MachineFacts, resident_room
 from bigviz.core.tree import SizeTree
 from bigviz.core.workload import Workload
 from bigviz.modeling.budgets import get_max_memory, machine_facts
@@ -111,10 +111,12 @@ def planner_inputs(
     preload_module_classes: Collection[str] | None = None,
     offload_buffers: bool = False,
     quantization: object = None,
+    machine: MachineFacts | None = None,
 ) -> PlannerInputs:
     """Everything the planner takes for ``model`` (see :func:`bigviz.plan` for the knobs;
     ``quantization``: the linear layers' weights sized as the quantizer packs them, the one
-    place ``bigviz.plan``, ``max_context`` and the Planner size them).
+    place ``bigviz.plan``, ``max_context`` and the Planner size them; ``machine``: the facts
+    of the machine planned for, whose RAM sets the default "cpu" budget without ``max_memory``).
 
     Raises:
         PlanError: a no-split class the model does not have (a typo would split every block
@@ -129,7 +131,9 @@ def planner_inputs(
     budgets = get_max_memory(max_memory)
     if max_memory is None and "cpu" in budgets:  # a model larger than RAM leaves room to stream
         budgets["cpu"] = resident_room(
-            machine_facts(), model_bytes=tree.total(""), largest_unit=largest_unit(tree, frozenset(no_split))
+            machine if machine is not None else machine_facts(),  # the machine planned for, as the stream plan's
+            model_bytes=tree.total(""),
+            largest_unit=largest_unit(tree, frozenset(no_split)),
         )
     inventory = inventory_or_none(model)
     options = PlanOptions(

@@ -47,3 +47,8 @@ def test_a_preset_name_or_a_bad_bandwidth() -> None:
         plan.cost(disk_bandwidth=0)
     with pytest.raises(ValueError, match="unknown disk"):
         plan.cost(disk_bandwidth="floppy")
+    # the name as the manual writes it: "NVMe" is "NVMe (~3 GB/s)" (it also starts "NVMe Gen4 ...")
+    assert plan.cost(disk_bandwidth="NVMe").seconds == plan.cost(disk_bandwidth="NVMe (~3 GB/s)").seconds
+    assert plan.cost(disk_bandwidth="nvme gen4").seconds < plan.cost(disk_bandwidth="NVMe").seconds
+    with pytest.raises(ValueError, match="unknown disk 'N' \\(it starts 2 of them\\)"):
+        plan.cost(disk_bandwidth="N")

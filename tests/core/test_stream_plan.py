@@ -104,6 +104,28 @@ def test_a_copy_larger_than_the_ram_is_kept_mapped_or_refused() -> None:
         make_stream_plan(units, {"h.0": 400 * MB}, "cpu", facts, StreamOptions(resident="copy"))
 
 
+@pytest.mark.parametrize("resident", ["auto", "map"])
+def test_mapped_disk_units_of_a_model_larger_than_the_ram_are_read_each_forward(resident: str) -> None:
+    """Kept memory-mapped (a copy that would not fit, or resident="map" asked for), the disk
+    units of a model larger than the RAM are read again in every forward: the page cache cannot
+    keep them. The cost model then counts their reads; a model that fits reads them once.
+    (Less RAM once predicted no reads at all, a faster forward than with more RAM.)"""
+    units = [("h.1", "disk", 100 * MB), ("h.2", "disk", 100 * MB)]
+    tight = MachineFacts(int(300 * MB / RAM_SHARE))
+    plan = make_stream_plan(units, {"h.0": 400 * MB}, "cpu", tight, StreamOptions(resident=resident))
+    assert plan.mode == "map" and all(u.rereads for u in plan.units if u.storage == "disk")
+    roomy = make_stream_plan(units, {"h.0": 400 * MB}, "cpu", MachineFacts(10**12), StreamOptions(resident=resident))
+    assert roomy.mode == "map" and not any(u.rereads for u in roomy.units)
+    tree = _tree(6, 40 * MB)
+    planned = make_plan(tree, {"cpu": 100 * MB, "disk": 10**12}, BLOCKS)
+    streamed = sum(p.nbytes for p in planned.placements if str(p.device) == "disk")
+    costs = [
+        planned.cost(disk_bandwidth=10**8, compute_seconds=0.01, machine=MachineFacts(ram)).read_bytes
+        for ram in (10**12, int((tree.total("") - 1) / RAM_SHARE), 50 * MB, 10 * MB)
+    ]
+    assert costs[0] == 0 and streamed > 0 and costs[1:] == [streamed] * 3
+
+
 def test_without_machine_facts_the_budgets_are_the_machine() -> None:
     plan = make_plan(_tree(4, 4 * MB), {"cpu": 8 * MB, "disk": 10**12})
     assert plan.stream_plan().mode == "copy"  # it has disk units: the model did not fit its cpu budget

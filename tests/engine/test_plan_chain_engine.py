@@ -169,3 +169,51 @@ def test_a_map_planned_from_headers_reads_the_checkpoint_headers_once(tmp_path, 
         x = torch.randn(3, 4)
         assert torch.equal(loaded(x), source(x))
     assert len(reads) == 1
+
+
+def test_auto_without_max_memory_plans_for_the_machine_given(tmp_path):
+    """``machine=`` is the machine the whole chain plans for: with "auto" and no max_memory the
+    default "cpu" budget is its RAM's (less the ring), as the stream plan's, so a model larger
+    than that machine streams blocks from disk; the real machine's RAM planned everything on
+    "cpu" and the stream plan then kept it memory-mapped."""
+    torch.manual_seed(0)
+    reference = Net(width=64, depth=6)
+    folder = _checkpoint(tmp_path, reference)
+    total = sum(p.numel() * 4 for p in reference.parameters())
+    small = bigviz.MachineFacts(available_ram=total // 2)
+    plan = bigviz.dispatch_plan(_meta_net(width=64, depth=6), folder, "auto", machine=small)
+    assert "disk" in set(map(str, plan.device_map.values())) and plan.stream.mode == "copy"
+    assert plan.stream.resident_bytes + plan.stream.ring_bytes <= small.room
+    device_plan = bigviz.plan(_meta_net(width=64, depth=6), machine=small)
+    assert dict(device_plan.device_map) == dict(plan.device_map)
+    model = bigviz.load_checkpoint_and_dispatch(_meta_net(width=64, depth=6), folder, "auto", machine=small)
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    assert bigviz.residency(model).mode == "copy"
+    bigviz.remove_hooks(model)
+
+
+def test_strict_false_says_what_it_did_not_load(tmp_path):
+    """load_checkpoint_and_dispatch returns only the model: with strict=False a tensor the
+    checkpoint lacks (left as the model made it) and a key the model lacks are named in a
+    warning pointing at the caller's line, as accelerate logs them; a full checkpoint warns nothing."""
+    import warnings
+
+    torch.manual_seed(0)
+    reference = Net()
+    state = {k: v for k, v in reference.state_dict().items() if k != "head.weight"}
+    state["extra.weight"] = torch.zeros(2)
+    folder = bigviz.save_sharded(state, tmp_path / "partial", progress=False)
+    with pytest.warns(
+        UserWarning, match=r"(?s)1 tensor of the model not in.*head\.weight.*1 checkpoint key.*extra\.weight"
+    ) as caught:
+        model = bigviz.load_checkpoint_and_dispatch(Net(), folder, {"": "cpu", "body.1": "disk"}, strict=False)
+    assert caught[0].filename == __file__
+    assert torch.equal(model.emb.weight, reference.emb.weight) and not torch.equal(
+        model.head.weight, reference.head.weight
+    )
+    bigviz.remove_hooks(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = bigviz.load_checkpoint_and_dispatch(_meta_net(), _checkpoint(tmp_path, reference), {"": "cpu"})
