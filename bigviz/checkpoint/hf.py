@@ -84,6 +84,25 @@ def fp32_patterns(model: nn.Module, dtype: torch.dtype | None) -> tuple[str, ...
     return tuple(sorted(p.replace("*", ".*") for p, d in plan.items() if d == torch.float32))
 
 
+def ignorable_unexpected(model: nn.Module) -> tuple[str, ...]:
+    """Regexes of checkpoint keys the model does not load and does not need, as
+    ``from_pretrained`` judges them: the class's ``_keys_to_ignore_on_load_unexpected``, and the
+    two rules transformers adds at load time for every model rather than as class attributes
+    (``PreTrainedModel._adjust_missing_and_unexpected_keys``): old checkpoints' per-layer
+    ``rotary_emb.inv_freq`` where the model has such a buffer (it moved to the model's top), and
+    ``position_ids`` where the model has that buffer (it used to be persistent). Read in the
+    same way here so that every checkpoint ``from_pretrained`` loads, loads."""
+    patterns = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    if not is_transformers_model(model):  # transformers' rules for its own models only
+        return tuple(patterns)
+    buffers = [name for name, _ in model.named_buffers()]
+    if any(name.endswith("rotary_emb.inv_freq") for name in buffers):
+        patterns.append(r"rotary_emb\.inv_freq")
+    if any(name.endswith("position_ids") for name in buffers):
+        patterns.append(r"(^|\.)position_ids$")
+    return tuple(patterns)
+
+
 def ignorable_missing(model: nn.Module) -> tuple[str, ...]:
     """Regexes of missing keys the model class says it computes or does not need."""
     return tuple(getattr(model, "_keys_to_ignore_on_load_missing", None) or ())

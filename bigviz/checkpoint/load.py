@@ -397,7 +397,7 @@ def _options(
         strict=strict,
         offload_folder=str(offload_folder) if offload_folder is not None else None,
         can_map_disk=index.format == "safetensors",
-        ignore_unexpected=tuple(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()),
+        ignore_unexpected=hf.ignorable_unexpected(model),
         ignore_missing=hf.ignorable_missing(model),
     )
 

@@ -167,6 +167,34 @@ def test_bert_checkpoint_with_position_ids(tmp_path: Path, hf_bert: nn.Module) -
     assert torch.equal(model(ids).last_hidden_state, hf_bert(ids).last_hidden_state)
 
 
+def test_old_llama_checkpoints_with_per_layer_inv_freq_load_as_from_pretrained(
+    tmp_path: Path, hf_llama: nn.Module
+) -> None:
+    """Many 2023 Llama checkpoints hold ``model.layers.N.self_attn.rotary_emb.inv_freq`` (the
+    buffer moved to the model's top since): ``from_pretrained`` ignores them by a rule it adds at
+    load time for every model, not a class attribute; bigviz follows it (it refused them as
+    unexpected). A key no rule covers is still refused."""
+    from transformers import LlamaForCausalLM
+
+    state = dict(hf_llama.state_dict())
+    for i in range(hf_llama.config.num_hidden_layers):
+        state[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.arange(4.0)
+    folder = save_sharded(state, tmp_path / "c", progress=False, config=hf_llama.config)
+    reference = LlamaForCausalLM.from_pretrained(folder).eval()  # loads: transformers' rule
+    with init_empty_weights():
+        model = LlamaForCausalLM(hf_llama.config).eval()
+    result = load_checkpoint_in_model(model, folder, progress=False)
+    assert sorted(k for k, _ in result.ignored if "inv_freq" in k) == sorted(k for k in state if "inv_freq" in k)
+    ids = torch.arange(8)[None]
+    assert torch.equal(model(ids).logits, reference(ids).logits)
+    state["model.layers.0.self_attn.extra"] = torch.zeros(2)
+    folder = save_sharded(state, tmp_path / "d", progress=False)
+    with init_empty_weights():
+        model = LlamaForCausalLM(hf_llama.config).eval()
+    with pytest.raises(CheckpointError, match="unexpected.*self_attn.extra"):
+        load_checkpoint_in_model(model, folder, progress=False)
+
+
 def test_tied_duplicate_present_is_ignored(tmp_path: Path) -> None:
     source = nn.ModuleDict({"emb": nn.Embedding(5, 3), "head": nn.Linear(3, 5, bias=False)})
     source["head"].weight = source["emb"].weight
