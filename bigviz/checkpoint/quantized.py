@@ -64,6 +64,7 @@ from bigviz.checkpoint.stored_formats import (
     bnb_bits,
     ct_problems,
     format_groups,
+    format_layout,
     torchao_types,
 )
 from bigviz.core.quant import QuantConfig, packed_nbytes, prequantized_format
@@ -175,7 +176,10 @@ def is_packed_load(load: Any) -> bool:
 
 def packed_view(view: CheckpointView, index: CheckpointIndex) -> CheckpointView:
     """``view`` with each stored-quantized weight's keys grouped into one conversion to the
-    weight (a checkpoint without a ``quantization_config`` is returned as it is).
+    weight (a checkpoint without a ``quantization_config`` is returned as it is), and in its
+    ``problems`` every part that is missing or of a shape or dtype its weight does not have
+    (naming the key, its file, what was expected and found), and a config that claims a
+    format no tensor is stored in: the load refuses them all together, before reading any.
 
     Example:
         >>> packed_view(CheckpointView({}), CheckpointIndex.__new__(CheckpointIndex)).entries
@@ -184,8 +188,8 @@ def packed_view(view: CheckpointView, index: CheckpointIndex) -> CheckpointView:
     qc = quantization_config(index) if getattr(index, "files", None) else None
     if qc is None or support_problems(qc, "", index):
         return view
-    groups = format_groups(_method(qc), qc, view, index)
-    problems = _unscaled(qc, view, groups)
+    groups, problems = format_layout(_method(qc), qc, view, index)
+    problems += _unscaled(qc, view, groups) or _not_stored(qc, groups, index)
     if not groups and not problems:
         return view
     entries = dict(view.entries)
@@ -224,6 +228,29 @@ def _unscaled(qc: Mapping[str, Any], view: CheckpointView, groups: Mapping[str, 
     return [
         f"{what}: {shown}; the checkpoint is incomplete (copy its missing shards again), they cannot be "
         "read without their scales"
+    ]
+
+
+_STORED_AS = {
+    "torchao": "torchao tensor subclasses (_weight_qdata, _weight_scale and their metadata)",
+    "bitsandbytes": "bitsandbytes parts (SCB, or weight.absmax and weight.quant_state.*)",
+}
+
+
+def _not_stored(qc: Mapping[str, Any], groups: Mapping[str, Any], index: CheckpointIndex) -> list[str]:
+    """A ``quantization_config`` over a checkpoint that stores no weight in its format (float
+    weights under a config copied from a quantized model): transformers refuses it for torchao and
+    bitsandbytes, and so does bigviz rather than guess which of the two is wrong (FP8 and the
+    dequantized formats load a float weight as it is, as transformers does)."""
+    method = _method(qc)
+    if groups or method not in _STORED_AS:
+        return []
+    bits = f", {bnb_bits(qc)}-bit" if method == "bitsandbytes" else ""
+    return [
+        f"config.json says the checkpoint is stored quantized (quant_method {method!r}{bits}), but none of its "
+        f"tensors is: no {_STORED_AS[method]} in {', '.join(f.name for f in index.files)}. If its weights are "
+        "meant to be plain floats, remove quantization_config from config.json (then quantization='int8' or "
+        "'int4' quantizes them while loading); else the quantized files are missing: copy them again"
     ]
 
 

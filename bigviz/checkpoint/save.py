@@ -36,6 +36,7 @@ from bigviz.checkpoint.progress import byte_bar
 from bigviz.checkpoint.safetensors_io import write_safetensors
 from bigviz.checkpoint.sharding import parse_size, plan_shards, unique_tensors
 from bigviz.core.errors import ArgumentTypeError, UsageError
+from bigviz.core.quant import quantization_role_keys
 
 __all__ = ["save_sharded", "write_checkpoint_files"]
 
@@ -97,6 +98,7 @@ def save_sharded(
     folder = Path(folder)
     state = _state_dict(model_or_state_dict)
     _check_names(state, metadata, safe_serialization)  # before anything is written or replaced
+    _check_quantized(state, config)
     tensors, _dropped = unique_tensors(state)
     limit = parse_size(max_shard_size)
     if folder.is_dir():
@@ -306,6 +308,41 @@ def _state_dict(obj: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, 
             "or materialise it with model.to_empty(device='cpu') and initialise it"
         )
     return state
+
+
+def _check_quantized(state: Mapping[str, torch.Tensor], config: Any) -> None:
+    """Refuse to write quantized weights nothing could read back: torchao's tensor subclasses
+    (``quantization="int8"``: their values and scales are inner tensors, not one storage a
+    file holds), and quantized parts (bitsandbytes' ``weight.absmax``, ``SCB``, ...) under a
+    ``config`` without the ``quantization_config`` that says how to read them."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    wrapped = [k for k, v in state.items() if is_traceable_wrapper_subclass(v)]
+    if wrapped:
+        raise UsageError(
+            f"{len(wrapped)} weights are {type(state[wrapped[0]]).__name__} tensor subclasses (first: "
+            f"{wrapped[:3]}), quantized while loading (quantization='int8'); save_sharded writes plain tensors "
+            "and cannot save them. Save the float checkpoint instead and quantize at each load "
+            "(quantization='int8'), or use transformers' from_pretrained(..., quantization_config=TorchAoConfig(...)) "
+            "and its save_pretrained; nothing was written"
+        )
+    repacked = [k for k, v in state.items() if k.endswith(".absmax") and v.dtype not in (torch.float32, torch.uint8)]
+    if repacked:
+        raise UsageError(
+            f"{len(repacked)} bitsandbytes 4-bit weights were repacked for its CPU kernel at the model's first "
+            f"forward (first: {repacked[:3]}, absmax in {state[repacked[0]].dtype}): a checkpoint of them is not "
+            "in bitsandbytes' stored format, and nothing could read it back. Save the model before its first "
+            "forward (load it again), or save the float checkpoint and quantize at each load; nothing was written"
+        )
+    parts = quantization_role_keys(state)
+    if parts and config is not None and not _config_data(config).get("quantization_config"):
+        raise UsageError(
+            f"the model holds {len(parts)} quantized parts (first: {parts[:3]}), but the config to write has no "
+            "quantization_config, so neither bigviz nor transformers could read the checkpoint back (a model "
+            "quantized while loading, quantization='int4', has none). Save the float checkpoint instead and "
+            "quantize at each load, or pass a config with its quantization_config (e.g. config.quantization_config "
+            "= BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4').to_dict()); nothing was written"
+        )
 
 
 def _check_names(state: Mapping[Any, torch.Tensor], metadata: Any, safe: bool) -> None:

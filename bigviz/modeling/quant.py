@@ -35,6 +35,7 @@ import importlib.util
 import re
 import sys
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,6 +50,7 @@ from bigviz.modeling.inventory import ModelInventory
 
 __all__ = [
     "as_quant_config",
+    "TransformersQuantConfig",
     "require",
     "not_converted",
     "quant_targets",
@@ -99,13 +101,46 @@ def quiet_torchao() -> None:
             lg.setLevel(level)
 
 
+@dataclass(frozen=True)
+class TransformersQuantConfig(QuantConfig):
+    """A :class:`~bigviz.core.quant.QuantConfig` made from a transformers config object, which
+    carries out two of its settings as ``from_pretrained`` does with the same object.
+
+    Attributes:
+        default_skips: also keep transformers' own high-precision modules (the output
+            embeddings, tied weights, the last module). transformers adds them only when the
+            config names no modules (``llm_int8_skip_modules`` / ``modules_to_not_convert`` is
+            None): a config that names its own keeps only those (and ``_keep_in_fp32_modules``).
+        compute_dtype: the dtype bitsandbytes' 4-bit layers compute in
+            (``bnb_4bit_compute_dtype``, float32 unless set), whatever the model's dtype.
+
+    The config's modules are matched as transformers matches them (``should_convert_module``:
+    from the start of a name up to a dot, as a regex, or as a suffix), so ``"mlp"`` skips
+    ``mlp`` but not ``model.layers.0.mlp.up_proj``.
+
+    Example:
+        >>> TransformersQuantConfig("int8", modules_to_not_convert=("mlp",), default_skips=False).skips("layers.0.mlp.fc")
+        False
+    """
+
+    default_skips: bool = True
+    compute_dtype: str | None = None
+
+    def skips(self, module: str) -> bool:
+        return not _converts(module, self.modules_to_not_convert)
+
+
 def as_quant_config(value: object) -> QuantConfig | None:
     """A :class:`~bigviz.core.quant.QuantConfig` from ``"int8"``, ``"int4"``, ``None``, a
     ``QuantConfig``, or a transformers config: ``TorchAoConfig(Int8WeightOnlyConfig())`` or
-    ``BitsAndBytesConfig(load_in_4bit=True, ...)`` (its quant type and skipped modules kept).
+    ``BitsAndBytesConfig(load_in_4bit=True, ...)`` (a :class:`TransformersQuantConfig`: its quant
+    type, compute dtype and skipped modules kept, by transformers' rule). A setting bigviz does
+    not carry out (a granularity other than per row, double quantization, ...) is refused, not
+    dropped: the weights would differ from ``from_pretrained``'s with the same object.
 
     Raises:
-        ValueError: a config bigviz does not run (named, with what it takes instead).
+        ValueError: a config bigviz does not run, or a setting of it bigviz does not carry out
+            (each named, with what it takes instead).
 
     Example:
         >>> as_quant_config("int4").quant_type
@@ -115,22 +150,75 @@ def as_quant_config(value: object) -> QuantConfig | None:
     if method is None or isinstance(value, (str, QuantConfig)):
         return _core_config(value)
     method = str(getattr(method, "value", method))
-    skip = tuple(getattr(value, "modules_to_not_convert", None) or getattr(value, "llm_int8_skip_modules", None) or ())
+    skip = getattr(value, "modules_to_not_convert", None)
+    if skip is None:
+        skip = getattr(value, "llm_int8_skip_modules", None)
+    named = {"modules_to_not_convert": tuple(skip or ()), "default_skips": skip is None}
     if method == "torchao":
         kind = type(getattr(value, "quant_type", None)).__name__
         if kind == "Int8WeightOnlyConfig":
-            return QuantConfig("int8", modules_to_not_convert=skip)
+            _refuse_settings(f"TorchAoConfig({kind})", _torchao_unsupported(value), "int8")
+            return TransformersQuantConfig("int8", **named)  # type: ignore[arg-type]
         raise UsageError(
             f"quantization=TorchAoConfig({kind}): bigviz quantizes with torchao's Int8WeightOnlyConfig only "
             "(the torchao config with a CPU kernel here); use quantization='int8', or 'int4' (bitsandbytes)"
         )
     if method == "bitsandbytes" and getattr(value, "load_in_4bit", False):
-        return QuantConfig("int4", quant_type=str(value.bnb_4bit_quant_type), modules_to_not_convert=skip)
+        _refuse_settings("BitsAndBytesConfig(load_in_4bit=True)", _bnb4_unsupported(value), "int4")
+        compute = str(getattr(value, "bnb_4bit_compute_dtype", None) or "float32").removeprefix("torch.")
+        return TransformersQuantConfig(
+            "int4",
+            quant_type=str(value.bnb_4bit_quant_type),
+            compute_dtype=compute,
+            **named,  # type: ignore[arg-type]
+        )
     raise UsageError(
         f"quantization config {type(value).__name__} ({method}): bigviz quantizes while loading with "
         "'int8' (torchao) or 'int4' (bitsandbytes 4-bit); a checkpoint stored quantized (bitsandbytes 8-bit "
         "included) loads as it is, with no quantization= argument"
     )
+
+
+def _torchao_unsupported(value: Any) -> list[str]:
+    """The settings of a ``TorchAoConfig(Int8WeightOnlyConfig(...))`` bigviz does not carry out:
+    it quantizes per output row (torchao's default, ``PerRow()``) and leaves embeddings as they are."""
+    quant = value.quant_type
+    out = []
+    granularity = getattr(quant, "granularity", None)
+    if type(granularity).__name__ != "PerRow" or getattr(granularity, "dim", -1) != -1:
+        out.append(f"granularity={granularity!r} (bigviz quantizes per row: PerRow())")
+    if getattr(quant, "group_size", None) is not None:
+        out.append(f"group_size={quant.group_size!r} (bigviz quantizes per row)")
+    for flag in ("include_input_output_embeddings", "untie_embedding_weights"):
+        if getattr(value, flag, False):
+            out.append(f"{flag}=True (bigviz keeps the embeddings in high precision, tied as they are)")
+    return out
+
+
+def _bnb4_unsupported(value: Any) -> list[str]:
+    """The settings of a ``BitsAndBytesConfig(load_in_4bit=True, ...)`` bigviz does not carry
+    out: it packs one float32 absmax per 64 values into uint8 and quantizes wherever a layer lives."""
+    out = []
+    if getattr(value, "bnb_4bit_use_double_quant", False):
+        out.append("bnb_4bit_use_double_quant=True (bigviz quantizes with one float32 absmax per 64 values)")
+    storage = str(getattr(value, "bnb_4bit_quant_storage", None) or "uint8").removeprefix("torch.")
+    if storage != "uint8":
+        out.append(f"bnb_4bit_quant_storage={storage} (bigviz stores packed 4-bit values as uint8)")
+    if getattr(value, "llm_int8_enable_fp32_cpu_offload", False):
+        out.append(
+            "llm_int8_enable_fp32_cpu_offload=True (bigviz quantizes layers on the CPU and disk too; name the "
+            "modules to keep in high precision in llm_int8_skip_modules)"
+        )
+    return out
+
+
+def _refuse_settings(what: str, problems: Sequence[str], method: str) -> None:
+    if problems:
+        raise UsageError(
+            f"quantization={what} with {'; '.join(problems)}: bigviz does not carry these out, and would not "
+            f"quantize as from_pretrained does with this config. Leave them at their defaults (or pass "
+            f"quantization={method!r}), or load with transformers' from_pretrained"
+        )
 
 
 def _is_transformers(model: nn.Module) -> bool:
@@ -141,10 +229,11 @@ def _is_transformers(model: nn.Module) -> bool:
     return isinstance(model, PreTrainedModel)
 
 
-def not_converted(model: nn.Module | ModelInventory) -> list[str]:
+def not_converted(model: nn.Module | ModelInventory, *, defaults: bool = True) -> list[str]:
     """Module names kept in high precision by default: transformers' rule
     (``get_keys_to_not_convert`` and ``_keep_in_fp32_modules``) for its models; for others the
-    same rule on the model's own ties, output embeddings and last parameter.
+    same rule on the model's own ties, output embeddings and last parameter. ``defaults=False``
+    (a transformers config that names its own modules): ``_keep_in_fp32_modules`` only.
 
     Example:
         >>> sorted(not_converted(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))))
@@ -156,7 +245,9 @@ def not_converted(model: nn.Module | ModelInventory) -> list[str]:
         from transformers.quantizers.base import get_keys_to_not_convert
 
         keep = list(getattr(module, "_keep_in_fp32_modules", None) or [])
-        return sorted(set(get_keys_to_not_convert(module)) | set(keep))
+        return sorted((set(get_keys_to_not_convert(module)) if defaults else set()) | set(keep))
+    if not defaults:
+        return []
     names = {parent(n) for group in inventory.ties for n in group}
     params = [n for n, (_, _, kind) in inventory.slots.items() if kind == "param"]
     if params:
@@ -187,7 +278,8 @@ def quant_targets(model: nn.Module | ModelInventory, config: QuantConfig) -> lis
         ['1.weight']
     """
     inventory = ModelInventory.of(model)
-    skip = [*not_converted(inventory), *config.modules_to_not_convert]
+    defaults = not isinstance(config, TransformersQuantConfig) or config.default_skips
+    skip = [*not_converted(inventory, defaults=defaults), *config.modules_to_not_convert]
     tied = {n for group in inventory.ties for n in group}
     out = []
     for name, module in inventory.modules.items():
@@ -213,7 +305,8 @@ def prepare_model(model: nn.Module, config: QuantConfig, *, dtype: torch.dtype |
     (torchao's weights are tensor subclasses in the same layers; that layer runs them on
     torch's packed CPU kernel);
     ``int4`` replaces each target's ``nn.Linear`` by ``bnb.nn.Linear4bit`` with transformers'
-    ``replace_with_bnb_linear`` (compute dtype ``dtype``, else the layer's).
+    ``replace_with_bnb_linear`` (compute dtype: a transformers config's ``bnb_4bit_compute_dtype``,
+    else ``dtype``, else the layer's).
 
     Raises:
         QuantizationUnavailable: the library the method needs is not installed.
@@ -224,7 +317,8 @@ def prepare_model(model: nn.Module, config: QuantConfig, *, dtype: torch.dtype |
         use_int8_kernel(model, sorted({parent(t) for t in targets}))
     if config.method != "int4" or not targets:
         return targets
-    compute = dtype or ModelInventory.of(model).tensor(targets[0]).dtype
+    chosen = torch_dtype(config.compute_dtype) if isinstance(config, TransformersQuantConfig) else None
+    compute = chosen or dtype or ModelInventory.of(model).tensor(targets[0]).dtype
     settings = {"load_in_4bit": True, "bnb_4bit_quant_type": config.quant_type, "bnb_4bit_compute_dtype": compute}
     replace_linear(model, {parent(t) for t in targets}, settings)
     return quant_targets(model, config)
@@ -235,7 +329,8 @@ def replace_linear(
 ) -> None:
     """Replace the ``nn.Linear`` layers named in ``modules`` (on meta) by bitsandbytes' layers,
     with transformers' ``replace_with_bnb_linear`` and a ``BitsAndBytesConfig`` of
-    ``settings``; every other linear layer stays as it is."""
+    ``settings``; every other linear layer stays as it is. Each new layer keeps the bias of the
+    layer it replaces, in its dtype (as ``from_pretrained`` does), not bitsandbytes' float32."""
     require("transformers", "bitsandbytes layers")
     from transformers import BitsAndBytesConfig
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
@@ -253,7 +348,10 @@ def replace_linear(
         pre_quantized=pre_quantized,
     )
     for name in chosen & set(linear):  # new layers keep the mode of those they replace (eval: no training path)
-        model.get_submodule(name).train(linear[name].training)
+        layer, old = model.get_submodule(name), linear[name]
+        layer.train(old.training)
+        if isinstance(getattr(layer, "bias", None), Tensor) and old.bias is not None:
+            layer.bias = old.bias  # its dtype (bitsandbytes' layers make a float32 one): the bytes the plan counts
 
 
 def _quietly(fn: Any, *args: Any, **kwargs: Any) -> Any:

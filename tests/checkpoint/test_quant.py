@@ -657,3 +657,224 @@ def test_compressed_tensors_quantizing_activations_are_refused_naming_the_group(
     with pytest.raises(CheckpointError, match="group_0 quantize activations"):
         bigviz.load_checkpoint_and_dispatch(model, folder, {"": "cpu"})
     assert all(p.is_meta for p in model.parameters())
+
+
+# ---- a stored weight's parts, checked from the headers before anything is read -------------------
+Q = "model.layers.0.self_attn.q_proj"
+
+
+def _mutated(folder: Path, target: Path, change: dict[str, torch.Tensor | None]) -> Path:
+    """A copy of ``folder`` whose ``model.safetensors`` has the keys of ``change`` replaced (None:
+    removed), its header metadata (torchao's tensor subclasses) kept."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        metadata = f.metadata()
+    state = load_file(folder / "model.safetensors")
+    for key, value in change.items():
+        state.pop(key) if value is None else state.__setitem__(key, value)
+    target.mkdir()
+    save_file(state, target / "model.safetensors", metadata=metadata)
+    (target / "config.json").write_text((folder / "config.json").read_text())
+    return target
+
+
+@pytest.fixture(scope="module")
+def bnb4_double(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_use_double_quant=True)
+    folder = tmp_path_factory.mktemp("double") / "bnb4dq"
+    LlamaForCausalLM.from_pretrained(folders["float"], quantization_config=config, device_map="cpu").save_pretrained(
+        folder
+    )
+    return folder
+
+
+BAD_PARTS = {  # stored format, {key: new value (None: removed)}, what the message must say
+    "bnb4 short absmax": ("bnb4", {f"{Q}.weight.absmax": torch.ones(7)}, ["expected 64 float32", "found [7] float32"]),
+    "bnb4 no absmax": ("bnb4", {f"{Q}.weight.absmax": None}, [f"{Q}.weight.absmax is missing"]),
+    "bnb4 no quant_map": ("bnb4", {f"{Q}.weight.quant_map": None}, [f"{Q}.weight.quant_map is missing"]),
+    "bnb4 no quant state": ("bnb4", {f"{Q}.weight.quant_state.bitsandbytes__nf4": None}, ["quant_state", "missing"]),
+    "bnb4 short packed": ("bnb4", {f"{Q}.weight": torch.zeros(100, 1, dtype=torch.uint8)}, ["expected 2048 bytes"]),
+    "bnb4dq no nested_absmax": (
+        "bnb4dq",
+        {f"{Q}.weight.nested_absmax": None},
+        [f"{Q}.weight.nested_absmax is missing"],
+    ),
+    "bnb4dq float absmax": ("bnb4dq", {f"{Q}.weight.absmax": torch.ones(64)}, ["expected 64 uint8"]),
+    "bnb8 no SCB": ("bnb8", {f"{Q}.SCB": None}, [f"{Q}.SCB is missing", "64 float32 row scales"]),
+    "bnb8 short SCB": ("bnb8", {f"{Q}.SCB": torch.ones(7)}, [f"{Q}.SCB", "found [7] float32"]),
+    "bnb8 float16 weight": ("bnb8", {f"{Q}.weight": torch.zeros(64, 64, dtype=torch.float16)}, ["int8 weight"]),
+    "torchao short scale": ("torchao", {f"{Q}._weight_scale": torch.ones(7)}, [f"{Q}._weight_scale", "expected 64"]),
+    "torchao no zero point": ("torchao", {f"{Q}._weight_zero_point": None}, [f"{Q}._weight_zero_point is missing"]),
+    "fp8 scale grid": ("fp8", {f"{Q}.weight_scale_inv": torch.ones(3, 5)}, ["expected [2, 2] scales", "found [3, 5]"]),
+}
+
+
+@pytest.mark.parametrize("where", ["cpu", "disk"])
+@pytest.mark.parametrize("case", list(BAD_PARTS))
+def test_a_missing_or_misshapen_part_is_refused_naming_it_before_anything_is_read(
+    folders: dict[str, Path], bnb4_double: Path, tmp_path: Path, case: str, where: str
+) -> None:
+    """A 4-bit absmax of 7 values for 64 blocks loaded and ran (reading past its end under
+    autograd), a missing one raised a bare KeyError, a wrong-shaped scale failed at the first
+    forward: each is named from the headers, with its file, what was expected and the fix."""
+    stored, change, needles = BAD_PARTS[case]
+    folder = _mutated(bnb4_double if stored == "bnb4dq" else folders[stored], tmp_path / "bad", change)
+    model = bigviz.model_from_config(folder)
+    with pytest.raises(CheckpointError) as err:
+        bigviz.load_checkpoint_and_dispatch(model, folder, MAPS[where], offload_folder=tmp_path / "offload")
+    message = str(err.value)
+    for needle in [*needles, "(in model.safetensors)", "nothing was loaded", "copy its files again"]:
+        assert needle in message, message
+    if case != "bnb4 no quant state":  # (without its quant state the weight's shape is unknown: a mismatch too)
+        assert "shape mismatch" not in message and len(err.value.problems) == 1, message  # only what is wrong
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_intact_double_quantized_4bit_still_loads_as_transformers_loads_it(bnb4_double: Path, tmp_path: Path) -> None:
+    _, logits = _run(bnb4_double, MAPS["cpu"], tmp_path)
+    assert torch.equal(logits, _transformers(bnb4_double))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{"quant_method": "bitsandbytes", "load_in_4bit": True}, {"quant_method": "bitsandbytes", "load_in_8bit": True}],
+)
+def test_a_float_checkpoint_whose_config_claims_a_quantization_is_refused(
+    folders: dict[str, Path], tmp_path: Path, config: dict
+) -> None:
+    folder = _with_config(folders["float"], tmp_path / "c", {"quantization_config": config})
+    model = bigviz.model_from_config(folders["float"])
+    with pytest.raises(CheckpointError, match="none of its tensors is") as err:
+        bigviz.load_checkpoint_and_dispatch(model, folder, {"": "cpu"})
+    assert "remove quantization_config from config.json" in str(err.value)
+    assert all(p.is_meta for p in model.parameters())
+
+
+# ---- transformers' config objects: carried out as from_pretrained does, or refused ----------------
+def _unsupported_configs() -> dict[str, tuple[object, str]]:
+    from torchao.quantization import Int8WeightOnlyConfig
+    from torchao.quantization.granularity import PerGroup, PerTensor
+    from transformers import BitsAndBytesConfig, TorchAoConfig
+
+    return {
+        "per group": (TorchAoConfig(Int8WeightOnlyConfig(granularity=PerGroup(32))), "granularity=PerGroup"),
+        "per tensor": (TorchAoConfig(Int8WeightOnlyConfig(granularity=PerTensor())), "granularity=PerTensor"),
+        "embeddings": (TorchAoConfig(Int8WeightOnlyConfig(), include_input_output_embeddings=True), "include_input"),
+        "double quant": (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_use_double_quant=True), "double_quant=True"),
+        "storage": (
+            BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_storage=torch.bfloat16),
+            "quant_storage=bfloat16",
+        ),
+        "fp32 offload": (BitsAndBytesConfig(load_in_4bit=True, llm_int8_enable_fp32_cpu_offload=True), "cpu_offload"),
+    }
+
+
+@pytest.mark.parametrize("case", ["per group", "per tensor", "embeddings", "double quant", "storage", "fp32 offload"])
+def test_a_transformers_config_setting_bigviz_does_not_carry_out_is_refused_naming_it(
+    folders: dict[str, Path], case: str
+) -> None:
+    config, setting = _unsupported_configs()[case]
+    model = bigviz.model_from_config(folders["float"])
+    with pytest.raises(ValueError, match="bigviz does not carry these out") as err:
+        bigviz.load_checkpoint_and_dispatch(model, folders["float"], {"": "cpu"}, quantization=config)
+    assert setting in str(err.value) and "from_pretrained" in str(err.value)
+    with pytest.raises(ValueError, match=setting):
+        bigviz.plan(folders["float"], {"cpu": "1GiB"}, quantization=config)
+    assert all(p.is_meta for p in model.parameters())
+
+
+def _honoured_configs() -> dict[str, object]:
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import BitsAndBytesConfig, TorchAoConfig
+
+    return {
+        "skip mlp": BitsAndBytesConfig(load_in_4bit=True, llm_int8_skip_modules=["mlp"]),
+        "skip down_proj": BitsAndBytesConfig(load_in_4bit=True, llm_int8_skip_modules=["down_proj"]),
+        "skip none": BitsAndBytesConfig(load_in_4bit=True, llm_int8_skip_modules=[]),
+        "bf16 compute": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16),
+        "torchao skip layer 0": TorchAoConfig(Int8WeightOnlyConfig(), modules_to_not_convert=["model.layers.0"]),
+    }
+
+
+@pytest.mark.parametrize("case", ["skip mlp", "skip down_proj", "skip none", "bf16 compute", "torchao skip layer 0"])
+def test_a_transformers_config_quantizes_what_from_pretrained_quantizes_bit_for_bit(
+    folders: dict[str, Path], tmp_path: Path, case: str
+) -> None:
+    """Modules named to skip replace transformers' defaults (the lm_head is then quantized too),
+    matched as transformers matches them; bnb_4bit_compute_dtype is the 4-bit layers' compute."""
+    from transformers import LlamaForCausalLM
+
+    config = _honoured_configs()[case]
+    theirs = LlamaForCausalLM.from_pretrained(folders["float"], device_map="cpu", quantization_config=config)
+    ours = _load(folders["float"], MAPS["cpu"], tmp_path, quantization=config)
+    kinds = {n: type(p).__name__ for n, p in theirs.named_parameters()}
+    assert {n: type(p).__name__ for n, p in ours.named_parameters()} == kinds
+    if case.startswith("skip"):
+        assert kinds["lm_head.weight"] == "Params4bit"  # no default skips once the config names its own
+    computes = {n: getattr(m, "compute_dtype", None) for n, m in theirs.named_modules()}
+    assert {n: getattr(m, "compute_dtype", None) for n, m in ours.named_modules()} == computes
+    with torch.no_grad():
+        assert torch.equal(ours(IDS).logits, theirs(IDS).logits)
+
+
+# ---- bitsandbytes layers keep the checkpoint's bias dtype -----------------------------------------
+@pytest.fixture(scope="module")
+def qwen_bf16(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny Qwen2 (biased q/k/v projections) in bfloat16, and stored in bitsandbytes 4-bit."""
+    from transformers import BitsAndBytesConfig, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    root = tmp_path_factory.mktemp("qwen")
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(root / "float")
+    stored = Qwen2ForCausalLM.from_pretrained(
+        root / "float", quantization_config=BitsAndBytesConfig(load_in_4bit=True), device_map="cpu"
+    )
+    stored.save_pretrained(root / "bnb4")
+    return {"float": root / "float", "bnb4": root / "bnb4"}
+
+
+@pytest.mark.parametrize("source", ["float", "bnb4"])
+def test_bitsandbytes_layers_keep_the_checkpoints_bias_dtype_so_held_bytes_equal_the_plan(
+    qwen_bf16: dict[str, Path], tmp_path: Path, source: str
+) -> None:
+    kwargs = {"quantization": "int4"} if source == "float" else {}
+    plan = bigviz.plan(qwen_bf16[source], {"cpu": "1GiB"}, **kwargs)
+    model = _load(qwen_bf16[source], plan, tmp_path, **kwargs)
+    assert model.model.layers[0].self_attn.q_proj.bias.dtype == torch.bfloat16  # bitsandbytes made it float32
+    assert held_bytes(model)["cpu"] == plan.usage_of("cpu").used
+
+
+# ---- saving a model quantized while loading ------------------------------------------------------
+def test_saving_int8_tensor_subclasses_is_refused_saying_what_to_do(folders: dict[str, Path], tmp_path: Path) -> None:
+    model = _load(folders["float"], MAPS["cpu"], tmp_path, quantization="int8")
+    with pytest.raises(bigviz.UsageError, match="Int8Tensor tensor subclasses") as err:
+        bigviz.save_sharded(model, tmp_path / "out", progress=False, config=model.config)
+    assert "Save the float checkpoint" in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_saving_int4_without_a_quantization_config_is_refused_and_with_one_reloads_bit_for_bit(
+    folders: dict[str, Path], tmp_path: Path
+) -> None:
+    from transformers import BitsAndBytesConfig
+
+    model = _load(folders["float"], MAPS["cpu"], tmp_path, quantization="int4")
+    with pytest.raises(bigviz.UsageError, match="has no quantization_config"):
+        bigviz.save_sharded(model, tmp_path / "out", progress=False, config=model.config)
+    assert not (tmp_path / "out").exists()
+    config = model.config.to_dict() | {
+        "quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4").to_dict()
+    }
+    bigviz.save_sharded(model, tmp_path / "out", progress=False, config=config)
+    logits = _forward(model)
+    assert torch.equal(_run(tmp_path / "out", MAPS["cpu"], tmp_path / "again")[1], logits)
+    with pytest.raises(bigviz.UsageError, match="repacked for its CPU kernel"):  # after a forward: bnb's CPU layout
+        bigviz.save_sharded(model, tmp_path / "later", progress=False, config=config)
