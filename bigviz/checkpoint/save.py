@@ -304,10 +304,31 @@ def _state_dict(obj: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, 
     if meta:
         raise UsageError(
             f"{len(meta)} tensors are on the meta device and have no data to save "
-            f"(first: {meta[:5]}); load weights into the model first (bigviz.load_checkpoint_in_model) "
-            "or materialise it with model.to_empty(device='cpu') and initialise it"
+            f"(first: {meta[:5]}): weights never loaded, or offloaded by a dispatch (they stream from the "
+            "checkpoint or offload folder they were loaded from, which already holds them). Load weights into "
+            "the model first (bigviz.load_checkpoint_in_model, with no device map) or materialise it with "
+            "model.to_empty(device='cpu') and initialise it"
         )
+    if isinstance(obj, torch.nn.Module):
+        state = _stored_names(obj, state)
     return state
+
+
+def _stored_names(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transformers model's state dict in the names and layout its checkpoints are stored in,
+    as ``save_pretrained`` writes it: transformers renames and fuses some weights when it loads
+    them (GPT-NeoX's ``embed_out`` is ``lm_head`` in memory, Mixtral's experts one fused tensor)
+    and reverts that when it saves, with its own ``revert_weight_conversion``, used here. Other
+    models, and transformers versions without that function, keep their in-memory names."""
+    from bigviz.checkpoint.hf import is_transformers_model
+
+    if not is_transformers_model(model):
+        return state
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers before 5: loads and saves the same names
+        return state
+    return dict(revert_weight_conversion(model, state))
 
 
 def _check_quantized(state: Mapping[str, torch.Tensor], config: Any) -> None:

@@ -163,3 +163,47 @@ def test_metadata_and_from_pretrained_reads_bigviz_checkpoint(tmp_path: Path, hf
     for name, tensor in loaded.state_dict().items():
         assert torch.equal(tensor, reference[name]), name
     assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+
+
+@pytest.mark.parametrize("kind", ["gpt_neox", "mixtral"])
+def test_a_transformers_model_is_saved_in_its_stored_names_as_save_pretrained_writes(tmp_path: Path, kind: str) -> None:
+    """transformers renames or fuses some weights when it loads them (GPT-NeoX's embed_out is
+    lm_head in memory; Mixtral's experts are stored one by one, fused in memory) and reverts that
+    when it saves: save_sharded writes the same keys and bytes as save_pretrained (it wrote the
+    in-memory names, a layout older transformers and other tools cannot read), and both
+    from_pretrained and bigviz read it back to the same logits."""
+    transformers = pytest.importorskip("transformers")
+    import bigviz
+
+    torch.manual_seed(0)
+    if kind == "gpt_neox":
+        config = transformers.GPTNeoXConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2
+        )
+        model = transformers.GPTNeoXForCausalLM(config).eval()
+    else:
+        config = transformers.MixtralConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, num_local_experts=3,
+        )  # fmt: skip
+        model = transformers.MixtralForCausalLM(config).eval()
+    ours = save_sharded(model, tmp_path / "bigviz", config=model.config, max_shard_size="20KB", progress=False)
+    model.save_pretrained(tmp_path / "hf")
+
+    def stored(folder: Path) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for path in folder.glob("*.safetensors"):
+            out |= safetensors.torch.load_file(path)
+        return out
+
+    mine, theirs = stored(ours), stored(tmp_path / "hf")
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert mine.keys() != model.state_dict().keys()  # the stored names are not the in-memory ones
+    ids = torch.randint(0, 64, (1, 6))
+    again = type(model).from_pretrained(ours).eval()
+    with bigviz.init_empty_weights():
+        empty = type(model)(config).eval()
+    bigviz.load_checkpoint_in_model(empty, ours, progress=False)
+    with torch.no_grad():
+        expected = model(ids).logits
+        assert torch.equal(again(ids).logits, expected) and torch.equal(empty(ids).logits, expected)
