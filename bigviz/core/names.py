@@ -18,7 +18,18 @@ from typing import TypeVar
 
 V = TypeVar("V")
 
-__all__ = ["is_prefix", "parent", "ancestors", "join", "owner", "under_any", "leaf", "natural_order"]
+__all__ = [
+    "is_prefix",
+    "parent",
+    "ancestors",
+    "join",
+    "owner",
+    "under_any",
+    "leaf",
+    "natural_order",
+    "is_embedding_name",
+    "execution_order",
+]
 
 
 def is_prefix(prefix: str, name: str) -> bool:
@@ -140,3 +151,47 @@ def natural_order(names: Iterable[str]) -> list[str]:
         return tuple(out)
 
     return sorted(names, key=key)
+
+
+def is_embedding_name(module: str) -> bool:
+    """True if a module's last name reads as an embedding (``embed_tokens``, ``wte``, ``wpe``,
+    ``embeddings``, ``layernorm_embedding``): the only sign of one a checkpoint's keys carry.
+
+    Example:
+        >>> is_embedding_name("model.embed_tokens"), is_embedding_name("transformer.wpe"), is_embedding_name("lm_head")
+        (True, True, False)
+    """
+    name = leaf(module).lower()
+    return "emb" in name or name in ("wte", "wpe")
+
+
+def execution_order(names: Iterable[str], blocks: str) -> list[str]:
+    """``names`` in the order transformers models run them around one list of blocks
+    (``blocks``, e.g. ``"model.layers"``): on the path down to the blocks, a sibling named
+    as an embedding comes before (``model.embed_tokens``), any other after (``model.norm``,
+    ``lm_head``); the rest keep their order (the blocks' own, by number).
+
+    A checkpoint's keys hold no definition order, and sorted keys put ``lm_head`` before
+    ``model.*`` and ``transformer.h.*`` before ``transformer.wte``; every transformers model
+    with one stack of layers embeds before it and normalises and projects after it.
+
+    Example:
+        >>> execution_order(["lm_head.w", "model.embed_tokens.w", "model.layers.0.w", "model.norm.w"], "model.layers")
+        ['model.embed_tokens.w', 'model.layers.0.w', 'model.norm.w', 'lm_head.w']
+        >>> execution_order(["transformer.h.0.w", "transformer.ln_f.w", "transformer.wte.w"], "transformer.h")
+        ['transformer.wte.w', 'transformer.h.0.w', 'transformer.ln_f.w']
+    """
+    path = blocks.split(".") if blocks else []
+
+    def key(name: str) -> tuple[int, ...]:
+        parts = name.split(".")
+        out = []
+        for depth, step in enumerate(path):
+            if depth < len(parts) - 1 and parts[depth] == step:
+                out.append(1)  # on the way to the blocks
+                continue
+            out.append(0 if is_embedding_name(".".join(parts[: depth + 1])) else 2)
+            break
+        return tuple(out)
+
+    return sorted(names, key=key)  # stable: the blocks and each side keep their order

@@ -190,7 +190,7 @@ def _make_plan(tree: SizeTree, max_memory: Mapping[Any, object], options: PlanOp
     )
     if state.run is not None:
         check_run_fits(usage, bool(overrides))
-    notes += _warnings(usage, main)
+    notes += _warnings(usage, main, options.prefetch)
     capped = {g: _share_name(options.strategy) for g in budgets if caps[g] < budgets[g]}
     kept = {d: (reserve.get(d, 0), state.run.slack.get(d, 0.0) if state.run else 0.0) for d in budgets}
     return DevicePlan(
@@ -206,12 +206,27 @@ def _make_plan(tree: SizeTree, max_memory: Mapping[Any, object], options: PlanOp
     )
 
 
-def _warnings(usage: tuple[DeviceUsage, ...], main: Device) -> list[str]:
-    """What a person should know: a device over its budget, an execution device left empty."""
+def _warnings(usage: tuple[DeviceUsage, ...], main: Device, prefetch: bool = True) -> list[str]:
+    """What a person should know: a device over its budget, an execution device left empty.
+
+    A device whose room for streamed weights is more than its whole budget is flagged, not
+    refused (a plan of weights only is made whatever the budgets, so a disk always takes what
+    is left): its usage is over budget, ``plan.fits()`` is False, and the note says it would
+    run out of memory at the first streamed block. A run (``context_length``) there is refused
+    (:func:`~bigviz.core.run_charges.check_run_fits`)."""
     out = []
     for u in usage:
         over = -u.free
-        if over > 0 and u.used:
+        if u.offload_reserve and u.reserve + u.offload_reserve > u.budget:
+            kept = f" (+ {format_size(u.reserve)} reserved)" if u.reserve else ""
+            fewer = ", prefetch=False (room for the running block only, no read-ahead)" if prefetch else ""
+            out.append(
+                f"does not fit: {device_label(u.device)} must keep {format_size(u.offload_reserve)} free for the "
+                f"offloaded weights streamed in at forward time{kept}, {format_size(over)} over its whole budget "
+                f"of {format_size(u.budget)}: the first streamed block would run out of memory there "
+                f"(plan.fits() is False). Give it more memory{fewer}, or plan a smaller dtype"
+            )
+        elif over > 0 and u.used:
             out.append(
                 f"{device_label(u.device)} is over its budget by {format_size(over)} "
                 f"(overrides put more there than fits)"
@@ -252,6 +267,12 @@ def _check_inputs(
             reserve[normalize_device(device)] = parse_size(size)  # type: ignore[arg-type]
         except ValueError as err:
             problems.append(f"reserve[{device!r}]: {err}")
+            continue
+        if normalize_device(device) not in budgets:  # a typo'd device would keep nothing free, silently
+            problems.append(
+                f"reserve[{device!r}] keeps room on {device_label(normalize_device(device))}, which has "
+                f"no budget: add it to max_memory or drop it from reserve"
+            )
     PlanError.check(problems, "cannot plan")
     return overrides, reserve
 
@@ -270,27 +291,60 @@ def _largest_block(tree: SizeTree, patterns: frozenset[str]) -> int:
     return max(sizes, default=0)
 
 
+def _next_largest_layer(tree: SizeTree, blocks: frozenset[str]) -> int:
+    """The layer accelerate keeps free on its main device while filling it: the largest layer
+    (a no-split module, or a leaf module outside one) still to place. It recounts that as it
+    goes, so the first layer (the embeddings, placed first) does not count."""
+    layers = []
+    inside: str | None = None
+    for name, node in tree.nodes.items():
+        if inside is not None and is_prefix(inside, name):
+            continue
+        if name and is_no_split(tree, name, blocks):
+            layers.append(node.total_bytes)
+            inside = name
+        elif not node.children and node.total_bytes:
+            layers.append(node.total_bytes)
+    return max(layers[1:], default=0)
+
+
 def _strategy_caps(
     tree: SizeTree, budgets: dict[Device, int], options: PlanOptions
 ) -> tuple[dict[Device, int], list[str]]:
-    """How much of each GPU the strategy lets the pass fill (balanced ones spread the model)."""
+    """How much of each GPU the strategy lets the pass fill (balanced ones spread the model).
+
+    The split transformers' ``from_pretrained(device_map="auto")`` makes, by accelerate's own
+    arithmetic: ``get_balanced_memory`` gives each GPU but the last ``total // n`` plus a
+    buffer of 1.25 x the larger of the largest no-split block and the mean leaf module
+    (``balanced_low_0``: ``total // (n - 1)`` on GPUs 1.., and GPU 0 only what they leave), then
+    ``infer_auto_device_map`` keeps the largest layer free on GPU 0, its main device, which
+    is what evens the split. bigviz keeps that layer off GPU 0's share rather than as a reserve,
+    so the split is the same whether or not anything is offloaded. A run's caches spread with
+    their layers (``total``) and its largest step widens the buffer.
+    """
     caps = dict(budgets)
     gpus = [d for d in budgets if isinstance(d, int)]
     if options.strategy == "sequential" or len(gpus) < 2:
         return caps, []
     low0 = options.strategy == "balanced_low_0"
     total = tree.total("") + sum(options.kv_cache.values())  # a workload's caches spread with their layers
-    buffer = int(1.25 * _largest_block(tree, options.rule.blocks)) + max(options.activations.values(), default=0)
-    spread = gpus[1:] if low0 else gpus
-    share = -(-total // len(spread))  # ceiling division
-    for g in spread[:-1]:
-        caps[g] = min(budgets[g], share + buffer)
+    blocks = options.rule.blocks
+    leaves = [n.total_bytes for n in tree.nodes.values() if not n.children and n.total_bytes]
+    mean_leaf = sum(leaves) // max(len(leaves), 1)
+    block = max((n.total_bytes for name, n in tree.nodes.items() if is_no_split(tree, name, blocks)), default=0)
+    buffer = int(1.25 * max(block, mean_leaf)) + max(options.activations.values(), default=0)
+    share = total // (len(gpus) - 1 if low0 else len(gpus)) + buffer
+    for g in gpus[:-1]:
+        if not (low0 and g == gpus[0]):
+            caps[g] = min(budgets[g], share)
     if low0:
         caps[gpus[0]] = min(budgets[gpus[0]], max(0, total - sum(caps[g] for g in gpus[1:])))
+    caps[gpus[0]] = max(0, caps[gpus[0]] - _next_largest_layer(tree, blocks))  # kept for the main device
     capped = [g for g in gpus if caps[g] < budgets[g]]
     notes = [
         f"{options.strategy}: {device_label(g)} filled up to {format_size(caps[g])} of "
         f"{format_size(budgets[g])} so the model spreads over the GPUs"
+        + (" (less its largest layer, as transformers' device_map='auto' keeps it)" if g == gpus[0] else "")
         for g in capped
     ]
     return caps, notes
@@ -514,10 +568,19 @@ def _spread_streamed(tree: SizeTree, state: _Pass, ties: _Ties, main: Device) ->
             continue
         slots = {d: [state.placed[i] for i in idx if state.placed[i][1] == d] for d in ("cpu", "disk")}
         names = [state.placed[i][0] for i in idx]
-        for i, name, device in zip(idx, names, want, strict=True):
-            state.placed[i] = (name, *slots[device].pop(0)[1:])
+        for i, name, was, device in zip(idx, names, devices, want, strict=True):
+            taken = slots[device].pop(0)  # the slot's reason was written for another block: say why it moved
+            why = taken[5:] if was == device else _interleaved(taken[5:], device, parent(name))
+            state.placed[i] = (name, *taken[1:5], *why)
         moved = True
     return moved
+
+
+def _interleaved(why: Why, device: Device, blocks: str) -> Why:
+    """The reason of a block the interleaving moved to ``device`` (its run's part kept)."""
+    if why and why[0] == "run":
+        return ("run", _interleaved(why[1], device, blocks), *why[2:])
+    return ("interleaved", device, blocks)
 
 
 def _share_name(strategy: str) -> str:

@@ -48,6 +48,18 @@ def write_reason(
         return text + (f"; headroom: {format_size(slack)} for its run ({share:.0%} of it)" if slack else "")
     if code == "tied":
         return f"tied to {why[1]}, which is on {device_label(device)}"
+    if code == "interleaved":  # moved by the planner's CPU/disk interleaving, not by the room left
+        where = f"{why[2]}'s" if why[2] else "the"
+        if why[1] == "disk":
+            return (
+                f"interleaved: streamed from disk between {where} blocks kept on the CPU, so the disk reads it while "
+                "the block before it computes (the same blocks and bytes on each device as in order; "
+                "strategy='sequential' keeps them in order)"
+            )
+        return (
+            f"interleaved: kept on the CPU between {where} blocks streamed from disk, computing while the next one "
+            "is read (the same blocks and bytes on each device as in order; strategy='sequential' keeps them in order)"
+        )
     if code == "override":
         return f"override: you put it on {device_label(device)}"
     return f"holds no weights: stays with its neighbours on {device_label(device)}"

@@ -251,11 +251,19 @@ def check_run_fits(usage: tuple[DeviceUsage, ...], overridden: bool) -> None:
         for u in over
     ]
     hint = " or move your overrides" if overridden else ""
-    raise PlanError(
-        "the run does not fit",
-        lines,
-        fix=f"Shorten the context or the batch, use a smaller KV cache dtype, give the device more memory{hint}.",
-    )
+    kept = [u for u in over if u.reserve >= u.budget]  # the headroom alone: no shorter run can fit
+    if kept:
+        where = ", ".join(device_label(u.device) for u in kept)
+        fix = (
+            f"The headroom kept free on {where} is its whole budget: give a smaller reserve= "
+            f"(reserve={{device: size}}, or reserve=0 for the bare arithmetic) or the device more memory{hint}."
+        )
+    else:
+        fix = (
+            "Shorten the context or the batch, use a smaller KV cache dtype, a smaller reserve= (the headroom "
+            f"kept free), or give the device more memory{hint}."
+        )
+    raise PlanError("the run does not fit", lines, fix=fix)
 
 
 def streamed_run_needs(run: Run | None, main: Device) -> dict[Device, int]:

@@ -68,6 +68,8 @@ def parse_size(value: int | float | str) -> int:
     if not isinstance(value, str):
         raise UsageError(f"size {value!r} must be an int (bytes) or a string like '10GiB'")
     match = _SIZE_RE.match(value)
+    if not match and _SIZE_RE.match(value.strip().removeprefix("-")):  # "-5GiB": a size, but negative
+        raise UsageError(f"size {value!r} is negative: a size must be >= 0 bytes")
     if not match:
         raise UsageError(f"cannot parse size {value!r}: write a number and a unit, e.g. '10GiB', '500MB'")
     number, unit = float(match.group(1)), match.group(2)

@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from bigviz.core.names import ancestors, leaf, owner, parent
+from bigviz.core.names import ancestors, is_embedding_name, owner, parent
 from bigviz.core.pipeline import (
     BALANCES,
     PipelineError,
@@ -112,8 +112,7 @@ def _is_lookup(tree: SizeTree, module: str) -> bool:
     node = tree.nodes.get(module)
     if node is not None and node.class_name:
         return node.class_name.endswith("Embedding")
-    name = leaf(module).lower()  # planned from headers: no class names
-    return "emb" in name or name in ("wte", "wpe")
+    return is_embedding_name(module)  # planned from headers: no class names
 
 
 @dataclass(frozen=True)

@@ -263,7 +263,13 @@ def _job(args: argparse.Namespace, env: _Env) -> _Job:
     job.saved = PipelinePlan.load_json(args.plan) if args.plan is not None else None
     stages = job.saved or args.stages
     knobs: dict[str, Any] = dict(no_split_module_classes=args.no_split, balance=args.balance, dtype=dtype)
-    run = dict(batch_size=job.batch_size, context_length=job.context, microbatches=args.microbatches)
+    from bigviz.planning.positions import position_rule
+
+    rule = position_rule(model)
+    table = rule.tokens if rule is not None and rule.table else None
+    # past a table of positions plan_pipeline refuses; the request's check names it in the flags' terms
+    context = min(job.context, table) if table is not None else job.context
+    run = dict(batch_size=job.batch_size, context_length=context, microbatches=args.microbatches)
     try:
         kv = None if job.generating else {}  # a forward keeps no cache
         job.plan = plan_pipeline(model, stages, **knobs, **run, device_type=job.device_type, kv_cache=kv)

@@ -234,6 +234,10 @@ def generate(
     :func:`generation_ids`). Every rank passes the same ``max_new_tokens``, ``microbatches``
     and EOS settings.
 
+    There is no attention mask: every row is a whole prompt, all of the same length, with no
+    padding. A left-padded row would attend to its pads and differ from transformers'
+    ``generate`` with its mask; run prompts of other lengths in separate calls.
+
     Args:
         stage: this rank's :class:`~bigviz.distributed.StageBuild` (cut with ``split="wrap"``),
             or its stage module (``DecoderStage`` / ``HFStage``).

@@ -11,12 +11,13 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bigviz.core.counts import check_count
 from bigviz.core.errors import PlanError
-from bigviz.core.pipeline import PipelinePlan
+from bigviz.core.pipeline import PipelinePlan, PipelineRun
 from bigviz.core.plan import DevicePlan
 from bigviz.core.workload import Workload, longest_fit
 from bigviz.planning.inputs import place, planner_inputs, with_workload
@@ -90,6 +91,29 @@ def max_context(
         limit = check_count("limit", limit)
     model = resolve_model(model)
     top = limit if limit is not None else position_limit(model) or 2**24
+    with warnings.catch_warnings(record=True) as caught:  # each context tried may warn: said once below
+        warnings.simplefilter("always")
+        longest = _search(
+            model, max_memory, batch_size, allow_offload, device_map, top, stages, microbatches, plan_kwargs
+        )
+    for message in dict.fromkeys(str(w.message) for w in caught):  # once each, at the caller's line
+        category = next(w.category for w in caught if str(w.message) == message)
+        warnings.warn(message, category, stacklevel=2)
+    return longest
+
+
+def _search(
+    model: Any,
+    max_memory: Any,
+    batch_size: int,
+    allow_offload: bool,
+    device_map: DevicePlan | Mapping[str, object] | None,
+    top: int,
+    stages: Sequence[int | str] | PipelinePlan | None,
+    microbatches: int,
+    plan_kwargs: Mapping[str, object],
+) -> int:
+    """:func:`max_context`'s bisection, its arguments read."""
     if stages is not None:
         return _pipeline_context(model, stages, batch_size, microbatches, top, max_memory, plan_kwargs)
     kwargs = dict(plan_kwargs)
@@ -129,6 +153,8 @@ def _pipeline_context(
             "max_context(stages=...) needs one budget per stage (e.g. stages=['40GiB', '40GiB'] or a "
             "PipelinePlan made with budgets), and no max_memory: the stages are the budgets"
         )
+    # invalid arguments are refused here, not read as "does not fit" by the search (which would return 0)
+    PipelineRun(batch_size=batch_size, context_length=1, microbatches=microbatches)
 
     def fits(tokens: int) -> bool:
         try:

@@ -22,6 +22,7 @@ import torch
 from bigviz.core.counts import check_count
 from bigviz.core.devicemap import validate_device_map
 from bigviz.core.devices import Device
+from bigviz.core.errors import UsageError
 from bigviz.core.plan import DevicePlan
 from bigviz.core.stream_plan import MachineFacts
 from bigviz.core.workload import Workload
@@ -145,6 +146,7 @@ def infer_auto_device_map(
     verbose: bool = False,
     clean_result: bool = True,
     offload_buffers: bool = False,
+    fallback_allocation: bool = False,
     *,
     strategy: str = "sequential",
     reserve: Mapping[Any, object] | None = None,
@@ -160,11 +162,24 @@ def infer_auto_device_map(
     (the plan itself is inspectable with :func:`plan`). ``offload_buffers`` is accepted for
     compatibility; bigviz counts buffers in module sizes either way.
 
+    ``fallback_allocation`` is accelerate's keyword (same position), accepted so ported code
+    runs: ``False`` is what bigviz does. ``True`` is refused: in accelerate it fills a GPU that
+    the next module skipped with a smaller module found further on (a breadth-first search),
+    while bigviz's pass already keeps filling a GPU after a module too big for it went to the
+    CPU or disk alone, and puts any other module where you say with ``overrides=``.
+
     Example:
         >>> import torch.nn as nn
         >>> infer_auto_device_map(nn.Linear(10, 10), {"cpu": "1KB"})
         {'': 'cpu'}
     """
+    if fallback_allocation:
+        raise UsageError(
+            "infer_auto_device_map(fallback_allocation=True): bigviz does not run accelerate's fallback search "
+            "(a smaller module moved onto a GPU the next module skipped); its pass keeps filling a GPU after a "
+            "module too big for it goes to the CPU or disk. Drop fallback_allocation, or put a module on that GPU "
+            "with overrides={module: gpu}"
+        )
     result = plan(
         model,
         max_memory,

@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Union
 
@@ -18,13 +19,14 @@ import torch.nn as nn
 
 from bigviz.checkpoint.hf import meta_model_from_folder
 from bigviz.checkpoint.tree import detect_no_split, tree_from_checkpoint
+from bigviz.core.names import execution_order
 from bigviz.core.tree import SizeTree
 from bigviz.modeling.inventory import ModelInventory
 from bigviz.modeling.sizes import module_tree
 from bigviz.modeling.configs import is_config_source, model_from_config
 from bigviz.core.errors import ArgumentTypeError
 
-__all__ = ["ModelLike", "resolve_model", "as_tree", "default_no_split", "inventory_or_none"]
+__all__ = ["ModelLike", "resolve_model", "as_tree", "in_execution_order", "default_no_split", "inventory_or_none"]
 
 ModelLike = Union[nn.Module, ModelInventory, SizeTree, str, "os.PathLike[str]"]
 
@@ -57,8 +59,39 @@ def as_tree(
         if is_config_source(model):
             return as_tree(model_from_config(model), dtype, special_dtypes)
         meta = meta_model_from_folder(os.fspath(model))
-        return as_tree(tree_from_checkpoint(os.fspath(model), model=meta), dtype, special_dtypes)
+        tree = tree_from_checkpoint(os.fspath(model), model=meta)
+        return as_tree(tree if meta is not None else in_execution_order(tree, os.fspath(model)), dtype, special_dtypes)
     raise ArgumentTypeError(f"expected an nn.Module, a SizeTree or a checkpoint path, got {type(model).__name__}")
+
+
+def in_execution_order(tree: SizeTree, where: object = "the checkpoint") -> SizeTree:
+    """A tree read from checkpoint keys alone, its modules put in the order transformers models
+    run them (:func:`~bigviz.core.names.execution_order`): embeddings, the blocks by number,
+    then the final norm and head. The keys hold no definition order, and planning them in key
+    order puts ``lm_head`` first (on GPU 0, in a pipeline's first stage) and GPT-2's ``wte``
+    last. With more than one list of blocks (an encoder and a decoder) no name rule says which
+    runs first: the keys' order is kept, with a warning naming the fix.
+
+    Example:
+        >>> from bigviz.core.tree import TensorSpec
+        >>> keys = ["lm_head.w", "model.embed.w", "model.layers.0.w", "model.layers.1.w", "model.norm.w"]
+        >>> list(in_execution_order(SizeTree.build([TensorSpec(k, 1, "float32") for k in keys])).tensors)
+        ['model.embed.w', 'model.layers.0.w', 'model.layers.1.w', 'model.norm.w', 'lm_head.w']
+    """
+    names = list(tree.tensors)
+    lists = detect_no_split(names)
+    if len(lists) > 1:
+        warnings.warn(
+            f"{where}: no config.json, and its keys hold {len(lists)} lists of blocks ({', '.join(lists)}) "
+            "whose execution order their names do not say; modules are planned in the keys' order. "
+            "Put the model's config.json beside the checkpoint to plan in execution order",
+            stacklevel=3,
+        )
+        return tree
+    order = execution_order(names, lists[0].removesuffix("*").rstrip(".")) if lists else names
+    if order == names:
+        return tree
+    return SizeTree.build([tree.tensors[n] for n in order], ties=tree.ties, containers=tree.containers)
 
 
 def default_no_split(model: ModelLike, tree: SizeTree) -> list[str]:

@@ -20,7 +20,10 @@ from bigviz.core.pipeline import PipelineError, PipelinePlan, PipelineRun
 from bigviz.core.stages import cut_pipeline, make_pipeline_plan, over_budget
 from bigviz.core.tree import SizeTree
 from bigviz.core.workload import RunBytes
-from bigviz.planning.models import ModelLike, as_tree, default_no_split, resolve_model
+from bigviz.core.counts import check_count
+from bigviz.planning.inputs import no_split_names
+from bigviz.planning.models import ModelLike, as_tree, resolve_model
+from bigviz.planning.positions import check_context, position_rule
 from bigviz.planning.workload import model_run_spec, with_given
 
 __all__ = ["plan_pipeline", "pipeline_run_bytes", "run_knobs"]
@@ -30,7 +33,7 @@ def plan_pipeline(
     model_or_checkpoint: ModelLike,
     stages: int | Sequence[int | str] | PipelinePlan,
     *,
-    no_split_module_classes: Collection[str] | None = None,
+    no_split_module_classes: Collection[str] | str | None = None,
     balance: str = "bytes",
     dtype: torch.dtype | str | None = None,
     batch_size: int = 1,
@@ -63,14 +66,18 @@ def plan_pipeline(
             stages then never exceed their budget and are balanced by fill fraction), or a
             :class:`PipelinePlan` whose cuts and budgets to keep (re-planned for this model
             and run; refused when a stage no longer fits its budget).
-        no_split_module_classes: the blocks; default: the model's ``_no_split_modules`` (or,
-            for a checkpoint, its repeated numbered blocks).
+        no_split_module_classes: the blocks (class names or module-name globs, checked as
+            :func:`bigviz.plan` checks them: ``"Block"`` alone is one class, a name the model
+            does not have is refused); default: the model's ``_no_split_modules`` (or, for a
+            checkpoint, its repeated numbered blocks).
         balance: ``"bytes"`` (weights, and the run, per stage) or ``"compute"`` (estimated
             FLOPs per token).
         dtype: plan for this dtype, e.g. ``torch.float16``.
         batch_size: sequences in flight, all micro-batches together (with ``context_length``).
         context_length: tokens each sequence's cache holds (a prompt of ``P`` and ``N`` new
-            tokens: ``P + N - 1``); ``None`` or 0: weights only.
+            tokens: ``P + N - 1``); ``None`` or 0: weights only. Past a table of positions
+            (GPT-2's ``n_positions``) it is refused, past a rotary model's trained length it
+            warns, as in :func:`bigviz.plan`.
         kv_dtype: the cache's dtype (default: the compute dtype).
         microbatches: how many micro-batches the batch is cut into.
         device_type: ``"cuda"`` (fused attention kernels) or ``"cpu"`` (PyTorch's reference
@@ -81,6 +88,8 @@ def plan_pipeline(
     Raises:
         PipelineError: a bad stage count, more stages than blocks, or budgets too small for
             the weights or the run (saying which stage does not fit and by how much).
+        PlanError: a no-split entry that matches nothing in the model, or a context past the
+            model's table of positions.
 
     Example:
         >>> from bigviz.models import GPT, GPTConfig
@@ -96,12 +105,11 @@ def plan_pipeline(
     model_or_checkpoint = resolve_model(model_or_checkpoint)
     tree = as_tree(model_or_checkpoint, dtype)
     keep = stages if isinstance(stages, PipelinePlan) else None
-    if no_split_module_classes is not None:
-        no_split = list(no_split_module_classes)
-    elif keep is not None:
-        no_split = list(keep.no_split)
-    else:
-        no_split = list(default_no_split(model_or_checkpoint, tree))
+    given = no_split_module_classes if no_split_module_classes is not None else (keep.no_split if keep else None)
+    # the check bigviz.plan makes: a typo (or a class of another model) would cut inside blocks silently
+    no_split = no_split_names(model_or_checkpoint, tree, given)
+    if context_length:  # past a table of positions there is no position: refused as bigviz.plan refuses it
+        check_context(position_rule(model_or_checkpoint), check_count("context_length", context_length, minimum=0))
     label = str(dtype).removeprefix("torch.") if dtype is not None else (keep.dtype if keep is not None else None)
     run = _run(batch_size, context_length, kv_dtype, microbatches, device_type, kv_cache, activations)
     counted = pipeline_run_bytes(

@@ -78,3 +78,8 @@ def test_format_size():
 
 def test_device_order():
     assert sorted(["disk", "cpu", "mps", 2, 0], key=device_sort_key) == [0, 2, "mps", "cpu", "disk"]
+
+
+def test_a_negative_size_string_is_called_negative():
+    with pytest.raises(ValueError, match="'-5GiB' is negative"):
+        parse_size("-5GiB")

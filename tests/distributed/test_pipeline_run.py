@@ -87,3 +87,44 @@ def test_a_checkpoint_plans_its_run_from_its_config(tmp_path):
     from_files = bigviz.plan_pipeline(folder, 2, batch_size=2, context_length=16)
     from_model = bigviz.plan_pipeline(model, 2, batch_size=2, context_length=16)
     assert from_files.stage_kv == from_model.stage_kv and from_files.stage_activations == from_model.stage_activations
+
+
+def test_no_split_classes_are_checked_as_bigviz_plan_checks_them(llama):
+    with pytest.raises(bigviz.PlanError, match="did you mean 'LlamaDecoderLayer'"):
+        bigviz.plan_pipeline(llama, 3, no_split_module_classes=["LlamaDecoderLayr"])
+    one = bigviz.plan_pipeline(llama, 3, no_split_module_classes="LlamaDecoderLayer")  # one class, not letters
+    assert one.no_split == ("LlamaDecoderLayer",)
+    assert all(p.count(".") == 2 and p.startswith("model.layers.") for p in one.split_points)
+
+
+def test_a_context_past_the_position_table_is_refused_as_by_bigviz_plan():
+    with torch.device("meta"):
+        model = GPT(GPTConfig.preset("gpt-tiny", n_layer=4))  # block_size 64: a table of positions
+    with pytest.raises(bigviz.PlanError, match="past the model's block_size=64"):
+        bigviz.plan(model, {"cpu": "1GiB"}, context_length=65)
+    with pytest.raises(bigviz.PlanError, match="past the model's block_size=64"):
+        bigviz.plan_pipeline(model, 2, context_length=65)
+    assert bigviz.plan_pipeline(model, 2, context_length=64).run.context_length == 64
+
+
+def test_max_context_refuses_more_microbatches_than_sequences(llama):
+    with pytest.raises(PipelineError, match="microbatches=2 with batch_size=1"):
+        bigviz.max_context(llama, stages=["1GiB", "1GiB"], batch_size=1, microbatches=2)
+
+
+def test_a_checkpoint_without_config_is_cut_in_execution_order(tmp_path):
+    import shutil
+
+    torch.manual_seed(0)
+    model = hf_llama(4)
+    model.save_pretrained(tmp_path / "full")
+    (tmp_path / "raw").mkdir()
+    shutil.copy(tmp_path / "full" / "model.safetensors", tmp_path / "raw")
+    raw, full = bigviz.plan_pipeline(tmp_path / "raw", 2), bigviz.plan_pipeline(tmp_path / "full", 2)
+    assert raw.stages[0][0] == "model.embed_tokens" and raw.stages[-1][-2:] == ("model.norm", "lm_head")
+    assert raw.split_points == full.split_points
+    # filling in order, GPU 0 takes the embeddings and the first layers, not the head
+    sizes = bigviz.plan(tmp_path / "raw", {"cpu": "1GiB"}).tree
+    gpu0 = sizes.total("model.embed_tokens") + 2 * sizes.total("model.layers.0")
+    in_order = bigviz.plan(tmp_path / "raw", {0: gpu0, 1: "1GiB"}, strategy="sequential", reserve=0)
+    assert in_order.device_map["model.embed_tokens"] == 0 and in_order.device_map["lm_head"] == 1

@@ -24,8 +24,9 @@ def _layers_and_head(n: int = 10, layer: int = 40 * KB, head: int = 400 * KB) ->
 def test_nothing_offloaded_means_no_reserve_and_gpu0_filled():
     # 10 x 40 KB layers fill 400 KB of GPU 0's 560 KB; the 400 KB head does not fit the
     # remaining 160 KB and goes to GPU 1. Nothing is offloaded, so nothing is reserved:
-    # accelerate would keep room for the head on GPU 0 and fill only 29% of it.
-    plan = make_plan(_layers_and_head(), {0: 560 * KB, 1: 10**9})
+    # accelerate would keep room for the head on GPU 0 and fill only 29% of it. (A balanced
+    # strategy keeps that layer off GPU 0's share, as transformers' device_map="auto" does.)
+    plan = make_plan(_layers_and_head(), {0: 560 * KB, 1: 10**9}, PlanOptions(strategy="sequential"))
     assert plan.device_map == {"layers": 0, "head": 1}
     assert plan.usage_of(0).used == 400 * KB
     assert plan.usage_of(0).offload_reserve == 0
@@ -98,8 +99,9 @@ def test_balanced_spreads_and_sequential_does_not():
     seq = make_plan(tree, budgets, PlanOptions(strategy="sequential"))
     assert seq.device_map == {"": 0}
     bal = make_plan(tree, budgets, PlanOptions(strategy="balanced"))
-    # share = 180 KB + buffer 1.25 x 40 KB = 230 KB on GPU 0: 5 units; the rest on GPU 1.
-    assert bal.usage_of(0).used == 200 * KB and bal.usage_of(1).used == 160 * KB
+    # share = 180 KB + buffer 1.25 x 40 KB = 230 KB, less the 40 KB layer accelerate keeps
+    # free on GPU 0 = 190 KB: 4 units; the rest on GPU 1 (transformers' device_map="auto").
+    assert bal.usage_of(0).used == 160 * KB and bal.usage_of(1).used == 200 * KB
     assert make_plan(tree, budgets, PlanOptions(strategy="auto")).device_map == bal.device_map
 
 
@@ -189,3 +191,33 @@ def test_plan_exports():
     assert frame["bytes"].sum() == plan.tree.total("")
     assert "<table>" in plan._repr_html_() and "GPU 0" in plan.summary()
     assert plan.to_dict()["device_map"] == plan.device_map
+
+
+def test_a_reserve_for_a_device_without_a_budget_is_refused_like_an_override():
+    with pytest.raises(PlanError, match=r"reserve\[1\] keeps room on GPU 1, which has no budget"):
+        make_plan(_layers_and_head(), {0: 10**9, "cpu": 10**9}, PlanOptions(reserve={1: 100 * KB}))
+
+
+def test_a_gpu_that_cannot_hold_the_streamed_weights_is_flagged():
+    # GPU 0 executes and holds nothing: the room for the running 200 KB head and a prefetched
+    # layer is more than its 30 KB. The plan says it does not fit (a vague note used to be all)
+    tree = _layers_and_head(n=4, layer=40 * KB, head=200 * KB)
+    options = PlanOptions(strategy="sequential", rule=UnitRule(blocks=frozenset({"Layer"})))
+    plan = make_plan(tree, {0: 30 * KB, "cpu": 10**9}, options)
+    assert not plan.fits(allow_offload=True) and plan.usage_of(0).free < 0
+    note = next(n for n in plan.notes if n.startswith("does not fit"))
+    assert "GPU 0 must keep 234.4 KiB free" in note and "over its whole budget of 29.3 KiB" in note
+    assert "prefetch=False" in note and not any("holds no weights" in n for n in plan.notes)
+
+
+def test_interleaved_blocks_say_they_were_interleaved():
+    # CPU executes and holds 6 of 10 layers; the 4 on disk are spread between them, and a moved
+    # layer says so rather than "did not fit" with the room left at the end of the pass
+    options = PlanOptions(rule=UnitRule(blocks=frozenset({"Layer"})))
+    plan = make_plan(_layers_and_head(head=4 * KB), {"cpu": 250 * KB, "disk": 10**9}, options)
+    moved = [p for p in plan.placements if p.name.startswith("layers.") and "interleaved" in p.reason]
+    assert moved and any(p.device == "disk" for p in moved) and any(p.device == "cpu" for p in moved)
+    assert all("did not fit" not in p.reason for p in moved)
+    assert "streamed from disk between layers's blocks kept on the CPU" in next(
+        p.reason for p in moved if p.device == "disk"
+    )

@@ -114,3 +114,13 @@ def test_overrides_and_a_gpu_keep_the_order() -> None:
     on_gpu = bigviz.plan(model, {0: rest + size + size // 2, "cpu": 3 * size + size // 2, "disk": 10**12})
     blocks = [str(on_gpu.device_of(f"transformer.h.{i}")) for i in range(6)]
     assert blocks == sorted(blocks, key=["0", "cpu", "disk"].index) and "disk" in blocks  # a GPU executes: in order
+
+
+def test_accelerates_fallback_allocation_keyword_is_accepted_false_and_refused_true():
+    import torch.nn as nn
+
+    model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))
+    budget = {"cpu": "1MB"}
+    assert bigviz.infer_auto_device_map(model, budget, fallback_allocation=False) == {"": "cpu"}
+    with pytest.raises(bigviz.UsageError, match="fallback_allocation=True"):
+        bigviz.infer_auto_device_map(model, budget, None, None, None, False, True, False, True)

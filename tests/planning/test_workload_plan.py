@@ -198,3 +198,18 @@ def test_the_planner_stays_linear_with_a_workload():
         assert 0 < plan.usage_of(0).used < n * LAYER  # some layers resident, the rest streamed
         assert plan.usage_of(0).free >= 0
         assert visits["n"] <= passes * 2 * len(tree.nodes)
+
+
+def test_headroom_larger_than_the_budget_points_to_reserve():
+    import torch
+
+    import bigviz
+    from bigviz.models import build
+
+    with torch.device("meta"):
+        model = build("gpt-tiny")
+    with pytest.raises(bigviz.PlanError) as info:  # 1 GiB of default GPU headroom in 300 KiB
+        bigviz.plan(model, {0: "300KiB", "cpu": "10MiB"}, context_length=1)
+    assert "headroom kept free on GPU 0 is its whole budget" in str(info.value) and "reserve=0" in str(info.value)
+    assert "Shorten the context" not in str(info.value)
+    bigviz.plan(model, {0: "300KiB", "cpu": "10MiB"}, context_length=1, reserve=0)  # the fix it names
