@@ -72,6 +72,7 @@ _EXPORTS: dict[str, str] = {
     "measure_generate": "bigviz.modeling.memory",
     "TensorTracker": "bigviz.modeling.memory",
     "infer_auto_device_map": "bigviz.planning",
+    "get_balanced_memory": "bigviz.planning",
     "check_device_map": "bigviz.planning",
     "plan_pipeline": "bigviz.planning",
     "load_plan": "bigviz.planning",

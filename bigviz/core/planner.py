@@ -48,7 +48,15 @@ from bigviz.core.tree import SizeTree
 from bigviz.core.devices import Device, device_label, execution_device, normalize_device, streamed_devices
 from bigviz.core.sizes import UNLIMITED, format_size, parse_max_memory, parse_size
 
-__all__ = ["make_plan", "unit_rule", "PlanError", "is_no_split", "no_split_problems", "check_no_split"]
+__all__ = [
+    "make_plan",
+    "unit_rule",
+    "PlanError",
+    "is_no_split",
+    "no_split_problems",
+    "check_no_split",
+    "balanced_budgets",
+]
 
 _MAX_PASSES = 6
 _RUN_PASSES = 10
@@ -322,23 +330,18 @@ def _strategy_caps(
     so the split is the same whether or not anything is offloaded. A run's caches spread with
     their layers (``total``) and its largest step widens the buffer.
     """
-    caps = dict(budgets)
-    gpus = [d for d in budgets if isinstance(d, int)]
+    gpus = sorted(d for d in budgets if isinstance(d, int) and budgets[d] > 0)
     if options.strategy == "sequential" or len(gpus) < 2:
-        return caps, []
-    low0 = options.strategy == "balanced_low_0"
-    total = tree.total("") + sum(options.kv_cache.values())  # a workload's caches spread with their layers
+        return dict(budgets), []
     blocks = options.rule.blocks
-    leaves = [n.total_bytes for n in tree.nodes.values() if not n.children and n.total_bytes]
-    mean_leaf = sum(leaves) // max(len(leaves), 1)
-    block = max((n.total_bytes for name, n in tree.nodes.items() if is_no_split(tree, name, blocks)), default=0)
-    buffer = int(1.25 * max(block, mean_leaf)) + max(options.activations.values(), default=0)
-    share = total // (len(gpus) - 1 if low0 else len(gpus)) + buffer
-    for g in gpus[:-1]:
-        if not (low0 and g == gpus[0]):
-            caps[g] = min(budgets[g], share)
-    if low0:
-        caps[gpus[0]] = min(budgets[gpus[0]], max(0, total - sum(caps[g] for g in gpus[1:])))
+    caps = balanced_budgets(
+        tree,
+        budgets,
+        blocks,
+        low_zero=options.strategy == "balanced_low_0",
+        run_bytes=sum(options.kv_cache.values()),  # a workload's caches spread with their layers
+        run_step=max(options.activations.values(), default=0),
+    )
     caps[gpus[0]] = max(0, caps[gpus[0]] - _next_largest_layer(tree, blocks))  # kept for the main device
     capped = [g for g in gpus if caps[g] < budgets[g]]
     notes = [
@@ -348,6 +351,44 @@ def _strategy_caps(
         for g in capped
     ]
     return caps, notes
+
+
+def balanced_budgets(
+    tree: SizeTree,
+    budgets: Mapping[Device, int],
+    blocks: frozenset[str] = frozenset(),
+    *,
+    low_zero: bool = False,
+    run_bytes: int = 0,
+    run_step: int = 0,
+) -> dict[Device, int]:
+    """accelerate's ``get_balanced_memory`` arithmetic on a size tree: each GPU but the last
+    (those with a budget) gets at most ``total // n`` plus a buffer of 1.25 x the larger of the
+    largest no-split block (``blocks``) and the mean leaf module; ``low_zero`` spreads over GPUs
+    1.. and leaves GPU 0 only what they cannot hold. ``run_bytes`` (a run's KV caches) adds to the
+    total and ``run_step`` (its largest step) to the buffer. Other devices keep their budgets.
+
+    Example:
+        >>> from bigviz.core.tree import SizeTree, TensorSpec
+        >>> tree = SizeTree.build([TensorSpec(f"h.{i}.weight", 100, "float32") for i in range(4)])
+        >>> balanced_budgets(tree, {0: 10**6, 1: 10**6, "cpu": 10**9})
+        {0: 1300, 1: 1000000, 'cpu': 1000000000}
+    """
+    caps = dict(budgets)
+    gpus = sorted(d for d in budgets if isinstance(d, int) and budgets[d] > 0)
+    if len(gpus) < 2:
+        return caps
+    total = tree.total("") + run_bytes
+    leaves = [n.total_bytes for n in tree.nodes.values() if not n.children and n.total_bytes]
+    mean_leaf = sum(leaves) // max(len(leaves), 1)
+    block = max((n.total_bytes for name, n in tree.nodes.items() if is_no_split(tree, name, blocks)), default=0)
+    share = total // (len(gpus) - 1 if low_zero else len(gpus)) + int(1.25 * max(block, mean_leaf)) + run_step
+    for g in gpus[:-1]:
+        if not (low_zero and g == gpus[0]):
+            caps[g] = min(budgets[g], share)
+    if low_zero:
+        caps[gpus[0]] = min(budgets[gpus[0]], max(0, total - sum(caps[g] for g in gpus[1:])))
+    return caps
 
 
 def _greedy(

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from bigviz.planning.chain import PlanChain, dispatch_plan, load_plan, plan_chain
 from bigviz.planning.context import max_context, position_limit
-from bigviz.planning.device_plan import check_device_map, infer_auto_device_map, plan
+from bigviz.planning.device_plan import check_device_map, get_balanced_memory, infer_auto_device_map, plan
 from bigviz.planning.inputs import PlannerInputs, place, planner_inputs
 from bigviz.planning.models import ModelLike, as_tree, default_no_split, resolve_model
 from bigviz.planning.pipeline import plan_pipeline
@@ -42,6 +42,7 @@ __all__ = [
     "PlannerInputs",
     "place",
     "infer_auto_device_map",
+    "get_balanced_memory",
     "load_plan",
     "max_context",
     "model_run_spec",

@@ -29,7 +29,7 @@ from bigviz.core.workload import Workload
 from bigviz.planning.inputs import place, planner_inputs
 from bigviz.planning.models import ModelLike, as_tree
 
-__all__ = ["plan", "infer_auto_device_map", "check_device_map"]
+__all__ = ["plan", "infer_auto_device_map", "get_balanced_memory", "check_device_map"]
 
 
 def plan(
@@ -195,6 +195,44 @@ def infer_auto_device_map(
         for p in result.placements:
             print(f"  {p.name or '<model>'}: {p.device} ({p.reason})")
     return result.device_map if clean_result else dict(result.unit_map)
+
+
+def get_balanced_memory(
+    model: ModelLike,
+    max_memory: Mapping[Any, object] | None = None,
+    no_split_module_classes: Collection[str] | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    special_dtypes: Mapping[str, torch.dtype | str] | None = None,
+    low_zero: bool = False,
+) -> dict[Device, int]:
+    """Accelerate's function: a ``max_memory`` (bytes per device) that spreads the model over
+    the GPUs when :func:`infer_auto_device_map` fills them in order, by accelerate's arithmetic
+    (:func:`bigviz.core.planner.balanced_budgets`): each GPU but the last at most an even share
+    plus 1.25 blocks; ``low_zero`` keeps GPU 0 for what the others cannot hold. The model's
+    sizes are bigviz's (``dtype``, ``special_dtypes`` as in :func:`plan`); the no-split classes
+    are checked as :func:`plan` checks them (none named: none used, as accelerate does). ``strategy="balanced"`` in :func:`plan` is this and
+    the fill in one step (and keeps GPU 0's largest layer free, as ``device_map="auto"`` does).
+
+    Example:
+        >>> import torch.nn as nn
+        >>> model = nn.Sequential(*[nn.Linear(100, 100) for _ in range(8)])
+        >>> get_balanced_memory(model, {0: "1MB", 1: "1MB", "cpu": "1GB"})
+        {0: 212100, 1: 1000000, 'cpu': 1000000000}
+    """
+    from bigviz.core.planner import balanced_budgets
+
+    inputs = planner_inputs(
+        model,
+        max_memory,
+        no_split_module_classes=no_split_module_classes,
+        dtype=dtype,
+        special_dtypes=special_dtypes,
+    )
+    rule = inputs.options.rule
+    # accelerate reads no blocks when none are named (the buffer is then the mean leaf), where
+    # plan() would take the model's own _no_split_modules: its arithmetic is kept here.
+    blocks = rule.blocks if rule is not None and no_split_module_classes is not None else frozenset()
+    return balanced_budgets(inputs.tree, inputs.budgets, blocks, low_zero=low_zero)
 
 
 def check_device_map(

@@ -85,3 +85,24 @@ def test_balanced_splits_as_transformers_device_map_auto_does():
                     )
                     compared += 1
     assert compared >= 60
+
+
+def test_get_balanced_memory_is_accelerates():
+    """``bigviz.get_balanced_memory`` (accelerate's name, for ported code that balances then
+    calls infer_auto_device_map) gives accelerate's budgets, byte for byte, both ways of
+    ``low_zero``, with and without the no-split classes; the no-split names are checked."""
+    import pytest
+    from accelerate.utils import get_balanced_memory
+
+    for layers, vocab, tied in ((2, 128, False), (5, 4096, True), (12, 4096, False)):
+        model = _llama(layers, vocab, tied)
+        total = sum(p.numel() * 4 for p in model.parameters())
+        for gpus, fraction in ((2, 0.9), (3, 0.5), (4, 0.3)):
+            budgets = {**{g: int(total * fraction) for g in range(gpus)}, "cpu": 10**9}
+            for low_0 in (False, True):
+                for no_split in (model._no_split_modules, None):
+                    theirs = get_balanced_memory(model, dict(budgets), no_split_module_classes=no_split, low_zero=low_0)
+                    ours = bigviz.get_balanced_memory(model, budgets, no_split, low_zero=low_0)
+                    assert ours == theirs, (layers, gpus, low_0, no_split)
+    with pytest.raises(ValueError, match="did you mean"):
+        bigviz.get_balanced_memory(model, budgets, ["LlamaDecoderLayr"])
