@@ -50,7 +50,7 @@ from bigviz.core.pipeline import PipelineError
 from bigviz.models.cache import KVCache
 from bigviz.core.errors import ArgumentTypeError, StateError
 
-__all__ = ["DecoderLayout", "DecoderStage", "HFStage", "decoder_layout", "cache_nbytes"]
+__all__ = ["DecoderLayout", "DecoderStage", "HFStage", "decoder_layout", "cache_nbytes", "mask_positions"]
 
 
 @dataclass(frozen=True)
@@ -147,9 +147,15 @@ class DecoderStage(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.step(x)
 
-    def step(self, x: Tensor, *, cache: Any = None, start: int = 0) -> Tensor:
+    def step(self, x: Tensor, *, cache: Any = None, start: int = 0, attention_mask: Tensor | None = None) -> Tensor:
         """The stage's forward for tokens at positions ``start ..``, keys and values kept in
-        ``cache`` (from :meth:`new_cache`) when given."""
+        ``cache`` (from :meth:`new_cache`) when given. bigviz's own models attend to every
+        earlier token: an ``attention_mask`` that hides one (padding) is refused."""
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise PipelineError(
+                f"bigviz's {self.layout.family} stages take no attention mask: every row must be a whole prompt",
+                fix="Fix: give prompts of one length, without padding (run other lengths in separate calls)",
+            )
         hidden = self.layout.embed(self, x, start) if self.first else x  # (B, T) ids -> (B, T, C)
         context = self.layout.context_of(self, hidden, start)
         for name in self.block_names:
@@ -184,6 +190,19 @@ def cache_nbytes(cache: Any) -> int:
         for t in vars(layer).values()
         if isinstance(t, Tensor) and not t.is_meta and t.dim() > 0
     )
+
+
+def mask_positions(attention_mask: Tensor) -> Tensor:
+    """The position of each token of a padded batch, as transformers' ``generate`` numbers them:
+    tokens count from 0 after the row's padding, and a pad gets 1 (it is masked out anyway).
+
+    Example:
+        >>> mask_positions(torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]))
+        tensor([[1, 1, 0, 1, 2],
+                [0, 1, 2, 3, 4]])
+    """
+    mask = attention_mask.long()
+    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
 
 
 def _key(name: str) -> str:
@@ -307,14 +326,19 @@ class HFStage(nn.Module):
         out = self.model(**inputs)
         return out.logits if self.last else out.last_hidden_state  # (B, T, vocab) or (B, T, C)
 
-    def step(self, x: Tensor, *, cache: Any = None, start: int = 0) -> Tensor:
+    def step(self, x: Tensor, *, cache: Any = None, start: int = 0, attention_mask: Tensor | None = None) -> Tensor:
         """The model's own forward with ``cache`` (from :meth:`new_cache`), positions from
         ``start``; the last stage computes the last position's logits only, as ``generate``
-        does (``logits_to_keep=1``)."""
+        does (``logits_to_keep=1``). ``attention_mask`` ``(B, start + T)``, 1 for a token and
+        0 for padding (left padding, as a tokenizer gives for ``generate``), goes to the model,
+        and the positions count the tokens only, as ``generate`` numbers them."""
         inputs: dict[str, Any] = {"input_ids" if self.first else "inputs_embeds": x}
         if cache is not None:
             inputs |= {_cache_argument(self.model): cache, "use_cache": True}
             inputs["position_ids"] = _positions(x, start)[None]  # (1, T)
+        if attention_mask is not None:
+            inputs["attention_mask"] = attention_mask
+            inputs["position_ids"] = mask_positions(attention_mask)[:, -x.shape[1] :]  # (B, T)
         if self.last and "logits_to_keep" in _parameters(self.model):
             inputs["logits_to_keep"] = 1
         out = self.model(**inputs)

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from bigviz.core.pipeline import PipelineError
-from bigviz.distributed.adapters import cache_nbytes
+from bigviz.distributed.adapters import HFStage, cache_nbytes
 
 __all__ = ["GenerateResult", "close_process_group", "generate", "generation_ids", "shared_problems"]
 
@@ -162,7 +162,30 @@ def _recv_tensor(src: int, ring: _Ring) -> Tensor | None:
     return out
 
 
-def _check(rank: int, prompt_ids: Tensor | None, max_new_tokens: int, microbatches: int) -> list[str]:
+def _check_mask(prompt_ids: Tensor, mask: Any) -> list[str]:
+    """Rank 0's attention mask: the prompt's shape, 0 and 1 only, padding on the left."""
+    if not isinstance(mask, Tensor) or mask.dim() != 2 or mask.is_floating_point() or mask.is_complex():
+        return ["attention_mask: give an integer or boolean tensor (batch, tokens), 1 for a token and 0 for padding"]
+    if tuple(mask.shape) != tuple(prompt_ids.shape):
+        return [
+            f"attention_mask of shape {tuple(mask.shape)} for a prompt of shape {tuple(prompt_ids.shape)}: give one"
+            " value per prompt token"
+        ]
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        return ["attention_mask holds values other than 0 and 1"]
+    mask = mask.long()
+    right = [i for i in range(mask.shape[0]) if mask[i, -1] == 0 or bool((mask[i, 1:] < mask[i, :-1]).any())]
+    if right:
+        return [
+            f"attention_mask rows {right[:5]}{' ...' if len(right) > 5 else ''} are not padded on the left (a decoder "
+            "generates after a prompt's last token, so padding goes first): set tokenizer.padding_side = 'left'"
+        ]
+    return []
+
+
+def _check(
+    rank: int, prompt_ids: Tensor | None, max_new_tokens: int, microbatches: int, attention_mask: Any = None
+) -> list[str]:
     problems = []
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         problems.append(f"max_new_tokens={max_new_tokens!r}: give 1 or more")
@@ -176,6 +199,8 @@ def _check(rank: int, prompt_ids: Tensor | None, max_new_tokens: int, microbatch
                 f"a prompt of shape {tuple(prompt_ids.shape)} for {microbatches} micro-batches: give at least one "
                 f"token and at least one sequence per micro-batch"
             )
+        elif attention_mask is not None:
+            problems += _check_mask(prompt_ids, attention_mask)
     return problems
 
 
@@ -220,6 +245,7 @@ def generate(
     max_new_tokens: int,
     *,
     microbatches: int = 1,
+    attention_mask: Tensor | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
     group: Any = None,
@@ -234,9 +260,11 @@ def generate(
     :func:`generation_ids`). Every rank passes the same ``max_new_tokens``, ``microbatches``
     and EOS settings.
 
-    There is no attention mask: every row is a whole prompt, all of the same length, with no
-    padding. A left-padded row would attend to its pads and differ from transformers'
-    ``generate`` with its mask; run prompts of other lengths in separate calls.
+    Prompts of different lengths go in one batch as transformers' ``generate`` takes them:
+    padded on the left with ``attention_mask`` (rank 0's, 0 for padding), as a tokenizer with
+    ``padding_side="left"`` gives them; the mask travels with each micro-batch's prefill, every
+    stage extends it by one per new token, and positions count tokens only. bigviz's own
+    models (GPT, Llama) take no mask: their rows must be whole prompts of one length.
 
     Args:
         stage: this rank's :class:`~bigviz.distributed.StageBuild` (cut with ``split="wrap"``),
@@ -245,6 +273,8 @@ def generate(
         max_new_tokens: tokens to add to each sequence.
         microbatches: micro-batches in flight (at most ``B``); as many as stages keeps every
             stage busy.
+        attention_mask: ``(B, T)`` on rank 0, 1 for a token and 0 for left padding (``None``
+            elsewhere, and where no row is padded).
         eos_token_id: a sequence that emits one of these stops: its later tokens are
             ``pad_token_id``, and a micro-batch whose sequences have all stopped leaves the
             ring (the output is as long as the longest micro-batch's). ``None``: exactly
@@ -263,7 +293,7 @@ def generate(
 
     module = getattr(stage, "module", stage)
     ring = _Ring(dist.get_rank(group), dist.get_world_size(group), group, _device(module))
-    problems = _check(ring.rank, prompt_ids, max_new_tokens, microbatches)
+    problems = _check(ring.rank, prompt_ids, max_new_tokens, microbatches, attention_mask)
     if not hasattr(module, "step") or not hasattr(module, "new_cache"):
         problems.append(f"{type(module).__name__} keeps no cache: build the stage with split='wrap'")
     elif (module.first, module.last) != (ring.rank == 0, ring.rank == ring.size - 1):
@@ -271,12 +301,20 @@ def generate(
             f"rank {ring.rank} of {ring.size} holds a stage that is {'' if module.first else 'not '}the first and "
             f"{'' if module.last else 'not '}the last: give each rank its own stage (build_stage_module(..., rank))"
         )
+    padded = ring.first and attention_mask is not None and not problems and not bool(attention_mask.all())
+    if padded and not isinstance(module, HFStage):
+        problems.append(
+            f"{type(module).__name__} (bigviz's own model) takes no attention mask: give prompts of one length, "
+            "without padding (run other lengths in separate calls), or a transformers checkpoint"
+        )
     PipelineError.check(shared_problems(problems, group), "cannot generate across the stages; nothing was run")
+    flag: list[Any] = [padded]
+    dist.broadcast_object_list(flag, src=ring.peer(0), group=group)  # every rank: does a mask travel?
     eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
-    loop = _Loop(module, ring, microbatches, eos, pad)
+    loop = _Loop(module, ring, microbatches, eos, pad, masked=bool(flag[0]))
     with torch.no_grad():
-        return loop.run(prompt_ids, max_new_tokens)
+        return loop.run(prompt_ids, max_new_tokens, attention_mask if padded else None)
 
 
 def _device(module: torch.nn.Module) -> torch.device:
@@ -287,8 +325,10 @@ def _device(module: torch.nn.Module) -> torch.device:
 class _Loop:
     """One rank's part of the ring: for each pass, for each micro-batch, receive, run, send."""
 
-    def __init__(self, module: Any, ring: _Ring, microbatches: int, eos: list[int], pad: int) -> None:
+    def __init__(self, module: Any, ring: _Ring, microbatches: int, eos: list[int], pad: int, *, masked: bool) -> None:
         self.module, self.ring, self.m = module, ring, microbatches
+        self.masks: list[Tensor | None] = [None] * microbatches  # each micro-batch's attention mask, when masked
+        self.masked = masked
         self.eos, self.pad = torch.tensor(eos, dtype=torch.long, device=ring.device), pad
         self.caches = [module.new_cache() for _ in range(microbatches)]
         self.starts = [0] * microbatches  # positions each micro-batch's cache holds
@@ -298,13 +338,17 @@ class _Loop:
         self.sender = _Sender()
         self.busy = 0.0
 
-    def run(self, prompt_ids: Tensor | None, max_new_tokens: int) -> GenerateResult:
+    def run(
+        self, prompt_ids: Tensor | None, max_new_tokens: int, attention_mask: Tensor | None = None
+    ) -> GenerateResult:
         ring = self.ring
         if ring.first:
             assert prompt_ids is not None
             chunks = torch.tensor_split(prompt_ids.to(ring.device), self.m)  # (B_m, T) each
             self.out = [[c] for c in chunks]
             self.done = [torch.zeros(c.shape[0], dtype=torch.bool, device=ring.device) for c in chunks]
+            if attention_mask is not None:
+                self.masks = list(torch.tensor_split(attention_mask.to(ring.device, torch.long), self.m))
         start = time.perf_counter()
         for step in range(max_new_tokens):
             for mb in range(self.m):
@@ -312,9 +356,13 @@ class _Loop:
                 if x is None or not self.live[mb]:  # a finished micro-batch: pass the news on
                     self._finish(mb)
                     continue
+                if self.masked:
+                    self._extend_mask(step, mb)
                 y = self._run(x, mb)
                 if not ring.last:
                     _send_tensor(self.sender, y, ring.peer(ring.rank + 1), ring)
+                    if self.masked and step == 0:  # the mask follows the prefill's hidden states
+                        _send_tensor(self.sender, self.masks[mb], ring.peer(ring.rank + 1), ring)
                     continue
                 token = y[:, -1].argmax(dim=-1, keepdim=True)  # (B_m, 1): greedy
                 if ring.first:
@@ -340,6 +388,16 @@ class _Loop:
             self._take(self._recv_token(mb), mb)
         return self.out[mb][-1] if self.live[mb] else None
 
+    def _extend_mask(self, step: int, mb: int) -> None:
+        """The micro-batch's mask for this pass: the prompt's (from the previous stage, at the
+        prefill), then one more token per step, as ``generate`` extends it."""
+        if step == 0 and not self.ring.first:
+            self.masks[mb] = _recv_tensor(self.ring.peer(self.ring.rank - 1), self.ring)
+        elif step > 0:
+            mask = self.masks[mb]
+            assert mask is not None
+            self.masks[mb] = torch.cat((mask, mask.new_ones(mask.shape[0], 1)), dim=1)
+
     def _recv_token(self, mb: int) -> Tensor:
         import torch.distributed as dist
 
@@ -358,7 +416,8 @@ class _Loop:
 
     def _run(self, x: Tensor, mb: int) -> Tensor:
         t0 = time.perf_counter()
-        y = self.module.step(x, cache=self.caches[mb], start=self.starts[mb])
+        kwargs = {"attention_mask": self.masks[mb]} if self.masked else {}
+        y = self.module.step(x, cache=self.caches[mb], start=self.starts[mb], **kwargs)
         self.starts[mb] += x.shape[1]
         self.busy += time.perf_counter() - t0
         return y

@@ -128,7 +128,9 @@ def save(model: nn.Module, folder: Path, *, shard: str = "40KB", eos: int | None
     return folder
 
 
-def single_process_generate(model: nn.Module, ids: torch.Tensor, new: int) -> torch.Tensor:
+def single_process_generate(
+    model: nn.Module, ids: torch.Tensor, new: int, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """The model's own greedy ``generate`` on one thread, as torchrun's workers run
     (OMP_NUM_THREADS=1: a matmul's sums may be ordered differently on two threads)."""
     threads = torch.get_num_threads()
@@ -137,6 +139,7 @@ def single_process_generate(model: nn.Module, ids: torch.Tensor, new: int) -> to
         with torch.no_grad():
             if isinstance(model, (GPT, Llama)):
                 return model.generate(ids, new)
-            return model.generate(ids, max_new_tokens=new, do_sample=False)
+            masked = {} if attention_mask is None else {"attention_mask": attention_mask}
+            return model.generate(ids, max_new_tokens=new, do_sample=False, **masked)
     finally:
         torch.set_num_threads(threads)

@@ -4,6 +4,9 @@ through the pipeline with bigviz's Python API, and gather every rank's cache byt
 kept on meta. Rank 0 writes the tokens and the numbers to OUT with ``torch.save``.
 
 Usage: torchrun --nproc-per-node 2 tests/distributed/pipeline_worker.py OUT NEW MICROBATCHES PROMPT CKPT...
+
+PROMPT is one prompt (``1,2,3``), repeated once per micro-batch, or several of any lengths
+(``1,2,3;4,5``), left padded with 0 and given with their attention mask.
 """
 
 from __future__ import annotations
@@ -24,7 +27,11 @@ def main(out: str, new: int, microbatches: int, prompt: str, folders: list[str])
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
-    ids = torch.tensor([[int(i) for i in prompt.split(",")]] * microbatches)
+    rows = [[int(i) for i in p.split(",")] for p in prompt.split(";")]
+    rows = rows * microbatches if len(rows) == 1 else rows
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows]) if ";" in prompt else None
     results = {}
     for folder in folders:
         model = empty_model(folder)
@@ -36,7 +43,8 @@ def main(out: str, new: int, microbatches: int, prompt: str, folders: list[str])
         held = {id(t) for t in (*built.module.parameters(), *built.module.buffers())}
         strays = [n for n, p in model.named_parameters() if id(p) not in held and not p.is_meta]
         eos = generation_ids(generation_config(folder)) if generation_config(folder) is not None else {}
-        result = generate(built, ids if rank == 0 else None, new, microbatches=microbatches, **eos)
+        padded = {"attention_mask": mask} if rank == 0 and mask is not None else {}
+        result = generate(built, ids if rank == 0 else None, new, microbatches=microbatches, **eos, **padded)
         mine = {"cache_bytes": result.cache_bytes, "planned_kv": plan.kv_of(rank), "strays": strays[:5]}
         gathered: list[object] = [None] * world
         dist.all_gather_object(gathered, mine)

@@ -162,6 +162,29 @@ def test_two_processes_generate_the_models_own_tokens(generated, tmp_path):
 
 
 @pytest.mark.slow
+def test_two_processes_generate_a_left_padded_batch_as_transformers_does(tmp_path):
+    """Prompts of 5, 2 and 3 tokens, left padded, with their mask, in two micro-batches: the
+    mask travels with each micro-batch's prefill to the next rank, which extends it per token;
+    the tokens are transformers' generate with the same mask (GPT-2's learned positions too)."""
+    prompts = [PROMPT, [4, 1], [7, 7, 7]]
+    ids = torch.tensor([[0] * (5 - len(p)) + p for p in prompts])
+    mask = (torch.arange(5) >= torch.tensor([5 - len(p) for p in prompts])[:, None]).long()
+    names = ("hf-llama", "hf-gpt2")
+    want, folders = {}, []
+    for name in names:
+        model = build(name, seed=4)
+        folders.append(str(save(model, tmp_path / name)))  # no EOS: NEW tokens each
+        want[folders[-1]] = single_process_generate(model, ids, NEW, mask)
+    worker = str(Path(__file__).with_name("pipeline_worker.py"))
+    text = ";".join(",".join(map(str, p)) for p in prompts)
+    _torchrun(tmp_path, str(tmp_path / "out.pt"), str(NEW), "2", text, *folders, script=worker)
+    results = torch.load(tmp_path / "out.pt", weights_only=False)
+    for name, folder in zip(names, folders):
+        got = results[folder]["tokens"]
+        assert torch.equal(got, want[folder]), f"{name}: {got.tolist()} != {want[folder].tolist()}"
+
+
+@pytest.mark.slow
 def test_the_command_line_generates_and_reports_each_ranks_cache(generated, tmp_path):
     folder, want = generated["hf-mixtral"]
     out = _torchrun(

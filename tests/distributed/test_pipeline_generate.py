@@ -46,9 +46,11 @@ def _stages(folder: Path, n: int, **plan_kwargs) -> list:
     return built
 
 
-def _chain(stages: list, prompt: torch.Tensor, new: int) -> tuple[torch.Tensor, list]:
-    """Greedy generation through the stages in order, one cache per stage."""
+def _chain(stages: list, prompt: torch.Tensor, new: int, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
+    """Greedy generation through the stages in order, one cache per stage (``mask``: left
+    padding, extended by one per new token as generate does)."""
     caches = [s.module.new_cache() for s in stages]
+    masked = {} if mask is None else {"attention_mask": mask}
     ids, x, start = prompt, prompt, 0
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -57,10 +59,12 @@ def _chain(stages: list, prompt: torch.Tensor, new: int) -> tuple[torch.Tensor, 
             for _ in range(new):
                 y = x
                 for stage, cache in zip(stages, caches):
-                    y = stage.module.step(y, cache=cache, start=start)
+                    y = stage.module.step(y, cache=cache, start=start, **masked)
                 start += x.shape[1]
                 x = y[:, -1].argmax(dim=-1, keepdim=True)
                 ids = torch.cat((ids, x), dim=1)
+                if mask is not None:
+                    masked = {"attention_mask": torch.cat((masked["attention_mask"], torch.ones_like(x)), dim=1)}
     finally:
         torch.set_num_threads(threads)
     return ids, caches
@@ -88,6 +92,39 @@ def test_a_stage_keeps_only_its_own_layers_in_its_cache(folders):
     first = {id(layer) for layer in caches[0].layers}
     assert len(first) == 2 and caches[0].layers[2] is caches[0].layers[0]  # the others' layers: aliases
     assert caches[1].layers[2].keys.shape[2] == PROMPT.shape[1] + 1 and caches[1].layers[0] is caches[1].layers[2]
+
+
+def _left_padded(pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three prompts of 6, 3 and 1 tokens, left padded with ``pad``, and their mask."""
+    rows = [[5, 3, 17, 2, 9, 11], [4, 1, 5], [7]]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
+@pytest.mark.parametrize("name", [n for n in BUILDERS if n.startswith("hf-")])
+def test_left_padded_prompts_through_three_stages_equal_generate_with_the_mask(tmp_path, name):
+    """Prompts of different lengths in one batch, as a tokenizer pads them for generate (on the
+    left, with a mask): the stages give transformers' tokens, positions counted after the pads
+    (GPT-2's learned positions, Gemma 2's sliding window, Mixtral's experts); without the mask
+    the padded rows' logits differ, so the mask is what makes them equal."""
+    model = build(name)
+    folder = save(model, tmp_path / "ckpt")  # no EOS in its generation config: NEW tokens each
+    ids, mask = _left_padded(pad=0)
+    want = single_process_generate(model, ids, NEW, mask)
+    stages = _stages(folder, 3)
+    tokens, _ = _chain(stages, ids, NEW, mask)
+    assert torch.equal(tokens, want), (tokens, want)
+    with torch.no_grad():
+        logits = []
+        for masked in ({"attention_mask": mask}, {}):
+            y = ids
+            for stage, cache in zip(stages, [s.module.new_cache() for s in stages]):
+                y = stage.module.step(y, cache=cache, **masked)
+            logits.append(y[:, -1])
+    assert torch.allclose(logits[0][0], logits[1][0], atol=1e-5)  # the unpadded row: the same either way
+    assert not torch.allclose(logits[0][1:], logits[1][1:])  # the padded rows: the mask counts
 
 
 # ---- the API on a one-rank group -------------------------------------------------------
@@ -132,6 +169,33 @@ def test_generation_stops_at_eos_as_transformers_does(tmp_path, one_rank):
     both = generate(stage, PROMPT, NEW, microbatches=2, **ids).tokens  # each micro-batch stops on its own
     for i, row in enumerate(rows):
         assert torch.equal(both[i, : row.shape[1]], row[0]) and (both[i, row.shape[1] :] == eos).all()
+
+
+def test_generate_takes_a_left_padded_batch_with_its_mask(folders, one_rank, tmp_path):
+    """The API with a mask: micro-batches cut the mask with the prompt, each extends its own;
+    a mask of ones is no mask; a mask that is wrong is refused before anything runs."""
+    model = build("hf-llama")
+    (stage,) = _stages(save(model, tmp_path / "ckpt"), 1)
+    ids, mask = _left_padded(pad=0)
+    want = single_process_generate(model, ids, NEW, mask)
+    for microbatches in (1, 2, 3):
+        got = generate(stage, ids, NEW, microbatches=microbatches, attention_mask=mask)
+        assert torch.equal(got.tokens, want), microbatches
+    folder, same_length = folders["hf-qwen2"]
+    (qwen,) = _stages(folder, 1)
+    assert torch.equal(generate(qwen, PROMPT, NEW, attention_mask=torch.ones_like(PROMPT)).tokens, same_length)
+    right = mask.flip(1)
+    for bad, message in (
+        (right, r"rows \[1, 2\] are not padded on the left .*padding_side = 'left'"),
+        (mask[:, 1:], r"attention_mask of shape \(3, 5\) for a prompt of shape \(3, 6\)"),
+        (mask * 2, "values other than 0 and 1"),
+        (mask.float(), "integer or boolean tensor"),
+    ):
+        with pytest.raises(PipelineError, match=message):
+            generate(stage, ids, NEW, attention_mask=bad)
+    (gpt,) = _stages(folders["gpt"][0], 1)
+    with pytest.raises(PipelineError, match="bigviz's own model\\) takes no attention mask"):
+        generate(gpt, ids, NEW, attention_mask=mask)
 
 
 def test_bad_arguments_are_refused_on_every_rank_before_anything_runs(folders, one_rank):
