@@ -18,7 +18,25 @@ from pathlib import Path
 from bigviz.core.errors import BigvizError
 from bigviz.checkpoint.outputs import check_outputs, input_files, write_output
 
-__all__ = ["main", "parse_max_memory_arg"]
+__all__ = ["main", "parse_max_memory_arg", "parse_reserve_arg"]
+
+
+def parse_reserve_arg(text: str) -> dict[str, str] | str:
+    """``--reserve``: ``"0=2GiB,cpu=1GiB"`` per device (as ``--max-memory``), or one size for
+    every device (``"0"``: the bare arithmetic, no headroom).
+
+    Example:
+        >>> parse_reserve_arg("0=2GiB"), parse_reserve_arg("0")
+        ({'0': '2GiB'}, '0')
+    """
+    if "=" not in text:
+        if not text.strip():
+            raise argparse.ArgumentTypeError("--reserve is empty: write a size (e.g. 1GiB) or DEVICE=SIZE,...")
+        return text.strip()
+    try:
+        return parse_max_memory_arg(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("--max-memory", "--reserve")) from None
 
 
 def parse_max_memory_arg(text: str) -> dict[str, str]:
@@ -113,6 +131,14 @@ def _build_parser() -> argparse.ArgumentParser:
         help="budgets, e.g. cpu=8GiB,0=16GiB (default: this machine's free memory)",
     )
     plan.add_argument(
+        "--reserve",
+        type=parse_reserve_arg,
+        default=None,
+        metavar="SIZES",
+        help="memory each device keeps free, e.g. 0=2GiB,cpu=1GiB, or one size for every device; 0 plans the "
+        "bare arithmetic (default: each device kind's headroom when --context plans a run, none otherwise)",
+    )
+    plan.add_argument(
         "--strategy",
         default="auto",
         choices=["auto", "balanced", "balanced_low_0", "sequential"],
@@ -191,6 +217,7 @@ def _plan(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         kv_dtype=args.kv_dtype,
         quantization=args.quantize,
+        reserve=args.reserve,
     )
     with warnings.catch_warnings():  # a context past a trained length: the summary's note says it
         warnings.filterwarnings("ignore", message="planning past the model's")

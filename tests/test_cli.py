@@ -56,6 +56,33 @@ def test_plan_preset_writes_map_and_report(tmp_path, capsys):
     assert "GPU 0" in capsys.readouterr().out and html.stat().st_size > 10_000
 
 
+def test_plan_reserve_keeps_memory_free_per_device(tmp_path, capsys):
+    """--reserve is plan(reserve=): the map is the one bigviz.plan makes with that reserve, a GPU
+    told to keep 6 GiB free holds less of the model, ``0`` is the bare arithmetic (a plan of
+    weights only keeps nothing by default); a bad device or size is refused, nothing written."""
+    with bigviz.init_empty_weights():
+        model = build("llama-70b")
+    held = {}
+    for reserve, given in ((None, None), ("0=6GiB", {0: "6GiB"}), ("0", 0)):
+        out = tmp_path / f"{reserve}.json"
+        extra = [] if reserve is None else ["--reserve", reserve]
+        argv = ["plan", "llama-70b", "--dtype", "float16", "--max-memory", "0=24GiB,cpu=64GiB", "--out", str(out)]
+        assert main([*argv, *extra]) == 0
+        device_map = bigviz.load_device_map(out)
+        want = bigviz.plan(model, {0: "24GiB", "cpu": "64GiB"}, dtype="float16", reserve=given)
+        assert device_map == want.device_map, reserve
+        held[reserve] = sum(1 for v in device_map.values() if v == 0)
+    assert held["0=6GiB"] < held["0"] == held[None]
+    capsys.readouterr()
+    for bad, said in (("x=1GiB", "unknown device 'x'"), ("0=lots", "'lots'"), ("0=1GiB,0=2GiB", "twice")):
+        try:  # argparse refuses what it cannot read (SystemExit 2); the planner what it cannot use
+            code = main(["plan", "gpt2", "--reserve", bad, "--out", str(tmp_path / "bad.json")])
+        except SystemExit as e:
+            code = e.code
+        assert code == 2 and said in capsys.readouterr().err, bad
+    assert not (tmp_path / "bad.json").exists()
+
+
 def test_plan_checkpoint_from_headers(tmp_path):
     torch.manual_seed(0)
     model = build("gpt-mini")  # 4 blocks of B bytes
