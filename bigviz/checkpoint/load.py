@@ -302,11 +302,26 @@ def _plan(
     problems = tuple(view.problems) + tuple(_disk_problems(index, disk, options))
     return replace(
         plan,
+        mismatched=_not_explained(plan.mismatched, view.problems),
         device_problems=plan.device_problems + problems,
         checkpoint=str(index.path),
         computed=tuple(_computed(inventory, plan, options)),
         offload_folder=options.offload_folder,
     )
+
+
+def _not_explained(mismatched: Sequence[str], problems: Sequence[str]) -> tuple[str, ...]:
+    """The shape mismatches no problem of the checkpoint's layout explains: a quantized weight
+    whose part is missing (a 4-bit weight without its quant state) cannot be read as quantized,
+    so its packed shape also disagrees with the model's; the missing part is what to say.
+
+    Example:
+        >>> _not_explained(["w: checkpoint 'w' has shape [8, 1], the model [4, 4]", "v: ..."],
+        ...                ["w (in model.safetensors) is stored as bitsandbytes 4-bit but ..."])
+        ('v: ...',)
+    """
+    named = {p.split(" (in ", 1)[0] for p in problems}
+    return tuple(m for m in mismatched if m.split(": ", 1)[0] not in named)
 
 
 def _quantized(plan: LoadPlan, inventory: ModelInventory, index: CheckpointIndex, config: QuantConfig) -> LoadPlan:

@@ -729,8 +729,7 @@ def test_a_missing_or_misshapen_part_is_refused_naming_it_before_anything_is_rea
     message = str(err.value)
     for needle in [*needles, "(in model.safetensors)", "nothing was loaded", "copy its files again"]:
         assert needle in message, message
-    if case != "bnb4 no quant state":  # (without its quant state the weight's shape is unknown: a mismatch too)
-        assert "shape mismatch" not in message and len(err.value.problems) == 1, message  # only what is wrong
+    assert "shape mismatch" not in message and len(err.value.problems) == 1, message  # only what is wrong
     assert all(p.is_meta for p in model.parameters())
 
 
@@ -876,5 +875,12 @@ def test_saving_int4_without_a_quantization_config_is_refused_and_with_one_reloa
     bigviz.save_sharded(model, tmp_path / "out", progress=False, config=config)
     logits = _forward(model)
     assert torch.equal(_run(tmp_path / "out", MAPS["cpu"], tmp_path / "again")[1], logits)
-    with pytest.raises(bigviz.UsageError, match="repacked for its CPU kernel"):  # after a forward: bnb's CPU layout
+    from bitsandbytes.functional import has_avx512bf16
+
+    if has_avx512bf16():  # bitsandbytes repacks 4-bit weights for its CPU kernel at the first forward
+        with pytest.raises(bigviz.UsageError, match="repacked for its CPU kernel"):
+            bigviz.save_sharded(model, tmp_path / "later", progress=False, config=config)
+        assert not (tmp_path / "later").exists()
+    else:  # a CPU without AVX-512 BF16 keeps the stored layout: saved after a forward, it reloads the same
         bigviz.save_sharded(model, tmp_path / "later", progress=False, config=config)
+        assert torch.equal(_run(tmp_path / "later", MAPS["cpu"], tmp_path / "again2")[1], logits)
