@@ -33,6 +33,7 @@ __all__ = [
     "ConfigError",
     "MAX_CONFIG_BYTES",
     "model_from_config",
+    "reference_model_from_folder",
     "is_config_source",
     "shipped_configs",
     "config_path",
@@ -332,6 +333,25 @@ def building(what: str, where: str) -> Iterator[None]:
         raise ConfigError(
             f"{where}: cannot build {what} from it: {type(err).__name__}: {text[:400]}", fix=_FIX
         ) from err
+
+
+def reference_model_from_folder(folder: str | os.PathLike[str]) -> nn.Module | None:
+    """The bigviz reference model (GPT, Llama) a checkpoint folder's ``config.json`` describes,
+    on meta, or None: no config, or a config of any other model.
+
+    Example:
+        >>> import json, tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> _ = open(os.path.join(folder, "config.json"), "w").write(json.dumps({"model_type": "llama"}))
+        >>> reference_model_from_folder(folder) is None   # transformers' Llama, not bigviz's
+        True
+    """
+    path = Path(folder)
+    config = (path if path.is_dir() else path.parent) / "config.json"
+    if not config.is_file():
+        return None
+    data, where = checked_config(config)
+    return _reference_model(data, where)
 
 
 def _reference_model(data: Mapping[str, Any], where: str) -> nn.Module | None:

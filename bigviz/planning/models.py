@@ -17,13 +17,13 @@ from typing import Union
 import torch
 import torch.nn as nn
 
-from bigviz.checkpoint.hf import meta_model_from_folder
+from bigviz.checkpoint.hf import is_transformers_model, meta_model_from_folder
 from bigviz.checkpoint.tree import detect_no_split, tree_from_checkpoint
 from bigviz.core.names import execution_order
 from bigviz.core.tree import SizeTree
 from bigviz.modeling.inventory import ModelInventory
 from bigviz.modeling.sizes import module_tree
-from bigviz.modeling.configs import is_config_source, model_from_config
+from bigviz.modeling.configs import is_config_source, model_from_config, reference_model_from_folder
 from bigviz.core.errors import ArgumentTypeError
 
 __all__ = ["ModelLike", "resolve_model", "as_tree", "in_execution_order", "default_no_split", "inventory_or_none"]
@@ -54,14 +54,56 @@ def as_tree(
         special = {k: str(v) for k, v in (special_dtypes or {}).items()}
         return model.with_dtype(str(dtype) if dtype is not None else None, special)
     if isinstance(model, (nn.Module, ModelInventory)):
-        return module_tree(model, dtype, special_dtypes)
+        return module_tree(model, dtype, computed_dtypes(model, dtype, special_dtypes))
     if isinstance(model, (str, os.PathLike)):
         if is_config_source(model):
             return as_tree(model_from_config(model), dtype, special_dtypes)
-        meta = meta_model_from_folder(os.fspath(model))
+        meta = meta_model_from_folder(os.fspath(model)) or reference_model_from_folder(os.fspath(model))
         tree = tree_from_checkpoint(os.fspath(model), model=meta)
-        return as_tree(tree if meta is not None else in_execution_order(tree, os.fspath(model)), dtype, special_dtypes)
+        if meta is None:
+            return as_tree(in_execution_order(tree, os.fspath(model)), dtype, special_dtypes)
+        return as_tree(tree, dtype, computed_dtypes(meta, dtype, special_dtypes))
     raise ArgumentTypeError(f"expected an nn.Module, a SizeTree or a checkpoint path, got {type(model).__name__}")
+
+
+def computed_dtypes(
+    model: nn.Module | ModelInventory,
+    dtype: torch.dtype | str | None,
+    special_dtypes: Mapping[str, torch.dtype | str] | None = None,
+) -> Mapping[str, torch.dtype | str] | None:
+    """``special_dtypes`` plus the dtype the loader gives each floating buffer the model
+    computes itself (non-persistent: never in a checkpoint) when it loads in ``dtype``: for a
+    transformers model, the dtype ``from_pretrained(dtype=)`` builds it in (rotary ``inv_freq``
+    stays float32 in a bfloat16 Llama: transformers computes it in float32 on purpose); for any
+    other model, the dtype it was built with (the loader materialises it, it does not cast it).
+    A name ``special_dtypes`` covers keeps what it says. So a plan's bytes are the loaded model's.
+
+    Example:
+        >>> import transformers
+        >>> config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        ...                                   num_attention_heads=2, vocab_size=10)
+        >>> computed_dtypes(transformers.LlamaForCausalLM(config), "bfloat16")
+        {'model.rotary_emb.inv_freq': torch.float32, 'model.rotary_emb.original_inv_freq': torch.float32}
+    """
+    if dtype is None:
+        return special_dtypes
+    from bigviz.core.dtypes import canonical_dtype
+    from bigviz.core.names import owner
+    from bigviz.modeling.twin import computed_buffer_dtypes
+
+    inventory = ModelInventory.of(model)
+    wanted = getattr(torch, canonical_dtype(dtype))
+    if is_transformers_model(inventory.model):
+        built = computed_buffer_dtypes(inventory.model, wanted)
+    else:
+        built = {t.name: t.dtype for t in inventory.tensors if not t.persistent}
+    given = dict(special_dtypes or {})
+    extra: dict[str, torch.dtype | str] = {
+        name: d
+        for name, d in built.items()
+        if d.is_floating_point and d != wanted and not (given and owner(name, given) is not None)
+    }
+    return {**extra, **given} if extra else special_dtypes
 
 
 def in_execution_order(tree: SizeTree, where: object = "the checkpoint") -> SizeTree:
