@@ -327,6 +327,24 @@ def resident_room(facts: MachineFacts, *, model_bytes: int, largest_unit: int, a
     return max(0, facts.room - ring)
 
 
+def _lower_budget(room: int, ring: int, why: str) -> str:
+    """What to lower the 'cpu' budget to so a resident copy fits beside the ring, or, when the
+    ring alone fills the room, that no budget does.
+
+    Example:
+        >>> _lower_budget(10 * 2**30, 2**30, "to copy it")
+        "lower the 'cpu' budget (max_memory={'cpu': ...}) below 9.0 GiB to copy it"
+        >>> _lower_budget(2**30, 2**31, "to copy it")[:57]
+        'no cpu budget helps: the ring alone (2.0 GiB) needs more '
+    """
+    if room > ring:
+        return f"lower the 'cpu' budget (max_memory={{'cpu': ...}}) below {format_size(room - ring)} {why}"
+    return (
+        f"no cpu budget helps: the ring alone ({format_size(ring)}) needs more than the room ({format_size(room)}); "
+        "keep blocks smaller (no_split_module_classes) or free RAM"
+    )
+
+
 def _fits(total: int, facts: MachineFacts) -> bool:
     """The one test of "the model fits in RAM" (the planner's and the engine's)."""
     return total <= facts.room
@@ -475,10 +493,7 @@ def _residency(requested: str, in_ram: int, total: int, ring: int, facts: Machin
     if requested == "copy" and over and in_ram:
         raise PlanError(
             f"resident='copy' refused: {over_text}",
-            fix=(
-                "Lower the 'cpu' budget (max_memory={'cpu': ...}) below "
-                f"{format_size(max(0, room - ring))} so the rest streams from disk, or pass resident='map'."
-            ),
+            fix=f"Fix: {_lower_budget(room, ring, 'so the rest streams from disk')}, or pass resident='map'.",
         )
     if requested != "auto":
         return requested, f"resident={requested!r} asked for"
@@ -490,8 +505,7 @@ def _residency(requested: str, in_ram: int, total: int, ring: int, facts: Machin
     if over:
         return "map", (
             f"{over_text}: copying it would take more than the machine's memory, so it stays memory-mapped "
-            f"(pages read again as needed); lower the 'cpu' budget below {format_size(max(0, room - ring))} "
-            "to copy the resident part and stream the rest"
+            f"(pages read again as needed); {_lower_budget(room, ring, 'to copy the resident part and stream the rest')}"
         )
     return "copy", (
         f"the model ({format_size(total)}) does not fit in {RAM_SHARE:.0%} of the available RAM "

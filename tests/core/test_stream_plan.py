@@ -93,6 +93,18 @@ def test_a_gpu_streams_through_pinned_staging_one_unit_ahead() -> None:
     ]
 
 
+def test_when_the_ring_alone_fills_the_ram_no_budget_is_advised() -> None:
+    """A ring of two 400 MB disk units in 300 MB of room: no 'cpu' budget makes a copy fit, so
+    the reason and the refusal say so (they advised a budget below 0 B)."""
+    units = [("h.1", "disk", 400 * MB), ("h.2", "disk", 400 * MB)]
+    facts = MachineFacts(int(300 * MB / RAM_SHARE))
+    auto = make_stream_plan(units, {"h.0": 10 * MB}, "cpu", facts)
+    assert auto.mode == "map" and "the ring alone" in auto.reason and "below 0 B" not in auto.reason, auto.reason
+    with pytest.raises(PlanError, match="no cpu budget helps: the ring alone") as info:
+        make_stream_plan(units, {"h.0": 10 * MB}, "cpu", facts, StreamOptions(resident="copy"))
+    assert "below 0 B" not in str(info.value)
+
+
 def test_a_copy_larger_than_the_ram_is_kept_mapped_or_refused() -> None:
     units = [("h.1", "disk", 100 * MB)]
     facts = MachineFacts(int(300 * MB / RAM_SHARE))
