@@ -88,7 +88,13 @@ def _parser() -> argparse.ArgumentParser:
     how.add_argument("--stages", type=parse_stages, help="number of stages, or per-stage budgets: 20GiB,20GiB")
     how.add_argument("--plan", help="a pipeline plan saved with PipelinePlan.save_json")
     what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--prompt-ids", type=parse_ids, help="generate from this prompt, e.g. 1,2,3")
+    what.add_argument(
+        "--prompt-ids",
+        type=parse_ids,
+        action="append",
+        help="generate from this prompt, e.g. 1,2,3; repeat it for a batch of prompts of any lengths (left padded "
+        "with the pad token, with their attention mask, as generate takes them)",
+    )
     what.add_argument("--input-ids", type=parse_ids, help="run one forward of these ids, e.g. 1,2,3,4")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (with --prompt-ids)")
     parser.add_argument("--microbatches", type=int, default=1, help="micro-batches in flight")
@@ -96,7 +102,8 @@ def _parser() -> argparse.ArgumentParser:
         "--batch-size",
         type=int,
         default=None,
-        help="sequences (the prompt repeated), cut into the micro-batches; default: one per micro-batch",
+        help="sequences (one --prompt-ids repeated), cut into the micro-batches; default: one per micro-batch "
+        "(several --prompt-ids: the batch is those prompts)",
     )
     parser.add_argument(
         "--ignore-eos", action="store_true", help="generate --max-new-tokens tokens even after an end-of-sequence token"
@@ -157,6 +164,7 @@ class _Job:
     dtype: str | None
     device_type: str
     eos: dict[str, Any]
+    pad: int = 0  # the token left padding puts before a shorter prompt (the generation config's pad token)
     saved: Any = None  # the plan given with --plan, as saved (job.plan: re-planned for the run)
 
     @property
@@ -164,12 +172,30 @@ class _Job:
         return self.args.prompt_ids is not None
 
     @property
+    def prompts(self) -> list[list[int]]:
+        """Every prompt given (``--prompt-ids`` once or more); empty for a forward."""
+        return list(self.args.prompt_ids or [])
+
+    @property
     def batch_size(self) -> int:
+        if len(self.prompts) > 1:
+            return len(self.prompts)
         return self.args.batch_size or self.args.microbatches
 
     @property
     def ids(self) -> list[int]:
-        return self.args.prompt_ids if self.generating else self.args.input_ids
+        """The ids of a forward, or the longest prompt (the positions the run needs)."""
+        return max(self.prompts, key=len) if self.generating else self.args.input_ids
+
+    def batch(self) -> tuple[list[list[int]], list[list[int]] | None]:
+        """The rows of the batch, and their attention mask when some are padded: one prompt
+        repeated ``batch_size`` times, or several left padded with the pad token."""
+        if len(self.prompts) <= 1:
+            return [self.ids] * self.batch_size, None
+        width = max(len(p) for p in self.prompts)
+        rows = [[self.pad] * (width - len(p)) + p for p in self.prompts]
+        mask = [[0] * (width - len(p)) + [1] * len(p) for p in self.prompts]
+        return rows, (mask if any(0 in m for m in mask) else None)
 
     @property
     def context(self) -> int:
@@ -200,8 +226,19 @@ def _argument_problems(args: argparse.Namespace, env: _Env) -> list[str]:
             load_dtype(args.dtype, name="--dtype")
         except ValueError as err:
             problems.append(str(err))
-    ids = args.prompt_ids if args.prompt_ids is not None else args.input_ids
-    tokens = (args.batch_size or max(args.microbatches, 1)) * (len(ids or ()) + (args.max_new_tokens or 0))
+    prompts = args.prompt_ids or []
+    if len(prompts) > 1 and args.batch_size is not None:
+        problems.append(
+            f"--batch-size {args.batch_size} repeats one prompt; with {len(prompts)} --prompt-ids the batch is those "
+            "prompts: leave --batch-size out"
+        )
+    if len(prompts) > 1 and args.microbatches > len(prompts):
+        problems.append(
+            f"--microbatches {args.microbatches} for {len(prompts)} prompts: give at least one prompt per micro-batch"
+        )
+    ids = max(prompts, key=len) if prompts else args.input_ids
+    rows = len(prompts) if len(prompts) > 1 else (args.batch_size or max(args.microbatches, 1))
+    tokens = rows * (len(ids or ()) + (args.max_new_tokens or 0))
     if tokens > MAX_TOKENS:
         problems.append(f"batch x (ids + new tokens) = {tokens:,} tokens: more than {MAX_TOKENS:,} in one run")
     if not Path(args.checkpoint).exists():
@@ -277,10 +314,12 @@ def _job(args: argparse.Namespace, env: _Env) -> _Job:
         if job.generating or isinstance(err, PlanError):
             raise
         job.plan = plan_pipeline(model, stages, **knobs)  # a forward of a model whose run bigviz cannot read
-    if job.generating and not args.ignore_eos:
+    if job.generating:
         from bigviz.distributed.generation import generation_ids
 
-        job.eos = generation_ids(generation_config(args.checkpoint))
+        said = generation_ids(generation_config(args.checkpoint))
+        job.pad = said["pad_token_id"] if said["pad_token_id"] is not None else 0
+        job.eos = {} if args.ignore_eos else said
     return job
 
 
@@ -296,7 +335,7 @@ def _request_problems(job: _Job, env: _Env) -> list[str]:
         )
     flag = "--prompt-ids" if job.generating else "--input-ids"
     vocab = _vocab_size(job.model)
-    outside = [i for i in job.ids if vocab is not None and i >= vocab]
+    outside = sorted({i for ids in (job.prompts or [job.ids]) for i in ids if vocab is not None and i >= vocab})
     if outside:
         problems.append(f"{flag} {outside} are outside the vocabulary (0 .. {vocab - 1})")  # type: ignore[operator]
     rule = position_rule(job.model)
@@ -306,6 +345,14 @@ def _request_problems(job: _Job, env: _Env) -> list[str]:
         problems.append(
             f"{flag}: {what} need {job.context} positions and {type(job.model).__name__} has {limit}: "
             f"shorten the prompt{' or --max-new-tokens' if job.generating else ''}"
+        )
+    from bigviz.checkpoint.hf import is_transformers_model
+
+    _, mask = job.batch()
+    if mask is not None and not is_transformers_model(job.model):
+        problems.append(
+            f"--prompt-ids of {sorted({len(p) for p in job.prompts})} tokens need padding, and {type(job.model).__name__} "
+            "(bigviz's own model) takes no attention mask: give prompts of one length, or run them separately"
         )
     if args.schedule == "1f1b" and args.microbatches < plan.n_stages:
         problems.append(
@@ -370,7 +417,8 @@ def _run(job: _Job) -> dict[str, Any] | None:
 
     args = job.args
     device = torch.device("cuda", torch.cuda.current_device()) if job.device_type == "cuda" else torch.device("cpu")
-    batch = torch.tensor([job.ids] * job.batch_size, dtype=torch.long, device=device)  # (B, T)
+    rows, mask = job.batch()
+    batch = torch.tensor(rows, dtype=torch.long, device=device)  # (B, T)
     split = "wrap" if job.generating else args.split
     with PeakMemory(("RssAnon", "VmRSS"), interval=0.01) as peak:
         built = build_stage_module(
@@ -378,7 +426,11 @@ def _run(job: _Job) -> dict[str, Any] | None:
             dtype=job.dtype,
         )  # fmt: skip
         loaded = peak.take()
-        report = _generate(job, built, batch) if job.generating else _forward(job, built, batch)
+        if job.generating:
+            attention = torch.tensor(mask, dtype=torch.long, device=device) if mask is not None else None
+            report = _generate(job, built, batch, attention)
+        else:
+            report = _forward(job, built, batch)
     report |= _stage_report(job, built) | {
         "rss_before_load_bytes": peak.base["VmRSS"],
         "anon_before_load_bytes": peak.base["RssAnon"],
@@ -428,12 +480,14 @@ def _forward(job: _Job, built: Any, batch: Any) -> dict[str, Any]:
     return report
 
 
-def _generate(job: _Job, built: Any, batch: Any) -> dict[str, Any]:
-    """Greedy generation across the stages; rank 0 keeps the tokens."""
+def _generate(job: _Job, built: Any, batch: Any, mask: Any = None) -> dict[str, Any]:
+    """Greedy generation across the stages (``mask``: the padded prompts' attention mask);
+    rank 0 keeps the tokens."""
     from bigviz.distributed.generation import generate
 
     prompt = batch if job.rank == 0 else None
-    result = generate(built, prompt, job.args.max_new_tokens, microbatches=job.args.microbatches, **job.eos)
+    padded = {"attention_mask": mask} if job.rank == 0 and mask is not None else {}
+    result = generate(built, prompt, job.args.max_new_tokens, microbatches=job.args.microbatches, **job.eos, **padded)
     report: dict[str, Any] = {
         "cache_bytes": result.cache_bytes,
         "busy_s": result.busy_s,
@@ -463,7 +517,7 @@ def _write(job: _Job, result: dict[str, Any]) -> None:
         report = {
             "checkpoint": str(args.checkpoint),
             "mode": "generate" if job.generating else "forward",
-            "ids": job.ids,
+            "ids": job.prompts if len(job.prompts) > 1 else job.ids,
             "max_new_tokens": args.max_new_tokens,
             "batch_size": job.batch_size,
             "microbatches": args.microbatches,

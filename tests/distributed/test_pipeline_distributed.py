@@ -185,6 +185,25 @@ def test_two_processes_generate_a_left_padded_batch_as_transformers_does(tmp_pat
 
 
 @pytest.mark.slow
+def test_the_command_line_generates_prompts_of_different_lengths(tmp_path):
+    """--prompt-ids repeated: the batch is those prompts, left padded with the generation
+    config's pad token (none here: 0) and given their mask; tokens as transformers' generate."""
+    prompts = [PROMPT, [4, 1], [7, 7, 7]]
+    ids = torch.tensor([[0] * (5 - len(p)) + p for p in prompts])
+    mask = (torch.arange(5) >= torch.tensor([5 - len(p) for p in prompts])[:, None]).long()
+    model = build("hf-gpt2", seed=5)
+    folder = save(model, tmp_path / "ckpt")
+    want = single_process_generate(model, ids, NEW, mask)
+    flags = [x for p in prompts for x in ("--prompt-ids", ",".join(map(str, p)))]
+    argv = [str(folder), "--stages", "2", *flags, "--max-new-tokens", str(NEW), "--microbatches", "2"]
+    _torchrun(tmp_path, *argv, "--out", "tokens.pt", "--report", "report.json")
+    assert torch.equal(torch.load(tmp_path / "tokens.pt"), want)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["ids"] == prompts and report["batch_size"] == 3
+    assert bigviz.PipelinePlan.from_dict(report["plan"]).run.context_length == 5 + NEW - 1
+
+
+@pytest.mark.slow
 def test_the_command_line_generates_and_reports_each_ranks_cache(generated, tmp_path):
     folder, want = generated["hf-mixtral"]
     out = _torchrun(
@@ -338,6 +357,14 @@ def test_generation_requests_are_checked(folders, tmp_path, monkeypatch, capsys,
     assert "--out /nope/t.pt: the folder '/nope' does not exist: create it first" in err
     err = _refused(capsys, [gpt, "--stages", "5", "--prompt-ids", "1", "--max-new-tokens", "1", "--out", out])
     assert "5 stages but only 4 no-split units to cut between" in err
+    several = ["--prompt-ids", "1,2,3", "--prompt-ids", "4", "--max-new-tokens", "1", "--out", out]
+    err = _refused(capsys, [gpt, "--stages", "2", *several, "--batch-size", "4", "--microbatches", "3"])
+    assert "--batch-size 4 repeats one prompt; with 2 --prompt-ids the batch is those prompts" in err
+    assert "--microbatches 3 for 2 prompts: give at least one prompt per micro-batch" in err
+    err = _refused(capsys, [gpt, "--stages", "2", *several])
+    assert "(bigviz's own model) takes no attention mask: give prompts of one length" in err
+    err = _refused(capsys, [llama, "--stages", "2", *several[:2], "--prompt-ids", "4,300", *several[4:]])
+    assert "--prompt-ids [300] are outside the vocabulary" in err
 
 
 def test_1f1b_with_fewer_microbatches_than_stages_is_refused_up_front(
