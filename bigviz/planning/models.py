@@ -58,7 +58,8 @@ def as_tree(
     if isinstance(model, (str, os.PathLike)):
         if is_config_source(model):
             return as_tree(model_from_config(model), dtype, special_dtypes)
-        meta = meta_model_from_folder(os.fspath(model)) or reference_model_from_folder(os.fspath(model))
+        meta = meta_model_from_folder(os.fspath(model))
+        meta = meta if meta is not None else reference_model_from_folder(os.fspath(model))
         tree = tree_from_checkpoint(os.fspath(model), model=meta)
         if meta is None:
             return as_tree(in_execution_order(tree, os.fspath(model)), dtype, special_dtypes)
