@@ -65,6 +65,8 @@ class PlannerState:
         quant_tree: the size tree with the weights a quantization packs in their packed bytes
             (:func:`~bigviz.planning.inputs.quantized_for_plan`, as ``bigviz.plan`` sizes them).
         unquantized: modules kept in high precision when the dtype is ``int8`` / ``int4``.
+        dtype_tree: the size tree at a float dtype as ``bigviz.plan`` sizes it (buffers the
+            model computes at the dtype the load gives them: :func:`~bigviz.planning.models.computed_dtypes`).
     """
 
     base_tree: SizeTree
@@ -82,6 +84,7 @@ class PlannerState:
     inventory: Any = field(default=None, repr=False)
     quant_tree: Callable[[QuantConfig], SizeTree] | None = field(default=None, repr=False)
     unquantized: tuple[str, ...] = ()
+    dtype_tree: Callable[[str], SizeTree] | None = field(default=None, repr=False)
     _trees: dict[str | None, SizeTree] = field(default_factory=dict, repr=False)
     _specs: dict[str, RunSpec] = field(default_factory=dict, repr=False)
 
@@ -123,6 +126,8 @@ class PlannerState:
             state.positions = position_rule(model)
             state.position_limit = state.positions.tokens if state.positions else None
         state.quant_tree = lambda config: quantized_for_plan(model, tree, config)  # bigviz.plan's rule
+        if not isinstance(model, SizeTree):
+            state.dtype_tree = lambda float_dtype: as_tree(inputs.model, float_dtype)  # bigviz.plan's rule too
         state.set_dtype(None if dtype is None else str(dtype))
         return state
 
@@ -134,7 +139,9 @@ class PlannerState:
         the modules in ``unquantized``."""
         if self.dtype not in self._trees:
             config = self.quantization
-            if config is None:
+            if config is None and self.dtype is not None and self.dtype_tree is not None:
+                self._trees[self.dtype] = self.dtype_tree(self.dtype)
+            elif config is None:
                 self._trees[self.dtype] = self.base_tree.with_dtype(self.dtype)
             elif self.quant_tree is not None:
                 self._trees[self.dtype] = self.quant_tree(config)

@@ -15,6 +15,7 @@ import torch
 import bigviz
 from bigviz.models import GPT, GPTConfig, Llama, LlamaConfig
 from bigviz.planning.models import computed_dtypes
+from bigviz.ui.presets import DTYPE_CHOICES
 
 
 def _hf(name: str) -> torch.nn.Module:
@@ -102,3 +103,20 @@ def test_the_computed_dtypes_are_what_the_loader_gives_and_a_given_dtype_wins():
     bigviz_llama = Llama(LlamaConfig.preset("llama-tiny", n_layers=1))
     computed = computed_dtypes(bigviz_llama, "float16")
     assert computed and all(d == torch.float32 for d in computed.values())  # as built: the loader keeps them
+
+
+def test_the_planner_sizes_computed_buffers_as_bigviz_plan_does():
+    """The Planner's dtype box and its constructor size a float dtype with bigviz.plan's rule."""
+    from bigviz.ui.planner import Planner
+
+    with bigviz.init_empty_weights():
+        llama = _hf("llama")
+    budget = {"cpu": "1GiB"}
+    widget = Planner(llama, budget, dtype="bfloat16", live=False)
+    api = bigviz.plan(llama, budget, dtype="bfloat16")
+    assert widget.plan.usage_of("cpu").used == api.usage_of("cpu").used
+    label = next(k for k, v in DTYPE_CHOICES.items() if v == "float16")
+    widget.controls.dtype.value = label  # as a user picks it
+    assert widget.state.dtype == "float16"
+    assert widget.plan.usage_of("cpu").used == bigviz.plan(llama, budget, dtype="float16").usage_of("cpu").used
+    widget.close()
