@@ -17,7 +17,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -28,29 +27,15 @@ from torch import nn
 from bigviz.core.names import parent
 from bigviz.modeling.configs import ConfigError, checked_config, hf_config
 from bigviz.modeling.inventory import ModelInventory
+from bigviz.modeling.twin import is_transformers_model
 from bigviz.core.errors import UsageError
 
 __all__ = [
-    "is_transformers_model",
     "conversion_rules",
     "fp32_patterns",
     "initialise_computed",
     "meta_model_from_folder",
 ]
-
-
-def is_transformers_model(model: object) -> bool:
-    """True for a transformers ``PreTrainedModel`` (checked without importing transformers).
-
-    Example:
-        >>> is_transformers_model(torch.nn.Linear(1, 1))
-        False
-    """
-    if "transformers" not in sys.modules:
-        return False
-    from transformers import PreTrainedModel
-
-    return isinstance(model, PreTrainedModel)
 
 
 def conversion_rules(model: nn.Module, key_mapping: Mapping[str, str] | None = None) -> list[Any] | None:

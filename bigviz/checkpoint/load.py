@@ -65,7 +65,7 @@ from bigviz.core.sizes import format_count
 from bigviz.core.dtypes import load_dtype
 from bigviz.modeling.inventory import ModelInventory, tie_model
 from bigviz.core.errors import ArgumentTypeError
-from bigviz.modeling.twin import computed_buffer_dtypes
+from bigviz.modeling.twin import computed_buffer_dtypes, is_transformers_model
 
 __all__ = [
     "LoadResult",
@@ -439,7 +439,7 @@ def _fp32_rule(
     """
     if given is not None:
         return tuple(given), ()
-    if hf.is_transformers_model(model):
+    if is_transformers_model(model):
         return (), hf.fp32_patterns(model, dtype)
     keep: list[str] = []
     if dtype == torch.float16:
@@ -551,7 +551,7 @@ def _computed(inventory: ModelInventory, plan: LoadPlan, options: LoadOptions) -
     ``dtype=``, computed float buffers take the dtype ``from_pretrained(dtype=...)`` gives
     them (a buffer already materialised is cast: Falcon-H1's ``mup_vector`` becomes bfloat16,
     a rotary ``inv_freq`` stays float32)."""
-    if not hf.is_transformers_model(inventory.model):
+    if not is_transformers_model(inventory.model):
         return []
     loaded = {a for load in plan.loads for a in load.aliases}
     missing = set(plan.missing) if not options.strict else set()

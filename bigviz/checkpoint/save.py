@@ -320,7 +320,7 @@ def _stored_names(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dic
     them (GPT-NeoX's ``embed_out`` is ``lm_head`` in memory, Mixtral's experts one fused tensor)
     and reverts that when it saves, with its own ``revert_weight_conversion``, used here. Other
     models, and transformers versions without that function, keep their in-memory names."""
-    from bigviz.checkpoint.hf import is_transformers_model
+    from bigviz.modeling.twin import is_transformers_model
 
     if not is_transformers_model(model):
         return state

@@ -291,14 +291,6 @@ def _main_device(budgets: Mapping[Device, int], options: PlanOptions) -> Device:
     return execution_device(budgets)
 
 
-def _largest_block(tree: SizeTree, patterns: frozenset[str]) -> int:
-    """The biggest block that must move whole: a no-split module, else a leaf module."""
-    sizes = [n.total_bytes for name, n in tree.nodes.items() if is_no_split(tree, name, patterns)]
-    if not sizes:
-        sizes = [n.total_bytes for n in tree.nodes.values() if not n.children]
-    return max(sizes, default=0)
-
-
 def _next_largest_layer(tree: SizeTree, blocks: frozenset[str]) -> int:
     """The layer accelerate keeps free on its main device while filling it: the largest layer
     (a no-split module, or a leaf module outside one) still to place. It recounts that as it

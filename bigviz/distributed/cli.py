@@ -346,7 +346,7 @@ def _request_problems(job: _Job, env: _Env) -> list[str]:
             f"{flag}: {what} need {job.context} positions and {type(job.model).__name__} has {limit}: "
             f"shorten the prompt{' or --max-new-tokens' if job.generating else ''}"
         )
-    from bigviz.checkpoint.hf import is_transformers_model
+    from bigviz.modeling.twin import is_transformers_model
 
     _, mask = job.batch()
     if mask is not None and not is_transformers_model(job.model):

@@ -47,6 +47,7 @@ from bigviz.core.quant import QuantConfig
 from bigviz.core.quant import as_quant_config as _core_config
 from bigviz.modeling.int8_linear import use_int8_kernel
 from bigviz.modeling.inventory import ModelInventory
+from bigviz.modeling.twin import is_transformers_model
 
 __all__ = [
     "as_quant_config",
@@ -221,14 +222,6 @@ def _refuse_settings(what: str, problems: Sequence[str], method: str) -> None:
         )
 
 
-def _is_transformers(model: nn.Module) -> bool:
-    if "transformers" not in sys.modules:
-        return False
-    from transformers import PreTrainedModel
-
-    return isinstance(model, PreTrainedModel)
-
-
 def not_converted(model: nn.Module | ModelInventory, *, defaults: bool = True) -> list[str]:
     """Module names kept in high precision by default: transformers' rule
     (``get_keys_to_not_convert`` and ``_keep_in_fp32_modules``) for its models; for others the
@@ -241,7 +234,7 @@ def not_converted(model: nn.Module | ModelInventory, *, defaults: bool = True) -
     """
     inventory = ModelInventory.of(model)
     module = inventory.model
-    if _is_transformers(module):
+    if is_transformers_model(module):
         from transformers.quantizers.base import get_keys_to_not_convert
 
         keep = list(getattr(module, "_keep_in_fp32_modules", None) or [])

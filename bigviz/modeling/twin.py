@@ -30,10 +30,16 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["meta_twin", "computed_buffer_dtypes"]
+__all__ = ["meta_twin", "computed_buffer_dtypes", "is_transformers_model"]
 
 
-def _is_transformers_model(model: object) -> bool:
+def is_transformers_model(model: object) -> bool:
+    """True for a transformers ``PreTrainedModel`` (checked without importing transformers).
+
+    Example:
+        >>> is_transformers_model(torch.nn.Linear(1, 1))
+        False
+    """
     if "transformers" not in sys.modules:
         return False
     from transformers import PreTrainedModel
@@ -55,7 +61,7 @@ def meta_twin(
         probe: build it to run a step on meta: experts then use transformers' ``batched_mm``
             path (its ``grouped_mm`` and eager routing need real data on some dtypes).
     """
-    if not _is_transformers_model(model):
+    if not is_transformers_model(model):
         return None
     config = getattr(model, "config", None)
     try:

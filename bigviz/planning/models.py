@@ -17,7 +17,8 @@ from typing import Union
 import torch
 import torch.nn as nn
 
-from bigviz.checkpoint.hf import is_transformers_model, meta_model_from_folder
+from bigviz.checkpoint.hf import meta_model_from_folder
+from bigviz.modeling.twin import is_transformers_model
 from bigviz.checkpoint.tree import detect_no_split, tree_from_checkpoint
 from bigviz.core.names import execution_order
 from bigviz.core.tree import SizeTree
