@@ -57,16 +57,15 @@ from bigviz.checkpoint.convert import CheckpointView, Conversion
 from bigviz.checkpoint.index import CheckpointIndex, TensorInfo
 from bigviz.checkpoint.load_plan import LoadPlan
 from bigviz.checkpoint.packed_weights import PackedWeights, Recipe
+from bigviz.checkpoint.stored_bnb import bnb_bits
 from bigviz.checkpoint.stored_formats import (
     TORCHAO_CPU_TYPES,
-    Builder,
-    PackedRule,
-    bnb_bits,
     ct_problems,
     format_groups,
     format_layout,
     torchao_types,
 )
+from bigviz.checkpoint.stored_parts import Builder, PackedRule
 from bigviz.core.quant import QuantConfig, packed_nbytes, prequantized_format
 from bigviz.core.serialize import parse_json
 from bigviz.osio.pages import release_free_heap

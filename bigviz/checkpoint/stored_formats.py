@@ -2,103 +2,58 @@
 
 :mod:`bigviz.checkpoint.quantized` reads a checkpoint's ``quantization_config`` and decides
 whether bigviz runs it; this module knows the formats' layouts, one rule per format:
-:func:`format_groups` maps each weight the model has to the keys that store it (its roles:
+:func:`format_layout` maps each weight the model has to the keys that store it (its roles:
 ``qdata`` and ``scale``, ``weight`` and ``SCB``, ``blocks`` and ``scales``, ...), its logical
-shape and dtype, and a :class:`PackedRule` whose ``build`` makes the weight from those parts
-with the format's own library (torchao's tensor subclass, bitsandbytes' ``Int8Params`` and
-``Params4bit``, transformers' FP8 and MXFP4 dequantization, the compressed-tensors
-compressor transformers picks), so the weights equal what ``from_pretrained`` makes.
+shape and dtype, and a :class:`~bigviz.checkpoint.stored_parts.PackedRule` whose ``build``
+makes the weight from those parts with the format's own library (torchao's tensor subclass,
+transformers' FP8 and MXFP4 dequantization, the compressed-tensors compressor transformers
+picks; bitsandbytes' ``Int8Params`` and ``Params4bit`` in :mod:`bigviz.checkpoint.stored_bnb`),
+so the weights equal what ``from_pretrained`` makes; and it names every part that is missing
+or of the wrong size (:mod:`bigviz.checkpoint.stored_parts`' sentences).
 
 Example:
-    >>> bnb_bits({"load_in_8bit": True}), bnb_bits({"load_in_4bit": True}), bnb_bits({})
-    (8, 4, 0)
+    >>> sorted(TORCHAO_CPU_TYPES)
+    ['Int8Tensor', 'IntxUnpackedToInt8Tensor']
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from bigviz.checkpoint.convert import CheckpointView, Conversion
+from bigviz.checkpoint.convert import CheckpointView
 from bigviz.checkpoint.index import CheckpointIndex, TensorInfo
+from bigviz.checkpoint.stored_bnb import bnb4_groups, bnb8_groups, bnb_bits
+from bigviz.checkpoint.stored_parts import (
+    Builder,
+    Group,
+    Layout,
+    PackedRule,
+    ceil_div,
+    missing_part,
+    numel,
+    part_problem,
+)
 from bigviz.checkpoint.safetensors_io import read_header
 from bigviz.osio.pages import release_free_heap
 
 __all__ = [
     "TORCHAO_CPU_TYPES",
-    "Builder",
-    "PackedRule",
-    "Group",
     "format_groups",
     "format_layout",
     "torchao_types",
     "ct_problems",
-    "bnb_bits",
 ]
 
 
 TORCHAO_CPU_TYPES = frozenset({"Int8Tensor", "IntxUnpackedToInt8Tensor"})
 """torchao tensor subclasses whose linear layers run on a CPU (their kernels dequantize per
 matmul); torchao's int4 subclasses need CUDA or the ``mslk`` kernels."""
-
-
-def bnb_bits(qc: Mapping[str, Any]) -> int:
-    if qc.get("load_in_4bit") or qc.get("_load_in_4bit"):
-        return 4
-    return 8 if qc.get("load_in_8bit") or qc.get("_load_in_8bit") else 0
-
-
-Builder = Callable[[Mapping[str, Tensor], "torch.dtype | None"], Tensor]
-
-
-@dataclass(frozen=True)
-class PackedRule:
-    """The operation of a conversion whose sources are one weight's parts (a stored format)
-    or one float weight (quantized while loading); what
-    :class:`~bigviz.checkpoint.convert.ConvertedWeights` runs instead of transformers' ops.
-
-    Attributes:
-        roles: the part each source key is, in the conversion's order.
-        build: parts (by role) and the dtype the model computes in -> the weight.
-        kind: the format, for people.
-        in_place: on ``"disk"``, read from the checkpoint's files at each fetch (a stored
-            format), else written once, packed, to the offload folder (quantized while loading).
-        stores_packed: the weight lives packed in memory (False: dequantized, FP8).
-    """
-
-    roles: tuple[str, ...]
-    build: Builder
-    kind: str
-    in_place: bool = True
-    stores_packed: bool = True
-
-    @property
-    def source_patterns(self) -> tuple[str, ...]:
-        return self.roles
-
-    @property
-    def operations(self) -> tuple[str, ...]:
-        return (self.kind,)
-
-    def run_packed(
-        self, conversion: Conversion, read: Callable[[str], Tensor], dtypes: Mapping[str, torch.dtype], model: Any
-    ) -> dict[str, Tensor]:
-        """The conversion's one target from its sources read by ``read`` (no cast on the way:
-        scales stay float32, packed bytes stay bytes)."""
-        target = conversion.targets[0]
-        parts = {role: read(key) for role, key in zip(self.roles, conversion.sources)}
-        return {target: self.build(parts, dtypes.get(target))}
-
-
-Group = tuple[dict[str, str], PackedRule, tuple[int, ...], str]
-Layout = tuple[dict[str, Group], list[str]]
-"""The groups, and every part that is missing or disagrees with its weight (one sentence each)."""
 
 
 def format_groups(method: str, qc: Mapping[str, Any], view: CheckpointView, index: CheckpointIndex) -> dict[str, Group]:
@@ -127,41 +82,8 @@ def format_layout(method: str, qc: Mapping[str, Any], view: CheckpointView, inde
     if method == "compressed-tensors":
         return _ct_groups(plain, index, qc), []
     if method == "bitsandbytes":
-        return _bnb8_groups(plain) if bnb_bits(qc) == 8 else _bnb4_groups(plain, index, qc)
+        return bnb8_groups(plain) if bnb_bits(qc) == 8 else bnb4_groups(plain, index, qc)
     return {}, []
-
-
-_FIX = (
-    "the checkpoint is damaged or was not written for this format: copy its files again, or save it "
-    "again from the original model with transformers' save_pretrained"
-)
-
-
-def _at(info: TensorInfo) -> str:
-    return f"{info.name} (in {info.file.name})"
-
-
-def _part_problem(info: TensorInfo, expected: str) -> str:
-    """A part of the wrong shape or dtype: where it is, what was expected and found, the fix."""
-    return f"{_at(info)}: expected {expected}, found {list(info.shape)} {info.dtype}; {_FIX}"
-
-
-def _missing_part(weight: TensorInfo, fmt: str, key: str, expected: str) -> str:
-    return (
-        f"{_at(weight)} is stored as {fmt} but {key} is missing (expected {expected}, found none): the "
-        f"weight cannot be read without it; {_FIX}"
-    )
-
-
-def _ceil(n: int, d: int) -> int:
-    return -(-n // d)
-
-
-def _numel(shape: Collection[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _torchao_metadata(index: CheckpointIndex) -> dict[str, dict[str, Any]]:
@@ -196,7 +118,7 @@ def _torchao_groups(plain: Mapping[str, TensorInfo], index: CheckpointIndex) -> 
             continue  # no weight to build: its other parts stay unexpected, named by the load
         qdata = plain[keys["qdata"]]
         missing = [k for k in keys.values() if k not in plain]
-        problems += [_missing_part(qdata, f"torchao {kind}", k, "its part named in the metadata") for k in missing]
+        problems += [missing_part(qdata, f"torchao {kind}", k, "its part named in the metadata") for k in missing]
         problems += _torchao_problems(qdata, {r: plain[k] for r, k in keys.items() if k in plain}, described)
         keys = {role: key for role, key in keys.items() if key in plain}
         dtype = str(described.get("_data", {}).get("dtype", {}).get("_data", "float32"))
@@ -208,24 +130,24 @@ def _torchao_groups(plain: Mapping[str, TensorInfo], index: CheckpointIndex) -> 
 def _torchao_problems(qdata: TensorInfo, parts: Mapping[str, TensorInfo], described: Mapping[str, Any]) -> list[str]:
     """int8 values, and one scale (and zero point) per block of the metadata's ``block_size``
     (``[1, in]``: one per output row)."""
-    out = [] if qdata.dtype == "int8" else [_part_problem(qdata, "int8 values (torchao stores them as int8)")]
+    out = [] if qdata.dtype == "int8" else [part_problem(qdata, "int8 values (torchao stores them as int8)")]
     block = described.get("_data", {}).get("block_size")
     if not isinstance(block, list) or len(block) != len(qdata.shape) or not all(int(b) > 0 for b in block):
         return out
-    grid = [_ceil(d, int(b)) for d, b in zip(qdata.shape, block)]
+    grid = [ceil_div(d, int(b)) for d, b in zip(qdata.shape, block)]
     for role in ("scale", "zero_point"):
         info = parts.get(role)
         if info is None:
             continue
-        if info.numel != _numel(grid):
+        if info.numel != numel(grid):
             out.append(
-                _part_problem(
+                part_problem(
                     info,
-                    f"{_numel(grid)} values (a {grid} grid: one per {list(block)} block of the {list(qdata.shape)} weight)",
+                    f"{numel(grid)} values (a {grid} grid: one per {list(block)} block of the {list(qdata.shape)} weight)",
                 )
             )
         elif role == "scale" and not info.dtype.startswith(("float", "bfloat")):
-            out.append(_part_problem(info, "floating-point scales"))
+            out.append(part_problem(info, "floating-point scales"))
     return out
 
 
@@ -269,21 +191,21 @@ def _fp8_problems(weight: TensorInfo, scale: TensorInfo, block: object) -> list[
     needs (it derives the block from the grid)."""
     out = []
     if not weight.dtype.startswith("float8") or len(weight.shape) < 2:
-        out.append(_part_problem(weight, "a float8 weight of at least 2 dimensions (float8_e4m3fn or float8_e5m2)"))
+        out.append(part_problem(weight, "a float8 weight of at least 2 dimensions (float8_e4m3fn or float8_e5m2)"))
         return out
     if not scale.dtype.startswith(("float", "bfloat", "uint8")):
-        out.append(_part_problem(scale, "floating-point (or uint8 exponent) block scales"))
+        out.append(part_problem(scale, "floating-point (or uint8 exponent) block scales"))
     if scale.numel == 1:
         return out
     *lead, rows, cols = weight.shape
     sizes = [int(b) for b in block] if isinstance(block, (list, tuple)) and len(block) == 2 else None
-    grid = (_ceil(rows, sizes[0]), _ceil(cols, sizes[1])) if sizes and min(sizes) > 0 else tuple(scale.shape[-2:])
+    grid = (ceil_div(rows, sizes[0]), ceil_div(cols, sizes[1])) if sizes and min(sizes) > 0 else tuple(scale.shape[-2:])
     expected = f"{[*lead, *grid]} scales (one per {sizes} block of the {list(weight.shape)} weight, or one in all)"
     if tuple(scale.shape) != (*lead, *grid):
-        out.append(_part_problem(scale, expected))
+        out.append(part_problem(scale, expected))
     elif len(grid) != 2 or rows % grid[0] or cols % grid[1]:
         out.append(
-            _part_problem(
+            part_problem(
                 scale,
                 f"a scale grid that divides the {list(weight.shape)} weight (transformers' "
                 "Fp8Dequantize, which bigviz uses, reads each block as rows / grid rows)",
@@ -411,167 +333,3 @@ def _ct_decompress(qc_json: str, parts: Mapping[str, Tensor], dtype: torch.dtype
     weight = state["weight"]
     release_free_heap()
     return weight.to(dtype) if dtype is not None else weight  # type: ignore[no-any-return]
-
-
-def _bnb8_groups(plain: Mapping[str, TensorInfo]) -> Layout:
-    """Each module with ``SCB``, a ``weight_format`` or an int8 ``weight``: its int8 weight and
-    its row scales (one float32 per output row)."""
-    out: dict[str, Group] = {}
-    problems: list[str] = []
-    modules = {k.removesuffix(s) for k in plain for s in (".SCB", ".weight_format") if k.endswith(s)}
-    modules |= {k.removesuffix(".weight") for k, i in plain.items() if k.endswith(".weight") and i.dtype == "int8"}
-    for module in sorted(modules):
-        weight = f"{module}.weight"
-        if weight not in plain:
-            continue  # reported by the load: the model's weight is missing, its parts unexpected
-        info = plain[weight]
-        keys = {"weight": weight}
-        rows = info.shape[0] if info.shape else 0
-        scales = f"{rows} float32 row scales"
-        if f"{module}.SCB" in plain:
-            keys["SCB"] = f"{module}.SCB"
-            scb = plain[keys["SCB"]]
-            if scb.numel != rows or not scb.dtype.startswith(("float", "bfloat")):
-                problems.append(_part_problem(scb, f"{scales} (one per row of the {list(info.shape)} weight)"))
-        else:
-            problems.append(_missing_part(info, "bitsandbytes 8-bit", f"{info.name.removesuffix('weight')}SCB", scales))
-        if info.dtype != "int8" or len(info.shape) != 2:
-            problems.append(_part_problem(info, "a 2-dimensional int8 weight (bitsandbytes 8-bit stores int8 rows)"))
-        if f"{module}.weight_format" in plain:
-            keys["weight_format"] = f"{module}.weight_format"  # always row-major now: read, not used
-        rule = PackedRule(tuple(keys), _bnb8_build, "bitsandbytes Int8Params")
-        out[weight] = (keys, rule, info.shape, "int8")
-    return out, problems
-
-
-def _bnb8_build(parts: Mapping[str, Tensor], dtype: torch.dtype | None) -> Tensor:
-    """bitsandbytes' ``Int8Params`` with its row scales, as transformers' ``Bnb8bitDeserialize``
-    makes it."""
-    import bitsandbytes as bnb
-
-    weight = parts["weight"]
-    return bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False, CB=weight, SCB=parts["SCB"])  # type: ignore[no-any-return]
-
-
-_BNB4_STATE = "quant_state.bitsandbytes__"
-_BNB4_PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
-
-
-def _bnb4_parts(plain: Mapping[str, TensorInfo]) -> dict[str, dict[str, str]]:
-    """Weight name -> its 4-bit parts (role -> key): ``absmax``, ``quant_map``, the nested
-    ones of double quantization, and its ``quant_state.bitsandbytes__<type>`` JSON."""
-    out: dict[str, dict[str, str]] = {}
-    for key in plain:
-        weight, role = "", ""
-        if f".{_BNB4_STATE}" in key:
-            weight, _, rest = key.partition(".quant_state.")
-            role = f"quant_state.{rest}"
-        else:
-            for part in _BNB4_PARTS:
-                if key.endswith(f".{part}"):
-                    weight, role = key.removesuffix(f".{part}"), part
-        if weight in plain and role:
-            out.setdefault(weight, {"weight": weight})[role] = key
-    return out
-
-
-def _bnb4_groups(plain: Mapping[str, TensorInfo], index: CheckpointIndex, qc: Mapping[str, Any]) -> Layout:
-    out: dict[str, Group] = {}
-    problems: list[str] = []
-    groups = _bnb4_parts(plain)
-    states = [key for keys in groups.values() for role, key in keys.items() if role.startswith("quant_state.")]
-    docs = _bnb4_states(index, plain, states)
-    storage = str(qc.get("bnb_4bit_quant_storage", "uint8")).removeprefix("torch.")
-    for weight, keys in groups.items():
-        found = [k for r, k in keys.items() if r.startswith("quant_state.")]
-        doc = docs.get(found[0]) if len(found) == 1 else None
-        problems += _bnb4_problems(plain, keys, doc, storage)
-        shape = tuple(int(d) for d in doc["shape"]) if isinstance(doc, dict) else plain[weight].shape
-        rule = PackedRule(tuple(keys), _bnb4_build, "bitsandbytes Params4bit")
-        out[weight] = (keys, rule, shape, storage)
-    return out, problems
-
-
-def _bnb4_states(
-    index: CheckpointIndex, plain: Mapping[str, TensorInfo], states: Collection[str]
-) -> dict[str, dict[str, Any] | str]:
-    """Each 4-bit weight's quant state (a few bytes of JSON: the packed weight's shape says only
-    its byte count), or why it cannot be read; the keys a state needs are checked here."""
-    if not states:
-        return {}
-    from bigviz.checkpoint.lazy import LazyWeights
-
-    with LazyWeights(index, {k: plain[k].name for k in states}) as weights:
-        return {key: _bnb4_state(weights[key]) for key in states}
-
-
-def _bnb4_state(raw: Tensor) -> dict[str, Any] | str:
-    """A quant state's JSON with an integer ``blocksize`` and ``shape``, or why it is not one."""
-    why = "not a bitsandbytes quant state (JSON with quant_type, a positive blocksize and shape)"
-    try:
-        doc = json.loads(bytes(raw.tolist()).decode())
-        if not isinstance(doc, dict) or not all(k in doc for k in ("quant_type", "blocksize", "shape")):
-            return why
-        doc["shape"] = [int(d) for d in doc["shape"]]
-        doc["blocksize"] = int(doc["blocksize"])
-    except (ValueError, TypeError, UnicodeDecodeError) as err:
-        return f"{why}: {err}"
-    return doc if doc["blocksize"] > 0 else why
-
-
-def _bnb4_problems(
-    plain: Mapping[str, TensorInfo], keys: Mapping[str, str], doc: dict[str, Any] | str | None, storage: str
-) -> list[str]:
-    """Every part a 4-bit weight needs, each of the size its quant state implies: the packed
-    weight ``ceil(n / 2)`` bytes, ``absmax`` one value per block of ``blocksize``, a 16-value
-    ``quant_map``; double-quantized, ``absmax`` in uint8 with ``nested_absmax`` one float32 per
-    ``nested_blocksize`` of them and a 256-value ``nested_quant_map``."""
-    weight = plain[keys["weight"]]
-    fmt = "bitsandbytes 4-bit"
-    states = [k for r, k in keys.items() if r.startswith("quant_state.")]
-    if len(states) != 1:
-        what = "one quant_state.bitsandbytes__nf4 or __fp4 (its shape and block size)"
-        if not states:
-            return [_missing_part(weight, fmt, f"{weight.name}.{_BNB4_STATE}<nf4|fp4>", what)]
-        return [f"{_at(weight)}: expected {what}, found {len(states)}: {', '.join(states)}; {_FIX}"]
-    if not isinstance(doc, dict):
-        return [f"{_at(plain[states[0]])}: {doc}; {_FIX}"]
-    n = _numel(doc["shape"])
-    blocks = _ceil(n, doc["blocksize"])
-    nested = "nested_blocksize" in doc or any(r.startswith("nested_") for r in keys)
-    of = f"the {doc['shape']} weight its quant state describes"
-    want = {
-        "absmax": (blocks, "uint8" if nested else "float32", f"one per {doc['blocksize']} values of {of}"),
-        "quant_map": (16, "float32", "the 4-bit code"),
-    }
-    if nested:
-        inner = int(doc.get("nested_blocksize", 0) or 0)
-        if inner <= 0 or not all(k in doc for k in ("nested_dtype", "nested_offset")):
-            return [
-                f"{_at(plain[states[0]])}: double-quantized parts without nested_blocksize, nested_dtype and "
-                f"nested_offset in its quant state; {_FIX}"
-            ]
-        want["nested_absmax"] = (_ceil(blocks, inner), "float32", f"one per {inner} absmax values")
-        want["nested_quant_map"] = (256, "float32", "the 8-bit code of the absmax values")
-    out = []
-    if weight.nbytes != _ceil(n, 2) or weight.dtype != storage:
-        out.append(_part_problem(weight, f"{_ceil(n, 2)} bytes of {storage} (two 4-bit values a byte for {of})"))
-    for role, (count, dtype, why) in want.items():
-        what = f"{count} {dtype} values ({why})"
-        if role not in keys:
-            out.append(_missing_part(weight, fmt, f"{weight.name}.{role}", what))
-        elif plain[keys[role]].numel != count or plain[keys[role]].dtype != dtype:
-            out.append(_part_problem(plain[keys[role]], what))
-    return out
-
-
-def _bnb4_build(parts: Mapping[str, Tensor], dtype: torch.dtype | None) -> Tensor:
-    """bitsandbytes' ``Params4bit.from_prequantized``, as transformers' ``Bnb4bitDeserialize``
-    makes it."""
-    import bitsandbytes as bnb
-
-    weight = parts["weight"]
-    stats = {role: t for role, t in parts.items() if role != "weight"}
-    return bnb.nn.Params4bit.from_prequantized(
-        data=weight, quantized_stats=stats, requires_grad=False, device=weight.device
-    )  # type: ignore[no-any-return]
