@@ -172,7 +172,7 @@ def _check_mask(prompt_ids: Tensor, mask: Any) -> list[str]:
             " value per prompt token"
         ]
     if not bool(((mask == 0) | (mask == 1)).all()):
-        return ["attention_mask holds values other than 0 and 1"]
+        return ["attention_mask holds values other than 0 and 1: give 1 for a token and 0 for padding"]
     mask = mask.long()
     right = [i for i in range(mask.shape[0]) if mask[i, -1] == 0 or bool((mask[i, 1:] < mask[i, :-1]).any())]
     if right:
